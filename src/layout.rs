@@ -1,0 +1,367 @@
+//! The segment's byte layout: every struct that lives in shared memory, with
+//! compile-time offset and size assertions. `shm_layout.md` is the same
+//! information as tables; `tests/layout_doc.rs` checks the two agree.
+//!
+//! Every field is an atomic: no Rust reference to plain data is ever formed
+//! over memory another process writes. Fields marked "identity" are written
+//! once before `layout_version` is published and never again.
+
+use crate::sync::{AtomicU32, AtomicU64};
+use crossbeam_utils::CachePadded;
+use std::mem::{offset_of, size_of};
+
+/// Page size the layout is built on; every region starts on a page boundary so
+/// that each can be mapped with its own protection.
+pub const PAGE: usize = 4096;
+/// Cache line size the layout separates writers by (`CachePadded` on x86-64
+/// and aarch64, where the adjacent-line prefetcher pairs 64-byte lines).
+pub const LINE: usize = 128;
+/// `"KVRINGSG"` as a little-endian u64.
+pub const MAGIC: u64 = u64::from_le_bytes(*b"KVRINGSG");
+/// Version of this layout. Any change to a table in `shm_layout.md` bumps it.
+pub const LAYOUT_VERSION: u32 = 1;
+
+/// Segment header, at offset 0. Written by the server only.
+#[repr(C)]
+pub struct SegmentHeader {
+    /// Identity: [`MAGIC`].
+    pub magic: AtomicU64,
+    /// Identity: [`LAYOUT_VERSION`], stored last (Release) once everything
+    /// else is initialised; 0 until then.
+    pub layout_version: AtomicU32,
+    /// Identity: bytes of this header region ([`PAGE`]).
+    pub header_bytes: AtomicU32,
+    /// Identity: total segment size in bytes.
+    pub segment_bytes: AtomicU64,
+    /// Identity: server instance epoch (start time in ns since the Unix epoch,
+    /// strictly greater than the epoch of any segment it replaced).
+    pub epoch: AtomicU64,
+    /// Identity: server process id.
+    pub server_pid: AtomicU32,
+    /// Identity: server user id.
+    pub server_uid: AtomicU32,
+    /// Identity: server process start time (clock ticks since boot, field 22
+    /// of `/proc/PID/stat`), so a reused pid is not taken for the server.
+    pub server_start_ticks: AtomicU64,
+    /// Identity: creation time, ns since the Unix epoch.
+    pub created_unix_ns: AtomicU64,
+    /// Identity: number of client slots.
+    pub max_clients: AtomicU32,
+    /// Identity: number of job slots.
+    pub job_slots: AtomicU32,
+    /// Identity: request ring data bytes per client.
+    pub req_ring_bytes: AtomicU32,
+    /// Identity: completion ring data bytes per client.
+    pub cq_ring_bytes: AtomicU32,
+    /// Identity: largest frame (header + padded payload) in either ring.
+    pub max_frame_bytes: AtomicU32,
+    pub _reserved0: AtomicU32,
+    /// Identity: offset of the doorbell page.
+    pub doorbell_off: AtomicU64,
+    /// Identity: offset of the first server-written client block.
+    pub server_clients_off: AtomicU64,
+    /// Identity: stride of server-written client blocks.
+    pub server_client_stride: AtomicU64,
+    /// Identity: offset of the first client-written client block.
+    pub client_blocks_off: AtomicU64,
+    /// Identity: stride of client-written client blocks.
+    pub client_block_stride: AtomicU64,
+    /// Identity: offset of the job table.
+    pub jobs_off: AtomicU64,
+    /// Identity: bytes per job slot.
+    pub job_stride: AtomicU64,
+    pub _reserved1: [AtomicU64; 15],
+    /// Live: CLOCK_MONOTONIC ns of the server's last heartbeat.
+    pub heartbeat_ns: CachePadded<AtomicU64>,
+    /// Live: the server's ring thread is (about to be) parked on the server
+    /// doorbell. Read by clients after publishing a request.
+    pub server_sleeping: CachePadded<AtomicU32>,
+    /// Live: [`ServerState`] as u32.
+    pub server_state: AtomicU32,
+    /// Live: clients currently connected.
+    pub clients_connected: AtomicU32,
+    /// Live: clients accepted since start.
+    pub clients_accepted: AtomicU64,
+    /// Live: clients whose slot was reclaimed after they died or left.
+    pub clients_reclaimed: AtomicU64,
+    /// Live: connections refused (bad credentials, full, bad hello).
+    pub clients_refused: AtomicU64,
+}
+
+const _: () = {
+    assert!(offset_of!(SegmentHeader, magic) == 0);
+    assert!(offset_of!(SegmentHeader, layout_version) == 8);
+    assert!(offset_of!(SegmentHeader, header_bytes) == 12);
+    assert!(offset_of!(SegmentHeader, segment_bytes) == 16);
+    assert!(offset_of!(SegmentHeader, epoch) == 24);
+    assert!(offset_of!(SegmentHeader, server_pid) == 32);
+    assert!(offset_of!(SegmentHeader, server_uid) == 36);
+    assert!(offset_of!(SegmentHeader, server_start_ticks) == 40);
+    assert!(offset_of!(SegmentHeader, created_unix_ns) == 48);
+    assert!(offset_of!(SegmentHeader, max_clients) == 56);
+    assert!(offset_of!(SegmentHeader, job_slots) == 60);
+    assert!(offset_of!(SegmentHeader, req_ring_bytes) == 64);
+    assert!(offset_of!(SegmentHeader, cq_ring_bytes) == 68);
+    assert!(offset_of!(SegmentHeader, max_frame_bytes) == 72);
+    assert!(offset_of!(SegmentHeader, doorbell_off) == 80);
+    assert!(offset_of!(SegmentHeader, server_clients_off) == 88);
+    assert!(offset_of!(SegmentHeader, server_client_stride) == 96);
+    assert!(offset_of!(SegmentHeader, client_blocks_off) == 104);
+    assert!(offset_of!(SegmentHeader, client_block_stride) == 112);
+    assert!(offset_of!(SegmentHeader, jobs_off) == 120);
+    assert!(offset_of!(SegmentHeader, job_stride) == 128);
+    assert!(offset_of!(SegmentHeader, heartbeat_ns) == 256);
+    assert!(offset_of!(SegmentHeader, server_sleeping) == 384);
+    assert!(offset_of!(SegmentHeader, server_state) == 512);
+    assert!(offset_of!(SegmentHeader, clients_connected) == 516);
+    assert!(offset_of!(SegmentHeader, clients_accepted) == 520);
+    assert!(offset_of!(SegmentHeader, clients_reclaimed) == 528);
+    assert!(offset_of!(SegmentHeader, clients_refused) == 536);
+    assert!(size_of::<SegmentHeader>() <= PAGE);
+};
+
+/// `SegmentHeader::server_state` values.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ServerState {
+    Starting = 0,
+    Running = 1,
+    ShuttingDown = 2,
+    Stopped = 3,
+}
+
+impl ServerState {
+    pub fn from_u32(v: u32) -> Option<Self> {
+        Some(match v {
+            0 => Self::Starting,
+            1 => Self::Running,
+            2 => Self::ShuttingDown,
+            3 => Self::Stopped,
+            _ => return None,
+        })
+    }
+}
+
+/// The doorbell page, at `doorbell_off`. The only page every client maps
+/// writable.
+#[repr(C)]
+pub struct DoorbellPage {
+    /// Futex word the server's ring thread parks on. Clients add 1 and wake
+    /// it when they publish work and see `server_sleeping` set; the server
+    /// adds 1 itself to wake its own ring thread. Its value means nothing
+    /// else, so a client scribbling on it causes at most a spurious wakeup.
+    pub server_doorbell: AtomicU32,
+}
+
+const _: () = {
+    assert!(offset_of!(DoorbellPage, server_doorbell) == 0);
+    assert!(size_of::<DoorbellPage>() <= PAGE);
+};
+
+/// Server-written state of one client slot, at
+/// `server_clients_off + slot * server_client_stride`. The completion ring's
+/// data follows at +[`PAGE`].
+#[repr(C)]
+pub struct ServerClientBlock {
+    /// [`SlotState`] as u32.
+    pub state: AtomicU32,
+    /// Session tag of the current occupant (bumped at every assignment, never 0
+    /// for an occupied slot). Request frames must carry it.
+    pub session: AtomicU32,
+    /// Occupant's pid (from SO_PEERCRED).
+    pub pid: AtomicU32,
+    /// Occupant's uid (from SO_PEERCRED).
+    pub uid: AtomicU32,
+    /// Occupant's process start time (clock ticks since boot).
+    pub pid_start_ticks: AtomicU64,
+    /// When the occupant connected, ns since the Unix epoch.
+    pub connected_unix_ns: AtomicU64,
+    /// Request frames served.
+    pub requests_served: AtomicU64,
+    /// Request frames rejected (bad session, bad opcode, bad length).
+    pub requests_rejected: AtomicU64,
+    /// Why the last occupant was disconnected ([`DisconnectReason`]).
+    pub disconnect_reason: AtomicU32,
+    pub _reserved0: AtomicU32,
+    /// Completions posted.
+    pub completions_posted: AtomicU64,
+    /// Request ring head: the server consumes requests.
+    pub req_head: CachePadded<AtomicU64>,
+    /// Completion ring tail: the server produces completions.
+    pub cq_tail: CachePadded<AtomicU64>,
+    /// Futex word the client parks on; the server adds 1 and wakes it after
+    /// posting a completion or finishing a job when `client_sleeping` is set.
+    pub client_doorbell: CachePadded<AtomicU32>,
+}
+
+const _: () = {
+    assert!(offset_of!(ServerClientBlock, state) == 0);
+    assert!(offset_of!(ServerClientBlock, session) == 4);
+    assert!(offset_of!(ServerClientBlock, pid) == 8);
+    assert!(offset_of!(ServerClientBlock, uid) == 12);
+    assert!(offset_of!(ServerClientBlock, pid_start_ticks) == 16);
+    assert!(offset_of!(ServerClientBlock, connected_unix_ns) == 24);
+    assert!(offset_of!(ServerClientBlock, requests_served) == 32);
+    assert!(offset_of!(ServerClientBlock, requests_rejected) == 40);
+    assert!(offset_of!(ServerClientBlock, disconnect_reason) == 48);
+    assert!(offset_of!(ServerClientBlock, completions_posted) == 56);
+    assert!(offset_of!(ServerClientBlock, req_head) == 128);
+    assert!(offset_of!(ServerClientBlock, cq_tail) == 256);
+    assert!(offset_of!(ServerClientBlock, client_doorbell) == 384);
+    assert!(size_of::<ServerClientBlock>() <= PAGE);
+};
+
+/// `ServerClientBlock::state` values.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SlotState {
+    /// Unoccupied.
+    Free = 0,
+    /// Occupied by a connected client.
+    Active = 1,
+    /// The client left or died; its resources are being reclaimed.
+    Closing = 2,
+    /// The connection ended but the process is still alive: the slot is kept
+    /// out of use until it exits, so its late writes can reach nobody.
+    Quarantined = 3,
+}
+
+impl SlotState {
+    pub fn from_u32(v: u32) -> Option<Self> {
+        Some(match v {
+            0 => Self::Free,
+            1 => Self::Active,
+            2 => Self::Closing,
+            3 => Self::Quarantined,
+            _ => return None,
+        })
+    }
+}
+
+/// `ServerClientBlock::disconnect_reason` values.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DisconnectReason {
+    None = 0,
+    /// The client said goodbye.
+    Goodbye = 1,
+    /// The bootstrap socket closed without a goodbye (the client died).
+    SocketClosed = 2,
+    /// The client broke a ring invariant.
+    RingCorrupt = 3,
+    /// The server shut down.
+    ServerShutdown = 4,
+}
+
+/// Client-written state of one client slot, at
+/// `client_blocks_off + slot * client_block_stride`. The request ring's data
+/// follows at +[`PAGE`]. Its occupant maps this block writable; the server
+/// treats every word in it as untrusted.
+#[repr(C)]
+pub struct ClientBlock {
+    /// Request ring tail: the client produces requests.
+    pub req_tail: CachePadded<AtomicU64>,
+    /// Completion ring head: the client consumes completions.
+    pub cq_head: CachePadded<AtomicU64>,
+    /// The client is (about to be) parked on `client_doorbell`.
+    pub client_sleeping: CachePadded<AtomicU32>,
+    /// CLOCK_MONOTONIC ns of the client's last call into the library.
+    pub heartbeat_ns: CachePadded<AtomicU64>,
+}
+
+const _: () = {
+    assert!(size_of::<CachePadded<AtomicU64>>() == LINE);
+    assert!(offset_of!(ClientBlock, req_tail) == 0);
+    assert!(offset_of!(ClientBlock, cq_head) == 128);
+    assert!(offset_of!(ClientBlock, client_sleeping) == 256);
+    assert!(offset_of!(ClientBlock, heartbeat_ns) == 384);
+    assert!(size_of::<ClientBlock>() <= PAGE);
+};
+
+/// The sizes that determine a segment's layout.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Geometry {
+    pub max_clients: u32,
+    pub req_ring_bytes: u32,
+    pub cq_ring_bytes: u32,
+    pub max_frame_bytes: u32,
+    pub job_slots: u32,
+}
+
+/// Bytes per job slot in the job table.
+pub const JOB_STRIDE: usize = 128;
+/// Most client slots a segment may have.
+pub const MAX_CLIENTS: u32 = 4096;
+/// Most job slots a segment may have (the slot index is 24 bits in a job id).
+pub const MAX_JOB_SLOTS: u32 = 1 << 24;
+
+impl Default for Geometry {
+    fn default() -> Self {
+        Geometry {
+            max_clients: 64,
+            req_ring_bytes: 128 * 1024,
+            cq_ring_bytes: 128 * 1024,
+            max_frame_bytes: 16 * 1024,
+            job_slots: 4096,
+        }
+    }
+}
+
+/// Offsets computed from a [`Geometry`]: what the header's table must say.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Offsets {
+    pub doorbell_off: u64,
+    pub server_clients_off: u64,
+    pub server_client_stride: u64,
+    pub client_blocks_off: u64,
+    pub client_block_stride: u64,
+    pub jobs_off: u64,
+    pub job_stride: u64,
+    pub segment_bytes: u64,
+}
+
+fn round_up(v: u64, to: u64) -> u64 {
+    v.div_ceil(to) * to
+}
+
+impl Geometry {
+    /// Checks every bound; the message says which one failed.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.max_clients == 0 || self.max_clients > MAX_CLIENTS {
+            return Err(format!("max clients {} must be in 1..={MAX_CLIENTS}", self.max_clients));
+        }
+        if self.job_slots == 0 || self.job_slots > MAX_JOB_SLOTS {
+            return Err(format!("job slots {} must be in 1..={MAX_JOB_SLOTS}", self.job_slots));
+        }
+        let frame = self.max_frame_bytes as usize;
+        crate::ring::check_geometry(self.req_ring_bytes as usize, frame)
+            .map_err(|e| format!("request ring: {e}"))?;
+        crate::ring::check_geometry(self.cq_ring_bytes as usize, frame)
+            .map_err(|e| format!("completion ring: {e}"))?;
+        Ok(())
+    }
+
+    /// The region table for this geometry.
+    pub fn offsets(&self) -> Offsets {
+        let page = PAGE as u64;
+        let n = u64::from(self.max_clients);
+        let doorbell_off = page;
+        let server_clients_off = 2 * page;
+        let server_client_stride = page + u64::from(self.cq_ring_bytes);
+        let client_blocks_off = server_clients_off + n * server_client_stride;
+        let client_block_stride = page + u64::from(self.req_ring_bytes);
+        let jobs_off = client_blocks_off + n * client_block_stride;
+        let job_stride = JOB_STRIDE as u64;
+        let segment_bytes = round_up(jobs_off + u64::from(self.job_slots) * job_stride, page);
+        Offsets {
+            doorbell_off,
+            server_clients_off,
+            server_client_stride,
+            client_blocks_off,
+            client_block_stride,
+            jobs_off,
+            job_stride,
+            segment_bytes,
+        }
+    }
+}

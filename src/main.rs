@@ -1,0 +1,153 @@
+//! `kvring`: the cache server and a few client commands.
+
+use clap::{Args, Parser, Subcommand};
+use kvring::layout::Geometry;
+use kvring::{Client, ServerConfig};
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+#[derive(Parser)]
+#[command(name = "kvring", version, about = "Node-local KV-cache server and shared-memory IPC runtime")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Args, Clone)]
+struct Target {
+    /// Server name: one server per name and user on a host.
+    #[arg(long, default_value = kvring::rundir::DEFAULT_NAME, env = "KVRING_NAME")]
+    name: String,
+    /// Directory for the bootstrap socket and lock file (mode 0700). Default:
+    /// $KVRING_RUNTIME_DIR, else $XDG_RUNTIME_DIR/kvring, else /tmp/kvring-UID.
+    #[arg(long)]
+    runtime_dir: Option<std::path::PathBuf>,
+}
+
+impl Target {
+    fn dir(&self) -> std::path::PathBuf {
+        self.runtime_dir.clone().unwrap_or_else(kvring::rundir::runtime_dir)
+    }
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run the cache server until SIGINT or SIGTERM.
+    Serve {
+        #[command(flatten)]
+        target: Target,
+        /// Client slots in the segment (most engines processes at once).
+        #[arg(long, default_value_t = Geometry::default().max_clients)]
+        max_clients: u32,
+        /// Request ring bytes per client (a power of two, at least 4096).
+        #[arg(long, default_value_t = Geometry::default().req_ring_bytes)]
+        req_ring_bytes: u32,
+        /// Completion ring bytes per client (a power of two, at least 4096).
+        #[arg(long, default_value_t = Geometry::default().cq_ring_bytes)]
+        cq_ring_bytes: u32,
+        /// Largest ring frame in bytes (header included; at most a quarter of
+        /// each ring). Larger messages are refused; the client library splits.
+        #[arg(long, default_value_t = Geometry::default().max_frame_bytes)]
+        max_frame_bytes: u32,
+        /// Job slots in the segment's job table.
+        #[arg(long, default_value_t = Geometry::default().job_slots)]
+        job_slots: u32,
+        /// Microseconds the ring loop busy-polls after its last request before
+        /// it yields and then parks (0 = park at once).
+        #[arg(long, default_value_t = 50)]
+        spin_us: u64,
+    },
+    /// Round-trip PING requests to a running server and print latency.
+    Ping {
+        #[command(flatten)]
+        target: Target,
+        /// Number of pings.
+        #[arg(long, default_value_t = 1000)]
+        count: u32,
+        /// Payload bytes per ping.
+        #[arg(long, default_value_t = 64)]
+        size: usize,
+        /// Per-ping timeout in milliseconds.
+        #[arg(long, default_value_t = 1000)]
+        timeout_ms: u64,
+    },
+}
+
+static STOP: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    STOP.store(true, Ordering::Relaxed);
+}
+
+fn install_signal_handlers() {
+    for sig in [libc::SIGINT, libc::SIGTERM] {
+        // SAFETY: the handler only stores to an atomic, which is
+        // async-signal-safe.
+        unsafe { libc::signal(sig, on_signal as *const () as libc::sighandler_t) };
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kvring: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> kvring::Result<()> {
+    match cli.cmd {
+        Cmd::Serve { target, max_clients, req_ring_bytes, cq_ring_bytes, max_frame_bytes, job_slots, spin_us } => {
+            let mut cfg = ServerConfig::new(&target.name);
+            cfg.runtime_dir = target.dir();
+            cfg.geometry = Geometry { max_clients, req_ring_bytes, cq_ring_bytes, max_frame_bytes, job_slots };
+            cfg.ring_wait.spin = Duration::from_micros(spin_us);
+            install_signal_handlers();
+            let server = kvring::server::start(cfg)?;
+            let p = server.paths();
+            println!(
+                "kvring: serving {} (segment /dev/shm{}, socket {}, pid {})",
+                p.name,
+                p.shm_name,
+                p.socket.display(),
+                std::process::id()
+            );
+            while !STOP.load(Ordering::Relaxed) && !server.stopping() {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            server.stop();
+            println!("kvring: stopped");
+            Ok(())
+        }
+        Cmd::Ping { target, count, size, timeout_ms } => {
+            let mut c = Client::connect_in(&target.dir(), &target.name)?;
+            let payload: Vec<u8> = (0..size).map(|i| (i * 31 + 7) as u8).collect();
+            let mut rtts = Vec::with_capacity(count as usize);
+            for _ in 0..count {
+                let t = Instant::now();
+                let back = c.ping(&payload, Duration::from_millis(timeout_ms))?;
+                rtts.push(t.elapsed().as_nanos() as u64);
+                if back != payload {
+                    return Err(kvring::Error::Protocol("ping payload came back changed".into()));
+                }
+            }
+            rtts.sort_unstable();
+            let pct = |p: f64| rtts[((rtts.len() as f64 - 1.0) * p) as usize];
+            println!(
+                "{} pings of {} bytes to {} (slot {}): p50 {} ns, p99 {} ns, max {} ns",
+                count,
+                size,
+                target.name,
+                c.slot(),
+                pct(0.5),
+                pct(0.99),
+                rtts.last().copied().unwrap_or(0)
+            );
+            Ok(())
+        }
+    }
+}

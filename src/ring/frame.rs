@@ -1,0 +1,69 @@
+//! The frame header every ring message starts with.
+//!
+//! A frame is a 24-byte [`FrameHeader`] followed by `len` payload bytes, padded
+//! to a multiple of 8. Frames are laid out back to back in the ring's data area
+//! and may wrap around its end (both sides copy word by word through the index
+//! mask), so no space is lost to padding frames and completion credits can be
+//! counted exactly.
+
+use bytemuck::{Pod, Zeroable};
+
+/// Header of every frame in a request or completion ring.
+///
+/// Byte-level layout (little-endian, as the host writes it) is in
+/// `shm_layout.md`, table "Frame header".
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct FrameHeader {
+    /// Payload bytes that follow the header (not counting padding).
+    pub len: u32,
+    /// Operation code (see `proto::Opcode`).
+    pub opcode: u16,
+    /// Operation-specific flags.
+    pub flags: u16,
+    /// Session tag of the client slot that wrote the request; echoed back in
+    /// its completion. A frame whose tag is not the slot's current session is
+    /// rejected, so a late write of a previous occupant is never served.
+    pub session: u32,
+    /// Completion status (0 = ok, otherwise a `proto::Status` code). Zero in
+    /// requests.
+    pub status: i32,
+    /// Caller's correlation value, echoed unchanged in the completion.
+    pub user_data: u64,
+}
+
+const _: () = {
+    assert!(core::mem::size_of::<FrameHeader>() == 24);
+    assert!(core::mem::align_of::<FrameHeader>() == 8);
+    assert!(core::mem::offset_of!(FrameHeader, len) == 0);
+    assert!(core::mem::offset_of!(FrameHeader, opcode) == 4);
+    assert!(core::mem::offset_of!(FrameHeader, flags) == 6);
+    assert!(core::mem::offset_of!(FrameHeader, session) == 8);
+    assert!(core::mem::offset_of!(FrameHeader, status) == 12);
+    assert!(core::mem::offset_of!(FrameHeader, user_data) == 16);
+};
+
+/// Size of the header in bytes.
+pub const HEADER_BYTES: usize = core::mem::size_of::<FrameHeader>();
+/// Size of the header in 8-byte words.
+pub const HEADER_WORDS: usize = HEADER_BYTES / 8;
+
+/// Bytes a frame with `payload_len` payload bytes occupies in a ring.
+#[inline]
+pub const fn frame_bytes(payload_len: usize) -> usize {
+    HEADER_BYTES + ((payload_len + 7) & !7)
+}
+
+impl FrameHeader {
+    /// The header as the three words it occupies in a ring.
+    #[inline]
+    pub fn to_words(&self) -> [u64; HEADER_WORDS] {
+        bytemuck::cast(*self)
+    }
+
+    /// Rebuilds a header from the three words read out of a ring.
+    #[inline]
+    pub fn from_words(w: [u64; HEADER_WORDS]) -> Self {
+        bytemuck::cast(w)
+    }
+}

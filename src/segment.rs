@@ -1,0 +1,427 @@
+//! The POSIX shared-memory segment: creation by the server, attachment by
+//! clients and observers, and replacement of a segment left by a dead server.
+//!
+//! Creation: `shm_open(O_CREAT|O_EXCL, 0600)`, take the liveness lock on the
+//! new description at once, size it, write the identity fields and the region
+//! table, and store `layout_version` last (Release). An attacher loads the
+//! version with Acquire, so a segment whose version it accepts is complete.
+//!
+//! The server maps the segment through the locked description and never lets
+//! that description leave the process. Clients get a second description over
+//! the bootstrap socket, so their mappings can never keep the server's
+//! liveness lock held after the server died.
+
+use crate::error::{nix as nix_err, Error, Result};
+use crate::layout::{
+    ClientBlock, DoorbellPage, Geometry, Offsets, SegmentHeader, ServerClientBlock, LAYOUT_VERSION,
+    MAGIC, PAGE,
+};
+use crate::liveness::{self, LockProbe};
+use memmap2::{MmapOptions, MmapRaw};
+use nix::fcntl::OFlag;
+use nix::sys::stat::Mode;
+use std::fs::File;
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::atomic::Ordering;
+
+/// What a validated header says, copied out of shared memory once.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SegmentInfo {
+    pub name: String,
+    pub layout_version: u32,
+    pub segment_bytes: u64,
+    pub epoch: u64,
+    pub server_pid: u32,
+    pub server_uid: u32,
+    pub server_start_ticks: u64,
+    pub created_unix_ns: u64,
+    pub geometry: Geometry,
+    pub offsets: Offsets,
+}
+
+/// A mapping of a whole segment (read-write for the server, read-only for
+/// everyone else) with typed accessors for its regions.
+pub struct Mapping {
+    map: MmapRaw,
+    info: SegmentInfo,
+}
+
+// SAFETY: the mapping is shared memory accessed only through atomics.
+unsafe impl Send for Mapping {}
+// SAFETY: as above; every accessor hands out references to atomics only.
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    pub fn info(&self) -> &SegmentInfo {
+        &self.info
+    }
+
+    fn at<T>(&self, off: u64) -> &T {
+        assert!(off as usize + std::mem::size_of::<T>() <= self.map.len());
+        // SAFETY: in bounds (checked above), page- or line-aligned by the
+        // layout table, and T is a repr(C) struct of atomics, for which any
+        // bit pattern is valid and shared mutation is sound.
+        unsafe { &*(self.map.as_ptr().add(off as usize) as *const T) }
+    }
+
+    /// Address of byte `off` as a word pointer, for ring data areas.
+    pub(crate) fn words(&self, off: u64, bytes: u64) -> *const crate::sync::AtomicU64 {
+        assert!(off % 8 == 0 && off + bytes <= self.map.len() as u64);
+        // SAFETY: in bounds (checked above) and 8-byte aligned.
+        unsafe { self.map.as_ptr().add(off as usize) as *const crate::sync::AtomicU64 }
+    }
+
+    pub fn header(&self) -> &SegmentHeader {
+        self.at(0)
+    }
+
+    pub fn doorbell(&self) -> &DoorbellPage {
+        self.at(self.info.offsets.doorbell_off)
+    }
+
+    pub fn server_client_off(&self, slot: u32) -> u64 {
+        assert!(slot < self.info.geometry.max_clients);
+        self.info.offsets.server_clients_off
+            + u64::from(slot) * self.info.offsets.server_client_stride
+    }
+
+    pub fn client_block_off(&self, slot: u32) -> u64 {
+        assert!(slot < self.info.geometry.max_clients);
+        self.info.offsets.client_blocks_off + u64::from(slot) * self.info.offsets.client_block_stride
+    }
+
+    pub fn server_client(&self, slot: u32) -> &ServerClientBlock {
+        self.at(self.server_client_off(slot))
+    }
+
+    pub fn client_block(&self, slot: u32) -> &ClientBlock {
+        self.at(self.client_block_off(slot))
+    }
+
+    /// The whole mapping's base and length (for the job table and tests).
+    pub(crate) fn base(&self) -> (*mut u8, usize) {
+        (self.map.as_mut_ptr(), self.map.len())
+    }
+}
+
+fn header_field_u32(map: &MmapRaw, off: usize) -> u32 {
+    // SAFETY: callers pass offsets inside the mapped header page, 4-aligned.
+    unsafe { (*(map.as_ptr().add(off) as *const std::sync::atomic::AtomicU32)).load(Ordering::Relaxed) }
+}
+
+fn header_field_u64(map: &MmapRaw, off: usize) -> u64 {
+    // SAFETY: callers pass offsets inside the mapped header page, 8-aligned.
+    unsafe { (*(map.as_ptr().add(off) as *const std::sync::atomic::AtomicU64)).load(Ordering::Relaxed) }
+}
+
+/// Validates a segment through `file`: owner, size, magic, version, table.
+/// Reads each shared word once; returns the copy.
+fn validate(name: &str, file: &File) -> Result<SegmentInfo> {
+    use std::mem::offset_of as o;
+    use std::os::unix::fs::MetadataExt;
+    let md = file.metadata().map_err(crate::error::io(format!("fstat {name}")))?;
+    let me = crate::rundir::euid();
+    if md.uid() != me {
+        return Err(Error::WrongOwner { name: name.into(), owner: md.uid(), me });
+    }
+    let len = md.len();
+    if len < 16 {
+        return Err(Error::NotKvring { name: name.into(), found: 0 });
+    }
+    let hdr_len = (len as usize).min(PAGE);
+    let map = MmapOptions::new()
+        .len(hdr_len)
+        .map_raw_read_only(file)
+        .map_err(crate::error::io(format!("mmap {name}")))?;
+    let magic = header_field_u64(&map, o!(SegmentHeader, magic));
+    if magic != MAGIC {
+        return Err(Error::NotKvring { name: name.into(), found: magic });
+    }
+    if hdr_len < PAGE {
+        return Err(Error::Truncated { name: name.into(), len, expected: PAGE as u64 });
+    }
+    // SAFETY: offset 8 is inside the header page and 4-aligned.
+    let version = unsafe {
+        &*(map.as_ptr().add(o!(SegmentHeader, layout_version)) as *const std::sync::atomic::AtomicU32)
+    }
+    // Acquire pairs with the server's Release store in `ServerSegment::create`:
+    // every identity field below was written before it.
+    .load(Ordering::Acquire);
+    if version == 0 {
+        return Err(Error::NotReady { name: name.into() });
+    }
+    if version != LAYOUT_VERSION {
+        return Err(Error::LayoutVersion { name: name.into(), found: version, expected: LAYOUT_VERSION });
+    }
+    let geometry = Geometry {
+        max_clients: header_field_u32(&map, o!(SegmentHeader, max_clients)),
+        req_ring_bytes: header_field_u32(&map, o!(SegmentHeader, req_ring_bytes)),
+        cq_ring_bytes: header_field_u32(&map, o!(SegmentHeader, cq_ring_bytes)),
+        max_frame_bytes: header_field_u32(&map, o!(SegmentHeader, max_frame_bytes)),
+        job_slots: header_field_u32(&map, o!(SegmentHeader, job_slots)),
+    };
+    let bad = |reason: String| Error::BadTable { name: name.into(), reason };
+    geometry.validate().map_err(bad)?;
+    let expected = geometry.offsets();
+    let found = Offsets {
+        doorbell_off: header_field_u64(&map, o!(SegmentHeader, doorbell_off)),
+        server_clients_off: header_field_u64(&map, o!(SegmentHeader, server_clients_off)),
+        server_client_stride: header_field_u64(&map, o!(SegmentHeader, server_client_stride)),
+        client_blocks_off: header_field_u64(&map, o!(SegmentHeader, client_blocks_off)),
+        client_block_stride: header_field_u64(&map, o!(SegmentHeader, client_block_stride)),
+        jobs_off: header_field_u64(&map, o!(SegmentHeader, jobs_off)),
+        job_stride: header_field_u64(&map, o!(SegmentHeader, job_stride)),
+        segment_bytes: header_field_u64(&map, o!(SegmentHeader, segment_bytes)),
+    };
+    if found != expected {
+        return Err(bad(format!("table {found:?} does not match geometry {geometry:?}")));
+    }
+    if header_field_u32(&map, o!(SegmentHeader, header_bytes)) as usize != PAGE {
+        return Err(bad("header size is not one page".into()));
+    }
+    if len < expected.segment_bytes {
+        return Err(Error::Truncated { name: name.into(), len, expected: expected.segment_bytes });
+    }
+    Ok(SegmentInfo {
+        name: name.into(),
+        layout_version: version,
+        segment_bytes: expected.segment_bytes,
+        epoch: header_field_u64(&map, o!(SegmentHeader, epoch)),
+        server_pid: header_field_u32(&map, o!(SegmentHeader, server_pid)),
+        server_uid: header_field_u32(&map, o!(SegmentHeader, server_uid)),
+        server_start_ticks: header_field_u64(&map, o!(SegmentHeader, server_start_ticks)),
+        created_unix_ns: header_field_u64(&map, o!(SegmentHeader, created_unix_ns)),
+        geometry,
+        offsets: expected,
+    })
+}
+
+/// A read-only attachment (observers, tests, the inspector): maps the whole
+/// segment PROT_READ through its own read-only description.
+pub struct ReadOnlySegment {
+    pub mapping: Mapping,
+    file: File,
+}
+
+impl ReadOnlySegment {
+    /// Opens and validates the segment of server `name` read-only.
+    pub fn open(name: &str) -> Result<ReadOnlySegment> {
+        crate::rundir::check_name(name)?;
+        Self::open_shm(&crate::rundir::shm_name(name))
+    }
+
+    /// Opens and validates the shm object `shm_name` (with leading '/').
+    pub fn open_shm(shm_name: &str) -> Result<ReadOnlySegment> {
+        let fd = nix::sys::mman::shm_open(shm_name, OFlag::O_RDONLY | OFlag::O_CLOEXEC, Mode::empty())
+            .map_err(nix_err(format!("shm_open {shm_name}")))?;
+        let file = File::from(fd);
+        let info = validate(shm_name, &file)?;
+        let map = MmapOptions::new()
+            .len(info.segment_bytes as usize)
+            .map_raw_read_only(&file)
+            .map_err(crate::error::io(format!("mmap {shm_name}")))?;
+        Ok(ReadOnlySegment { mapping: Mapping { map, info }, file })
+    }
+
+    /// Whether the server that owns this segment is alive (its liveness lock
+    /// is held). Proof, not a pid guess: the kernel drops the lock at exit.
+    pub fn server_alive(&self) -> Result<bool> {
+        Ok(liveness::probe_lock(self.file.as_fd())
+            .map_err(crate::error::io("probing the server lock"))?
+            == LockProbe::Held)
+    }
+}
+
+/// The client's view: the whole segment read-only, plus writable mappings of
+/// the doorbell page and of its own client block (and its request ring).
+pub struct ClientSegment {
+    pub mapping: Mapping,
+    doorbell_rw: MmapRaw,
+    block_rw: MmapRaw,
+    file: File,
+}
+
+// SAFETY: shared memory accessed through atomics only.
+unsafe impl Send for ClientSegment {}
+// SAFETY: as above.
+unsafe impl Sync for ClientSegment {}
+
+impl ClientSegment {
+    /// Attaches through a descriptor received from the server.
+    pub fn attach(name: &str, fd: OwnedFd, slot: u32) -> Result<ClientSegment> {
+        let file = File::from(fd);
+        let info = validate(name, &file)?;
+        if slot >= info.geometry.max_clients {
+            return Err(Error::Protocol(format!("slot {slot} out of range")));
+        }
+        let ro = MmapOptions::new()
+            .len(info.segment_bytes as usize)
+            .map_raw_read_only(&file)
+            .map_err(crate::error::io(format!("mmap {name}")))?;
+        let mapping = Mapping { map: ro, info };
+        let doorbell_rw = MmapOptions::new()
+            .offset(mapping.info.offsets.doorbell_off)
+            .len(PAGE)
+            .map_raw(&file)
+            .map_err(crate::error::io("mmap doorbell page"))?;
+        let block_rw = MmapOptions::new()
+            .offset(mapping.client_block_off(slot))
+            .len(mapping.info.offsets.client_block_stride as usize)
+            .map_raw(&file)
+            .map_err(crate::error::io("mmap client block"))?;
+        Ok(ClientSegment { mapping, doorbell_rw, block_rw, file })
+    }
+
+    /// The doorbell page, writable.
+    pub fn doorbell_rw(&self) -> &DoorbellPage {
+        // SAFETY: a page-sized, page-aligned mapping of the doorbell page; the
+        // struct is atomics only.
+        unsafe { &*(self.doorbell_rw.as_ptr() as *const DoorbellPage) }
+    }
+
+    /// This client's block, writable.
+    pub fn block_rw(&self) -> &ClientBlock {
+        // SAFETY: the mapping starts at this client's block and is at least a
+        // page long; the struct is atomics only.
+        unsafe { &*(self.block_rw.as_ptr() as *const ClientBlock) }
+    }
+
+    /// This client's request ring data, writable.
+    pub(crate) fn req_data_rw(&self) -> *const crate::sync::AtomicU64 {
+        // SAFETY: the block mapping is PAGE + req_ring_bytes long.
+        unsafe { self.block_rw.as_ptr().add(PAGE) as *const crate::sync::AtomicU64 }
+    }
+
+    /// Whether the server's liveness lock is held (it is alive).
+    pub fn server_alive(&self) -> bool {
+        liveness::probe_lock(self.file.as_fd()).map(|p| p == LockProbe::Held).unwrap_or(false)
+    }
+}
+
+/// The server's segment: the read-write mapping, the locked description, and
+/// the description handed to clients.
+pub struct ServerSegment {
+    pub mapping: Mapping,
+    /// Holds the liveness lock; never shared, never duplicated.
+    _lock_fd: OwnedFd,
+    /// A second description of the same object, sent to clients.
+    share_fd: OwnedFd,
+    shm_name: String,
+}
+
+impl ServerSegment {
+    /// Creates the segment `shm_name`, replacing one whose server is proven
+    /// dead. The caller holds the start-up lock of this name, so no other
+    /// server of this runtime directory races with us here.
+    pub fn create(shm_name: &str, geometry: Geometry) -> Result<ServerSegment> {
+        geometry.validate().map_err(Error::Config)?;
+        let mut epoch_floor = 0;
+        // A segment of this name already exists: replace it only if it is a
+        // kvring segment (or an empty one) whose server is dead.
+        match nix::sys::mman::shm_open(shm_name, OFlag::O_RDWR | OFlag::O_CLOEXEC, Mode::empty()) {
+            Ok(fd) => {
+                let file = File::from(fd);
+                if liveness::probe_lock(file.as_fd()).map_err(crate::error::io("probe lock"))?
+                    == LockProbe::Held
+                {
+                    let pid = ReadOnlySegment::open_shm(shm_name)
+                        .map(|s| s.mapping.info.server_pid)
+                        .unwrap_or(0);
+                    return Err(Error::AlreadyRunning { name: shm_name.into(), pid });
+                }
+                match validate(shm_name, &file) {
+                    Ok(info) => epoch_floor = info.epoch,
+                    Err(Error::NotKvring { found: 0, .. }) if file_len(&file) == 0 => {}
+                    Err(
+                        e @ (Error::WrongOwner { .. } | Error::NotKvring { .. }),
+                    ) => {
+                        return Err(match e {
+                            Error::NotKvring { .. } => Error::NotOurs { name: shm_name.into() },
+                            e => e,
+                        })
+                    }
+                    // A kvring segment of another version, truncated or
+                    // half-initialised, whose server is dead: stale.
+                    Err(_) => {}
+                }
+                nix::sys::mman::shm_unlink(shm_name).map_err(nix_err(format!("shm_unlink {shm_name}")))?;
+            }
+            Err(nix::errno::Errno::ENOENT) => {}
+            Err(e) => return Err(nix_err(format!("shm_open {shm_name}"))(e)),
+        }
+
+        let fd = nix::sys::mman::shm_open(
+            shm_name,
+            OFlag::O_RDWR | OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_CLOEXEC,
+            Mode::S_IRUSR | Mode::S_IWUSR,
+        )
+        .map_err(nix_err(format!("shm_open(O_EXCL) {shm_name}")))?;
+        if !liveness::try_lock(fd.as_fd()).map_err(crate::error::io("lock segment"))? {
+            return Err(Error::AlreadyRunning { name: shm_name.into(), pid: 0 });
+        }
+        let off = geometry.offsets();
+        nix::unistd::ftruncate(&fd, off.segment_bytes as i64).map_err(nix_err("ftruncate segment"))?;
+        let file = File::from(fd);
+        let map = MmapOptions::new()
+            .len(off.segment_bytes as usize)
+            .map_raw(&file)
+            .map_err(crate::error::io("mmap segment"))?;
+        let epoch = liveness::unix_ns().max(epoch_floor + 1);
+        let info = SegmentInfo {
+            name: shm_name.into(),
+            layout_version: LAYOUT_VERSION,
+            segment_bytes: off.segment_bytes,
+            epoch,
+            server_pid: std::process::id(),
+            server_uid: crate::rundir::euid(),
+            server_start_ticks: liveness::process_start_ticks(std::process::id()).unwrap_or(0),
+            created_unix_ns: liveness::unix_ns(),
+            geometry,
+            offsets: off,
+        };
+        let mapping = Mapping { map, info };
+        let h = mapping.header();
+        let r = Ordering::Relaxed;
+        h.magic.store(MAGIC, r);
+        h.header_bytes.store(PAGE as u32, r);
+        h.segment_bytes.store(off.segment_bytes, r);
+        h.epoch.store(epoch, r);
+        h.server_pid.store(mapping.info.server_pid, r);
+        h.server_uid.store(mapping.info.server_uid, r);
+        h.server_start_ticks.store(mapping.info.server_start_ticks, r);
+        h.created_unix_ns.store(mapping.info.created_unix_ns, r);
+        h.max_clients.store(geometry.max_clients, r);
+        h.job_slots.store(geometry.job_slots, r);
+        h.req_ring_bytes.store(geometry.req_ring_bytes, r);
+        h.cq_ring_bytes.store(geometry.cq_ring_bytes, r);
+        h.max_frame_bytes.store(geometry.max_frame_bytes, r);
+        h.doorbell_off.store(off.doorbell_off, r);
+        h.server_clients_off.store(off.server_clients_off, r);
+        h.server_client_stride.store(off.server_client_stride, r);
+        h.client_blocks_off.store(off.client_blocks_off, r);
+        h.client_block_stride.store(off.client_block_stride, r);
+        h.jobs_off.store(off.jobs_off, r);
+        h.job_stride.store(off.job_stride, r);
+        h.heartbeat_ns.store(liveness::monotonic_ns(), r);
+        // Published last. Release pairs with the Acquire load in `validate`.
+        h.layout_version.store(LAYOUT_VERSION, Ordering::Release);
+
+        let share_fd = nix::sys::mman::shm_open(shm_name, OFlag::O_RDWR | OFlag::O_CLOEXEC, Mode::empty())
+            .map_err(nix_err("reopen segment for clients"))?;
+        Ok(ServerSegment { mapping, _lock_fd: OwnedFd::from(file), share_fd, shm_name: shm_name.into() })
+    }
+
+    /// The description to hand to clients.
+    pub fn share_fd(&self) -> &OwnedFd {
+        &self.share_fd
+    }
+
+    /// Removes the segment's name (the server does this at clean shutdown).
+    pub fn unlink(&self) {
+        let _ = nix::sys::mman::shm_unlink(self.shm_name.as_str());
+    }
+}
+
+fn file_len(f: &File) -> u64 {
+    f.metadata().map(|m| m.len()).unwrap_or(0)
+}

@@ -1,0 +1,269 @@
+//! The acceptor thread: bootstrap connections, slot assignment, death
+//! detection and reclamation, heartbeat.
+//!
+//! A slot's life: `Free` -> (hello accepted) `Active` -> (goodbye, EOF, or a
+//! kick from the ring loop) `Closing` -> (ring loop detached it, the
+//! client's jobs are failed) `Free`, or `Quarantined` while the connection's
+//! process is still alive without having said goodbye; the slot leaves
+//! quarantine when its pidfd reports the exit. Every reassignment bumps the
+//! slot's session tag, so frames of an earlier occupant are never served.
+
+use super::{RingEvent, Shared};
+use crate::bootstrap::{Conn, Listener};
+use crate::layout::{DisconnectReason, SlotState, LAYOUT_VERSION};
+use crate::liveness::{self, PidFd};
+use crate::proto::{BootKind, Goodbye, Hello, Status, Welcome, BOOT_MAGIC, PROTOCOL_VERSION};
+use std::os::fd::AsFd;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+/// How long a new connection may take to send its hello.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(2);
+
+enum Phase {
+    Free,
+    Active { conn: Conn, pidfd: Option<PidFd> },
+    Closing { pidfd: Option<PidFd>, clean: bool },
+    Quarantined { pidfd: Option<PidFd> },
+}
+
+struct Acceptor<'a> {
+    shared: &'a Shared,
+    slots: Vec<Phase>,
+    pending: Vec<(Conn, Instant)>,
+}
+
+impl<'a> Acceptor<'a> {
+    fn welcome(&self, status: Status, slot: u32, session: u32) -> Welcome {
+        let info = self.shared.seg.mapping.info();
+        Welcome {
+            magic: BOOT_MAGIC,
+            kind: BootKind::Welcome as u32,
+            status: status as i32,
+            protocol: PROTOCOL_VERSION,
+            layout_version: LAYOUT_VERSION,
+            slot,
+            session,
+            epoch: info.epoch,
+            segment_bytes: info.segment_bytes,
+            server_pid: info.server_pid,
+            _reserved: 0,
+        }
+    }
+
+    fn refuse(&self, conn: Conn, status: Status) {
+        let w = self.welcome(status, u32::MAX, 0);
+        let _ = conn.send(bytemuck::bytes_of(&w), &[]);
+        self.shared.seg.mapping.header().clients_refused.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Handles the first message of a new connection.
+    fn hello(&mut self, conn: Conn) {
+        let mut buf = [0u8; 64];
+        let n = match conn.recv(&mut buf, Duration::ZERO) {
+            Ok((n, _fds)) => n,
+            Err(_) => return,
+        };
+        if n != std::mem::size_of::<Hello>() {
+            return self.refuse(conn, Status::Malformed);
+        }
+        let h: Hello = bytemuck::pod_read_unaligned(&buf[..n]);
+        if h.magic != BOOT_MAGIC || h.kind != BootKind::Hello as u32 {
+            return self.refuse(conn, Status::Malformed);
+        }
+        if h.protocol != PROTOCOL_VERSION || h.layout_version != LAYOUT_VERSION {
+            return self.refuse(conn, Status::VersionMismatch);
+        }
+        let Ok(cred) = conn.peer_cred() else { return };
+        if cred.uid != crate::rundir::euid() {
+            return self.refuse(conn, Status::PermissionDenied);
+        }
+        if self.shared.stop.load(Ordering::Relaxed) {
+            return self.refuse(conn, Status::ShuttingDown);
+        }
+        let Some(slot) = self.slots.iter().position(|p| matches!(p, Phase::Free)) else {
+            return self.refuse(conn, Status::NoFreeSlot);
+        };
+        let slot = slot as u32;
+        let m = &self.shared.seg.mapping;
+        let sb = m.server_client(slot);
+        let cb = m.client_block(slot);
+        let r = Ordering::Relaxed;
+        // Next session tag; 0 is never used for an occupied slot.
+        let session = match sb.session.load(r).wrapping_add(1) {
+            0 => 1,
+            s => s,
+        };
+        // Reset the slot: the ring loop does not touch it (it is detached), and
+        // the client learns of it only from the welcome sent below.
+        cb.req_tail.store(0, r);
+        cb.cq_head.store(0, r);
+        cb.client_sleeping.store(0, r);
+        cb.heartbeat_ns.store(liveness::monotonic_ns(), r);
+        sb.req_head.store(0, r);
+        sb.cq_tail.store(0, r);
+        sb.requests_served.store(0, r);
+        sb.requests_rejected.store(0, r);
+        sb.completions_posted.store(0, r);
+        sb.disconnect_reason.store(DisconnectReason::None as u32, r);
+        sb.pid.store(cred.pid, r);
+        sb.uid.store(cred.uid, r);
+        sb.pid_start_ticks.store(liveness::process_start_ticks(cred.pid).unwrap_or(0), r);
+        sb.connected_unix_ns.store(liveness::unix_ns(), r);
+        sb.session.store(session, r);
+        // Release: observers that see Active see the fields above.
+        sb.state.store(SlotState::Active as u32, Ordering::Release);
+
+        let w = self.welcome(Status::Ok, slot, session);
+        let share = self.shared.seg.share_fd();
+        let pidfd = PidFd::open(cred.pid).ok();
+        self.shared.push_event(RingEvent::Attach { slot, session });
+        let h = m.header();
+        h.clients_accepted.fetch_add(1, r);
+        h.clients_connected.fetch_add(1, r);
+        if conn.send(bytemuck::bytes_of(&w), &[share.as_fd()]).is_err() {
+            self.slots[slot as usize] = Phase::Active { conn, pidfd };
+            self.detach(slot, DisconnectReason::SocketClosed);
+            return;
+        }
+        self.slots[slot as usize] = Phase::Active { conn, pidfd };
+    }
+
+    /// Ends a slot's session: closes the connection and asks the ring loop to
+    /// let go of the slot. Reclamation finishes in `finish_detach`.
+    fn detach(&mut self, slot: u32, reason: DisconnectReason) {
+        let phase = std::mem::replace(&mut self.slots[slot as usize], Phase::Free);
+        let Phase::Active { conn, pidfd } = phase else {
+            self.slots[slot as usize] = phase;
+            return;
+        };
+        drop(conn);
+        let sb = self.shared.seg.mapping.server_client(slot);
+        sb.disconnect_reason.store(reason as u32, Ordering::Relaxed);
+        sb.state.store(SlotState::Closing as u32, Ordering::Release);
+        let clean = reason == DisconnectReason::Goodbye;
+        self.slots[slot as usize] = Phase::Closing { pidfd, clean };
+        self.shared.push_event(RingEvent::Detach { slot });
+    }
+
+    /// The ring loop has let go of `slot`: release what the client held and
+    /// free the slot, or quarantine it while its process lives on.
+    fn finish_detach(&mut self, slot: u32) {
+        let phase = std::mem::replace(&mut self.slots[slot as usize], Phase::Free);
+        let Phase::Closing { pidfd, clean } = phase else {
+            self.slots[slot as usize] = phase;
+            return;
+        };
+        let m = &self.shared.seg.mapping;
+        let h = m.header();
+        h.clients_connected.fetch_sub(1, Ordering::Relaxed);
+        h.clients_reclaimed.fetch_add(1, Ordering::Relaxed);
+        let exited = pidfd.as_ref().is_none_or(|p| p.exited());
+        let sb = m.server_client(slot);
+        if clean || exited {
+            sb.state.store(SlotState::Free as u32, Ordering::Release);
+        } else {
+            sb.state.store(SlotState::Quarantined as u32, Ordering::Release);
+            self.slots[slot as usize] = Phase::Quarantined { pidfd };
+        }
+    }
+
+    fn on_message(&mut self, slot: u32) {
+        let Phase::Active { conn, .. } = &self.slots[slot as usize] else { return };
+        let mut buf = [0u8; 64];
+        match conn.recv(&mut buf, Duration::ZERO) {
+            Ok((0, _)) => self.detach(slot, DisconnectReason::SocketClosed),
+            Ok((n, _fds)) if n == std::mem::size_of::<Goodbye>() => {
+                let g: Goodbye = bytemuck::pod_read_unaligned(&buf[..n]);
+                if g.magic == BOOT_MAGIC && g.kind == BootKind::Goodbye as u32 {
+                    self.detach(slot, DisconnectReason::Goodbye);
+                } else {
+                    self.detach(slot, DisconnectReason::SocketClosed);
+                }
+            }
+            Ok(_) => self.detach(slot, DisconnectReason::SocketClosed),
+            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {}
+            Err(_) => self.detach(slot, DisconnectReason::SocketClosed),
+        }
+    }
+
+    fn poll_once(&mut self, listener: &Listener, tick: Duration) {
+        let mut fds = vec![libc::pollfd { fd: listener.raw_fd(), events: libc::POLLIN, revents: 0 }];
+        for (c, _) in &self.pending {
+            fds.push(libc::pollfd { fd: c.raw_fd(), events: libc::POLLIN, revents: 0 });
+        }
+        let mut active = Vec::new();
+        for (i, p) in self.slots.iter().enumerate() {
+            if let Phase::Active { conn, .. } = p {
+                fds.push(libc::pollfd { fd: conn.raw_fd(), events: libc::POLLIN | libc::POLLRDHUP, revents: 0 });
+                active.push(i as u32);
+            }
+        }
+        let ms = tick.as_millis().clamp(1, 1000) as i32;
+        // SAFETY: `fds` is a valid array of pollfd for the call's duration.
+        let r = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
+        if r < 0 {
+            return;
+        }
+        let np = self.pending.len();
+        // Active connections with activity: a message or the peer's end.
+        for (k, slot) in active.iter().enumerate() {
+            if fds[1 + np + k].revents != 0 {
+                self.on_message(*slot);
+            }
+        }
+        // Hellos.
+        let ready: Vec<bool> = (0..np).map(|i| fds[1 + i].revents != 0).collect();
+        let pending = std::mem::take(&mut self.pending);
+        let now = Instant::now();
+        for ((conn, t), ready) in pending.into_iter().zip(ready) {
+            if ready {
+                self.hello(conn);
+            } else if now.duration_since(t) < HELLO_TIMEOUT {
+                self.pending.push((conn, t));
+            }
+        }
+        if fds[0].revents != 0 {
+            while let Ok(Some(c)) = listener.accept() {
+                self.pending.push((c, Instant::now()));
+            }
+        }
+    }
+
+    fn housekeeping(&mut self) {
+        let kicks = std::mem::take(&mut *self.shared.kicks.lock().expect("kicks"));
+        for (slot, reason) in kicks {
+            self.detach(slot, reason);
+        }
+        let detached = std::mem::take(&mut *self.shared.detached.lock().expect("detached"));
+        for slot in detached {
+            self.finish_detach(slot);
+        }
+        for i in 0..self.slots.len() {
+            if let Phase::Quarantined { pidfd, .. } = &self.slots[i] {
+                if pidfd.as_ref().is_none_or(|p| p.exited()) {
+                    self.slots[i] = Phase::Free;
+                    let sb = self.shared.seg.mapping.server_client(i as u32);
+                    sb.state.store(SlotState::Free as u32, Ordering::Release);
+                }
+            }
+        }
+    }
+}
+
+pub(super) fn run(shared: &Shared, listener: Listener, tick: Duration) {
+    let n = shared.seg.mapping.info().geometry.max_clients as usize;
+    let mut a = Acceptor { shared, slots: (0..n).map(|_| Phase::Free).collect(), pending: Vec::new() };
+    let h = shared.seg.mapping.header();
+    while !shared.stop.load(Ordering::Acquire) {
+        // Heartbeat: observers compare it with their own CLOCK_MONOTONIC.
+        h.heartbeat_ns.store(liveness::monotonic_ns(), Ordering::Relaxed);
+        a.poll_once(&listener, tick);
+        a.housekeeping();
+    }
+    // Shutdown: close every connection so clients see the end at once.
+    for slot in 0..n as u32 {
+        a.detach(slot, DisconnectReason::ServerShutdown);
+    }
+    drop(listener);
+}

@@ -1,0 +1,194 @@
+//! The ring loop: serves every active client's request ring.
+//!
+//! Per client and round it takes at most [`BATCH`] frames (fairness), serves a
+//! request only when the completion ring has room for its completion bound
+//! (so nothing is ever dropped; an honest client's credits guarantee the
+//! room), publishes the completions with one release store, returns the
+//! request space with another, and wakes the client only if it is parked.
+//! A client whose ring breaks an invariant is kicked, never trusted again.
+
+use super::{RingEvent, Shared};
+use crate::layout::DisconnectReason;
+use crate::proto::{Opcode, Status};
+use crate::ring::{Consumer, FrameHeader, Producer, RingError, RingPtrs, HEADER_BYTES};
+use crate::wait::{self, Parking, WaitPolicy};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+/// Most requests served from one client before moving to the next.
+const BATCH: usize = 256;
+
+struct RingClient<'a> {
+    slot: u32,
+    session: u32,
+    req: Consumer,
+    cq: Producer,
+    sleeping: &'a AtomicU32,
+    doorbell: &'a AtomicU32,
+    broken: bool,
+    /// Completion bytes the next request needs but the ring lacked.
+    stalled_on: Option<usize>,
+}
+
+fn attach<'a>(shared: &'a Shared, slot: u32, session: u32) -> Result<RingClient<'a>, RingError> {
+    let m = &shared.seg.mapping;
+    let g = m.info().geometry;
+    let sb = m.server_client(slot);
+    let cb = m.client_block(slot);
+    let sc_off = m.server_client_off(slot);
+    let cb_off = m.client_block_off(slot);
+    let page = crate::layout::PAGE as u64;
+    let req = RingPtrs {
+        head: &*sb.req_head,
+        tail: &*cb.req_tail,
+        data: m.words(cb_off + page, u64::from(g.req_ring_bytes)),
+        capacity: g.req_ring_bytes as usize,
+        max_frame: g.max_frame_bytes as usize,
+    };
+    let cq = RingPtrs {
+        head: &*cb.cq_head,
+        tail: &*sb.cq_tail,
+        data: m.words(sc_off + page, u64::from(g.cq_ring_bytes)),
+        capacity: g.cq_ring_bytes as usize,
+        max_frame: g.max_frame_bytes as usize,
+    };
+    // SAFETY: both rings lie inside the server's mapping, which lives as long
+    // as `shared`; this loop is the only consumer of the request ring and the
+    // only producer of the completion ring of this slot.
+    let (req, cq) = unsafe { (Consumer::new(req)?, Producer::new(cq)?) };
+    Ok(RingClient {
+        slot,
+        session,
+        req,
+        cq,
+        sleeping: &cb.client_sleeping,
+        doorbell: &sb.client_doorbell,
+        broken: false,
+        stalled_on: None,
+    })
+}
+
+/// Serves up to BATCH requests of one client. Returns how many.
+fn serve(shared: &Shared, c: &mut RingClient<'_>, buf: &mut [u64]) -> Result<usize, RingError> {
+    let mut served = 0;
+    let mut rejected = 0;
+    c.stalled_on = None;
+    while served + rejected < BATCH {
+        let Some(h) = c.req.peek()? else { break };
+        let op = Opcode::from_u16(h.opcode);
+        let bound = op.map_or(HEADER_BYTES, |op| op.completion_bound(h.len as usize));
+        if h.session != c.session {
+            // A previous occupant's late frame: never served, never answered.
+            c.req.skip()?;
+            rejected += 1;
+            continue;
+        }
+        if !c.cq.has_room(bound)? {
+            // Back-pressure: the client has not consumed its completions (an
+            // honest client's credits never let this happen).
+            c.stalled_on = Some(bound);
+            break;
+        }
+        let h = c.req.pop(buf)?.expect("peeked frame");
+        let reply = FrameHeader { opcode: h.opcode, session: h.session, user_data: h.user_data, ..Default::default() };
+        match op {
+            Some(Opcode::Ping) => {
+                let payload = &bytemuck::cast_slice::<u64, u8>(buf)[..h.len as usize];
+                c.cq.write(&reply, payload)?;
+                served += 1;
+            }
+            None => {
+                c.cq.write(&FrameHeader { status: Status::UnknownOpcode as i32, ..reply }, &[])?;
+                rejected += 1;
+            }
+        }
+    }
+    if served + rejected > 0 {
+        c.req.release();
+        if c.cq.publish() {
+            wait::notify(Parking { sleeping: c.sleeping, doorbell: c.doorbell });
+        }
+        let sb = shared.seg.mapping.server_client(c.slot);
+        // Counters for observers only; Relaxed, single writer.
+        sb.requests_served.fetch_add(served as u64, Ordering::Relaxed);
+        sb.requests_rejected.fetch_add(rejected as u64, Ordering::Relaxed);
+        sb.completions_posted.fetch_add(served as u64, Ordering::Relaxed);
+    }
+    Ok(served + rejected)
+}
+
+pub(super) fn run(shared: &Shared, policy: WaitPolicy) {
+    let m = &shared.seg.mapping;
+    let g = m.info().geometry;
+    let mut clients: Vec<Option<RingClient<'_>>> = (0..g.max_clients).map(|_| None).collect();
+    let mut active: Vec<u32> = Vec::new();
+    let mut buf = vec![0u64; g.max_frame_bytes as usize / 8];
+    let header = m.header();
+    let parking = Parking { sleeping: &header.server_sleeping, doorbell: &m.doorbell().server_doorbell };
+    loop {
+        for ev in shared.take_events() {
+            match ev {
+                RingEvent::Attach { slot, session } => match attach(shared, slot, session) {
+                    Ok(c) => {
+                        clients[slot as usize] = Some(c);
+                        active.push(slot);
+                    }
+                    Err(_) => shared.kicks.lock().expect("kicks").push((slot, DisconnectReason::RingCorrupt)),
+                },
+                RingEvent::Detach { slot } => {
+                    clients[slot as usize] = None;
+                    active.retain(|&s| s != slot);
+                    shared.detached.lock().expect("detached").push(slot);
+                }
+            }
+        }
+        if shared.stop.load(Ordering::Acquire) {
+            break;
+        }
+        let mut work = 0;
+        for &slot in &active {
+            let c = clients[slot as usize].as_mut().expect("active client");
+            if c.broken {
+                continue;
+            }
+            match serve(shared, c, &mut buf) {
+                Ok(n) => work += n,
+                Err(_) => {
+                    c.broken = true;
+                    shared.kicks.lock().expect("kicks").push((slot, DisconnectReason::RingCorrupt));
+                }
+            }
+        }
+        if work > 0 {
+            continue;
+        }
+        // Idle: spin, yield, then park until a client publishes, an event
+        // arrives, or the housekeeping slice ends.
+        let deadline = Instant::now() + Duration::from_millis(100);
+        let _ = wait::wait_until(
+            &policy,
+            parking,
+            deadline,
+            || {
+                if shared.events_pending.load(Ordering::Acquire) || shared.stop.load(Ordering::Acquire) {
+                    return Some(());
+                }
+                for &slot in &active {
+                    let c = clients[slot as usize].as_mut().expect("active client");
+                    if c.broken {
+                        continue;
+                    }
+                    let ready = match c.stalled_on {
+                        Some(need) => c.cq.has_room(need).unwrap_or(true),
+                        None => c.req.has_frame().unwrap_or(true),
+                    };
+                    if ready {
+                        return Some(());
+                    }
+                }
+                None
+            },
+            || Ok::<(), ()>(()),
+        );
+    }
+}

@@ -1,0 +1,256 @@
+//! Waiting for a peer in another process: spin, then yield, then park on a
+//! shared futex behind a "sleeping" flag. Every wait has a deadline and
+//! re-checks the peer's liveness each time it wakes.
+//!
+//! The parking protocol is io_uring's NEED_WAKEUP rule (a Dekker handshake):
+//!
+//! ```text
+//! waiter                                   notifier
+//! d = doorbell.load(Acquire)               publish the work (Release)
+//! sleeping.store(1)                        fence(SeqCst)          -- F2
+//! fence(SeqCst)                  -- F1     if sleeping.load() != 0:
+//! if ready(): sleeping = 0; return             doorbell += 1; FUTEX_WAKE
+//! FUTEX_WAIT(doorbell, d, timeout)
+//! sleeping.store(0)
+//! ```
+//!
+//! F1 and F2 order "sleeping = 1 then read the work" against "publish the
+//! work then read sleeping": at least one side sees the other's store, so
+//! either the waiter sees the work or the notifier sees the flag. If the
+//! notifier's increment lands between the waiter's load of `d` and its
+//! FUTEX_WAIT, the kernel sees `doorbell != d` and returns at once. When the
+//! waiter is not parked, the notifier pays one fence and one load: no syscall.
+
+use crate::futex;
+use std::sync::atomic::{fence, AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+/// How long a waiter spins and yields before it parks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WaitPolicy {
+    /// Busy-poll this long first (lowest latency, burns a core).
+    pub spin: Duration,
+    /// Then `sched_yield` this long.
+    pub yield_for: Duration,
+    /// Longest single futex sleep: liveness is re-checked at least this often.
+    pub park_slice: Duration,
+}
+
+impl WaitPolicy {
+    /// Spin only (until the deadline): both sides busy, no syscall at all.
+    pub const SPIN: WaitPolicy = WaitPolicy {
+        spin: Duration::MAX,
+        yield_for: Duration::ZERO,
+        park_slice: Duration::from_millis(50),
+    };
+    /// Park at once.
+    pub const PARK: WaitPolicy = WaitPolicy {
+        spin: Duration::ZERO,
+        yield_for: Duration::ZERO,
+        park_slice: Duration::from_millis(50),
+    };
+}
+
+impl Default for WaitPolicy {
+    fn default() -> Self {
+        WaitPolicy {
+            spin: Duration::from_micros(20),
+            yield_for: Duration::from_micros(200),
+            park_slice: Duration::from_millis(50),
+        }
+    }
+}
+
+/// The flag/doorbell pair one side parks on.
+#[derive(Clone, Copy)]
+pub struct Parking<'a> {
+    /// Written by the waiter only.
+    pub sleeping: &'a AtomicU32,
+    /// Futex word: the notifier increments it.
+    pub doorbell: &'a AtomicU32,
+}
+
+/// Why a wait ended without its condition.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WaitEnd<E> {
+    /// The deadline passed.
+    Timeout,
+    /// The liveness check failed with this error.
+    Dead(E),
+}
+
+/// Waits until `ready` returns `Some`, the deadline passes, or `check_peer`
+/// reports the peer gone. `check_peer` runs after every park slice and at
+/// least every millisecond while spinning or yielding.
+pub fn wait_until<T, E>(
+    policy: &WaitPolicy,
+    parking: Parking<'_>,
+    deadline: Instant,
+    mut ready: impl FnMut() -> Option<T>,
+    mut check_peer: impl FnMut() -> Result<(), E>,
+) -> Result<T, WaitEnd<E>> {
+    if let Some(v) = ready() {
+        return Ok(v);
+    }
+    let start = Instant::now();
+    let mut last_check = start;
+    // Spin, then yield; check the clock only every 64 rounds.
+    let mut round: u32 = 0;
+    loop {
+        round = round.wrapping_add(1);
+        for _ in 0..64 {
+            if let Some(v) = ready() {
+                return Ok(v);
+            }
+            std::hint::spin_loop();
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return Err(WaitEnd::Timeout);
+        }
+        if now.duration_since(last_check) >= Duration::from_millis(1) {
+            check_peer().map_err(WaitEnd::Dead)?;
+            last_check = now;
+        }
+        let waited = now.duration_since(start);
+        if waited < policy.spin {
+            continue;
+        }
+        if waited < policy.spin.saturating_add(policy.yield_for) {
+            std::thread::yield_now();
+            continue;
+        }
+        break;
+    }
+    loop {
+        let now = Instant::now();
+        if now >= deadline {
+            return Err(WaitEnd::Timeout);
+        }
+        let slice = (deadline - now).min(policy.park_slice);
+        // Acquire pairs with the notifier's Release increment: a value read
+        // here is at least as new as any wake we could have missed.
+        let seen = parking.doorbell.load(Ordering::Acquire);
+        parking.sleeping.store(1, Ordering::Relaxed);
+        // F1 of the handshake above; pairs with the notifier's F2.
+        fence(Ordering::SeqCst);
+        if let Some(v) = ready() {
+            parking.sleeping.store(0, Ordering::Relaxed);
+            return Ok(v);
+        }
+        futex::wait(parking.doorbell, seen, slice);
+        parking.sleeping.store(0, Ordering::Relaxed);
+        if let Some(v) = ready() {
+            return Ok(v);
+        }
+        check_peer().map_err(WaitEnd::Dead)?;
+    }
+}
+
+/// The notifier's half: call after publishing work the waiter looks for.
+/// Costs a fence and a load unless the waiter is parked.
+#[inline]
+pub fn notify(parking: Parking<'_>) -> bool {
+    // F2 of the handshake; pairs with the waiter's F1.
+    fence(Ordering::SeqCst);
+    if parking.sleeping.load(Ordering::Relaxed) != 0 {
+        wake(parking.doorbell);
+        true
+    } else {
+        false
+    }
+}
+
+/// Rings a doorbell unconditionally.
+pub fn wake(doorbell: &AtomicU32) {
+    // Release pairs with the waiter's Acquire load of the doorbell.
+    doorbell.fetch_add(1, Ordering::Release);
+    futex::wake(doorbell, i32::MAX);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicBool;
+    use std::sync::Arc;
+
+    struct Cell {
+        sleeping: AtomicU32,
+        doorbell: AtomicU32,
+        flag: AtomicBool,
+    }
+
+    fn cell() -> Arc<Cell> {
+        Arc::new(Cell {
+            sleeping: AtomicU32::new(0),
+            doorbell: AtomicU32::new(0),
+            flag: AtomicBool::new(false),
+        })
+    }
+
+    #[test]
+    fn parked_waiter_is_woken_by_notify() {
+        let c = cell();
+        let c2 = c.clone();
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(30));
+            c2.flag.store(true, Ordering::Release);
+            notify(Parking { sleeping: &c2.sleeping, doorbell: &c2.doorbell })
+        });
+        let start = Instant::now();
+        let r: Result<(), WaitEnd<()>> = wait_until(
+            &WaitPolicy::PARK,
+            Parking { sleeping: &c.sleeping, doorbell: &c.doorbell },
+            Instant::now() + Duration::from_secs(5),
+            || c.flag.load(Ordering::Acquire).then_some(()),
+            || Ok(()),
+        );
+        assert!(r.is_ok());
+        assert!(t.join().unwrap(), "the waiter was parked, so notify had to wake it");
+        assert!(start.elapsed() < Duration::from_secs(1));
+    }
+
+    #[test]
+    fn wait_ends_at_its_deadline() {
+        let c = cell();
+        let start = Instant::now();
+        let r: Result<(), WaitEnd<()>> = wait_until(
+            &WaitPolicy::default(),
+            Parking { sleeping: &c.sleeping, doorbell: &c.doorbell },
+            Instant::now() + Duration::from_millis(120),
+            || None,
+            || Ok(()),
+        );
+        assert_eq!(r, Err(WaitEnd::Timeout));
+        let e = start.elapsed();
+        assert!(e >= Duration::from_millis(120) && e < Duration::from_secs(2), "{e:?}");
+    }
+
+    #[test]
+    fn dead_peer_ends_the_wait() {
+        let c = cell();
+        let mut calls = 0;
+        let r: Result<(), WaitEnd<&str>> = wait_until(
+            &WaitPolicy::PARK,
+            Parking { sleeping: &c.sleeping, doorbell: &c.doorbell },
+            Instant::now() + Duration::from_secs(30),
+            || None,
+            || {
+                calls += 1;
+                if calls > 2 {
+                    Err("gone")
+                } else {
+                    Ok(())
+                }
+            },
+        );
+        assert_eq!(r, Err(WaitEnd::Dead("gone")));
+    }
+
+    #[test]
+    fn notify_without_sleeper_makes_no_wake() {
+        let c = cell();
+        assert!(!notify(Parking { sleeping: &c.sleeping, doorbell: &c.doorbell }));
+        assert_eq!(c.doorbell.load(Ordering::Relaxed), 0);
+    }
+}

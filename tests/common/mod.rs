@@ -1,0 +1,232 @@
+//! Shared test harness: unique names and runtime directories, the real
+//! `kvring` binary as the server, child client processes (this test binary
+//! re-executed), and a watchdog so a hang fails fast.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+static COUNTER: AtomicU32 = AtomicU32::new(0);
+
+/// Aborts the whole test process if the calling test runs past `limit`.
+pub struct Watchdog(std::sync::mpsc::Sender<()>);
+
+pub fn watchdog(limit: Duration) -> Watchdog {
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let name = std::thread::current().name().unwrap_or("test").to_string();
+    std::thread::spawn(move || {
+        if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = rx.recv_timeout(limit) {
+            eprintln!("watchdog: {name} ran past {limit:?}; aborting");
+            std::process::abort();
+        }
+    });
+    Watchdog(tx)
+}
+
+/// A unique server name and a private runtime directory, removed on drop.
+pub struct Scope {
+    pub name: String,
+    pub dir: PathBuf,
+}
+
+impl Scope {
+    pub fn new(tag: &str) -> Scope {
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        let name = format!("t-{tag}-{}-{n}", std::process::id());
+        let dir = std::env::temp_dir().join(format!("kvring-test-{}-{n}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+        Scope { name, dir }
+    }
+
+    pub fn shm_name(&self) -> String {
+        kvring::rundir::shm_name(&self.name)
+    }
+
+    /// Starts the real server binary for this scope.
+    pub fn server(&self, extra: &[&str]) -> ServerProc {
+        let child = Command::new(env!("CARGO_BIN_EXE_kvring"))
+            .args(["serve", "--name", &self.name, "--runtime-dir"])
+            .arg(&self.dir)
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn kvring serve");
+        let p = ServerProc { child: Some(child) };
+        self.wait_ready();
+        p
+    }
+
+    /// Waits until the server's segment is published and its socket exists.
+    pub fn wait_ready(&self) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let sock = self.dir.join(format!("{}.sock", self.name));
+        loop {
+            if sock.exists() {
+                if let Ok(s) = kvring::segment::ReadOnlySegment::open(&self.name) {
+                    if s.server_alive().unwrap_or(false) {
+                        return;
+                    }
+                }
+            }
+            assert!(Instant::now() < deadline, "server {} did not come up", self.name);
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    pub fn client(&self) -> kvring::Client {
+        kvring::Client::connect_in(&self.dir, &self.name).expect("connect")
+    }
+
+    /// Starts this test binary again as a child client process running
+    /// `role` (see `child_main`). Its stdout is piped so the parent can wait
+    /// for its "ready" line.
+    pub fn child(&self, test_name: &str, role: &str) -> ChildProc {
+        let child = Command::new(std::env::current_exe().unwrap())
+            .args([test_name, "--exact", "--nocapture", "--test-threads=1"])
+            .env("KVRING_CHILD_ROLE", role)
+            .env("KVRING_CHILD_NAME", &self.name)
+            .env("KVRING_CHILD_DIR", &self.dir)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn child");
+        ChildProc { child }
+    }
+}
+
+impl Drop for Scope {
+    fn drop(&mut self) {
+        let _ = nix::sys::mman::shm_unlink(self.shm_name().as_str());
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The server process; SIGKILLed on drop if still running.
+pub struct ServerProc {
+    pub child: Option<Child>,
+}
+
+impl ServerProc {
+    pub fn pid(&self) -> i32 {
+        self.child.as_ref().unwrap().id() as i32
+    }
+    pub fn signal(&self, sig: i32) {
+        // SAFETY: sending a signal to our own child.
+        unsafe { libc::kill(self.pid(), sig) };
+    }
+    /// SIGSTOP, and wait until the kernel reports the process stopped.
+    pub fn pause(&self) {
+        self.signal(libc::SIGSTOP);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.pid())).unwrap();
+            let state = stat[stat.rfind(')').unwrap() + 2..].chars().next().unwrap();
+            if state == 'T' || state == 't' {
+                return;
+            }
+            assert!(Instant::now() < deadline, "server did not stop");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+    /// SIGTERM and wait for a clean exit; returns the exit status.
+    pub fn terminate(&mut self) -> std::process::ExitStatus {
+        self.signal(libc::SIGTERM);
+        let mut c = self.child.take().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(st) = c.try_wait().unwrap() {
+                return st;
+            }
+            assert!(Instant::now() < deadline, "server did not stop on SIGTERM");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
+impl Drop for ServerProc {
+    fn drop(&mut self) {
+        if let Some(c) = self.child.as_ref() {
+            // SAFETY: resume a possibly stopped child so the kill is reaped.
+            unsafe { libc::kill(c.id() as i32, libc::SIGCONT) };
+        }
+        self.kill();
+    }
+}
+
+/// A child client process.
+pub struct ChildProc {
+    pub child: Child,
+}
+
+impl ChildProc {
+    /// Waits for the child to print `prefix`; returns the rest of that line
+    /// from `prefix` on (the harness may have printed on the same line).
+    pub fn expect_line(&mut self, prefix: &str) -> String {
+        use std::io::BufRead;
+        let out = self.child.stdout.as_mut().unwrap();
+        let mut r = std::io::BufReader::new(out);
+        let mut line = String::new();
+        loop {
+            line.clear();
+            let n = r.read_line(&mut line).unwrap();
+            assert!(n > 0, "child exited before printing {prefix:?}");
+            if let Some(at) = line.find(prefix) {
+                return line[at..].trim().to_string();
+            }
+        }
+    }
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for ChildProc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// The role this process plays when started by `Scope::child`, if any.
+pub fn child_role() -> Option<(String, String, PathBuf)> {
+    let role = std::env::var("KVRING_CHILD_ROLE").ok()?;
+    let name = std::env::var("KVRING_CHILD_NAME").unwrap();
+    let dir = PathBuf::from(std::env::var("KVRING_CHILD_DIR").unwrap());
+    Some((role, name, dir))
+}
+
+/// Tells the parent something from a child process. Written to the stdout
+/// descriptor directly: the test harness captures `println!`.
+pub fn tell_parent(line: &str) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{line}").unwrap();
+    out.flush().unwrap();
+}
+
+/// Polls `f` until it returns true or `limit` passes; returns the time taken.
+pub fn eventually(limit: Duration, mut f: impl FnMut() -> bool) -> Option<Duration> {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if f() {
+            return Some(start.elapsed());
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    None
+}
+
+pub fn exists(p: &Path) -> bool {
+    p.exists()
+}
