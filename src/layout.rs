@@ -365,3 +365,59 @@ impl Geometry {
         }
     }
 }
+
+/// Size of the field a raw pointer points at, without reading it.
+#[doc(hidden)]
+pub fn size_of_pointee<T>(_: *const T) -> usize {
+    size_of::<T>()
+}
+
+/// `(struct, [(field, offset, size)])` for `$t`'s listed fields.
+#[macro_export]
+#[doc(hidden)]
+macro_rules! field_table {
+    ($t:ty { $($f:ident),* $(,)? }) => {{
+        let u = std::mem::MaybeUninit::<$t>::uninit();
+        let p = u.as_ptr();
+        let fields: Vec<(&'static str, usize, usize)> = vec![$((
+            stringify!($f),
+            std::mem::offset_of!($t, $f),
+            // SAFETY: addr_of! on a field of an uninitialised value computes
+            // an address without reading or referencing the value.
+            $crate::layout::size_of_pointee(unsafe { std::ptr::addr_of!((*p).$f) }),
+        )),*];
+        (stringify!($t), fields)
+    }};
+}
+
+/// Every shared struct's fields with offset and size, in declaration order:
+/// what `shm_layout.md` must say (checked by `tests/layout_doc.rs`).
+#[allow(clippy::type_complexity)]
+pub fn field_tables() -> Vec<(&'static str, Vec<(&'static str, usize, usize)>)> {
+    use crate::proto::{Goodbye, Hello, Welcome};
+    use crate::ring::FrameHeader;
+    vec![
+        field_table!(SegmentHeader {
+            magic, layout_version, header_bytes, segment_bytes, epoch, server_pid, server_uid,
+            server_start_ticks, created_unix_ns, max_clients, job_slots, req_ring_bytes,
+            cq_ring_bytes, max_frame_bytes, _reserved0, doorbell_off, server_clients_off,
+            server_client_stride, client_blocks_off, client_block_stride, jobs_off, job_stride,
+            _reserved1, heartbeat_ns, server_sleeping, server_state, clients_connected,
+            clients_accepted, clients_reclaimed, clients_refused,
+        }),
+        field_table!(DoorbellPage { server_doorbell }),
+        field_table!(ServerClientBlock {
+            state, session, pid, uid, pid_start_ticks, connected_unix_ns, requests_served,
+            requests_rejected, disconnect_reason, _reserved0, completions_posted, req_head,
+            cq_tail, client_doorbell,
+        }),
+        field_table!(ClientBlock { req_tail, cq_head, client_sleeping, heartbeat_ns }),
+        field_table!(FrameHeader { len, opcode, flags, session, status, user_data }),
+        field_table!(Hello { magic, kind, protocol, layout_version, _reserved }),
+        field_table!(Welcome {
+            magic, kind, status, protocol, layout_version, slot, session, epoch, segment_bytes,
+            server_pid, _reserved,
+        }),
+        field_table!(Goodbye { magic, kind, _reserved }),
+    ]
+}
