@@ -18,7 +18,12 @@ use std::time::Duration;
 pub const MAX_FDS: usize = 16;
 
 fn sock() -> std::io::Result<OwnedFd> {
-    Ok(socket::socket(AddressFamily::Unix, SockType::SeqPacket, SockFlag::SOCK_CLOEXEC, None)?)
+    Ok(socket::socket(
+        AddressFamily::Unix,
+        SockType::SeqPacket,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )?)
 }
 
 /// The server's listening socket. The socket file is removed on drop.
@@ -41,14 +46,19 @@ impl Listener {
         socket::bind(fd.as_raw_fd(), &addr)?;
         socket::listen(&fd, Backlog::new(128).expect("valid backlog"))?;
         set_nonblocking(fd.as_fd())?;
-        Ok(Listener { fd, path: path.to_path_buf() })
+        Ok(Listener {
+            fd,
+            path: path.to_path_buf(),
+        })
     }
 
     /// Accepts one pending connection, if any (non-blocking).
     pub fn accept(&self) -> std::io::Result<Option<Conn>> {
         match socket::accept4(self.fd.as_raw_fd(), SockFlag::SOCK_CLOEXEC) {
             // SAFETY: accept4 returned a fresh descriptor that we now own.
-            Ok(fd) => Ok(Some(Conn { fd: unsafe { OwnedFd::from_raw_fd(fd) } })),
+            Ok(fd) => Ok(Some(Conn {
+                fd: unsafe { OwnedFd::from_raw_fd(fd) },
+            })),
             Err(nix::errno::Errno::EAGAIN) => Ok(None),
             Err(nix::errno::Errno::ECONNABORTED) | Err(nix::errno::Errno::EINTR) => Ok(None),
             Err(e) => Err(e.into()),
@@ -98,7 +108,11 @@ impl Conn {
     /// The peer's pid/uid/gid as the kernel recorded them at connect time.
     pub fn peer_cred(&self) -> std::io::Result<PeerCred> {
         let c = socket::getsockopt(&self.fd, sockopt::PeerCredentials)?;
-        Ok(PeerCred { pid: c.pid() as u32, uid: c.uid(), gid: c.gid() })
+        Ok(PeerCred {
+            pid: c.pid() as u32,
+            uid: c.uid(),
+            gid: c.gid(),
+        })
     }
 
     /// Sends one message with optional descriptors.
@@ -107,7 +121,13 @@ impl Conn {
         let iov = [IoSlice::new(bytes)];
         let cmsg = [ControlMessage::ScmRights(&raw)];
         let cmsgs: &[ControlMessage<'_>] = if raw.is_empty() { &[] } else { &cmsg };
-        let n = socket::sendmsg::<()>(self.fd.as_raw_fd(), &iov, cmsgs, MsgFlags::MSG_NOSIGNAL, None)?;
+        let n = socket::sendmsg::<()>(
+            self.fd.as_raw_fd(),
+            &iov,
+            cmsgs,
+            MsgFlags::MSG_NOSIGNAL,
+            None,
+        )?;
         if n != bytes.len() {
             return Err(std::io::Error::other("short send on a seqpacket socket"));
         }
@@ -117,9 +137,16 @@ impl Conn {
     /// Receives one message into `buf`, waiting at most `timeout`. Returns
     /// the message length (0 = the peer closed the connection) and the
     /// descriptors it carried. A message longer than `buf` is an error.
-    pub fn recv(&self, buf: &mut [u8], timeout: Duration) -> std::io::Result<(usize, Vec<OwnedFd>)> {
+    pub fn recv(
+        &self,
+        buf: &mut [u8],
+        timeout: Duration,
+    ) -> std::io::Result<(usize, Vec<OwnedFd>)> {
         if !self.wait_readable(timeout)? {
-            return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "bootstrap reply timed out"));
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "bootstrap reply timed out",
+            ));
         }
         let mut iov = [IoSliceMut::new(buf)];
         let mut space = nix::cmsg_space!([RawFd; MAX_FDS]);
@@ -139,13 +166,20 @@ impl Conn {
             }
         }
         if msg.flags.contains(MsgFlags::MSG_TRUNC) || msg.flags.contains(MsgFlags::MSG_CTRUNC) {
-            return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, "bootstrap message truncated"));
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                "bootstrap message truncated",
+            ));
         }
         Ok((msg.bytes, fds))
     }
 
     fn wait_readable(&self, timeout: Duration) -> std::io::Result<bool> {
-        let mut pfd = libc::pollfd { fd: self.fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        let mut pfd = libc::pollfd {
+            fd: self.fd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
         let ms = timeout.as_millis().min(i32::MAX as u128) as i32;
         loop {
             // SAFETY: one valid pollfd.
@@ -198,7 +232,9 @@ mod tests {
         assert_eq!(cred.pid, std::process::id());
         assert_eq!(cred.uid, crate::rundir::euid());
 
-        let memfd = nix::sys::memfd::memfd_create(c"kvring-test", nix::sys::memfd::MFdFlags::MFD_CLOEXEC).unwrap();
+        let memfd =
+            nix::sys::memfd::memfd_create(c"kvring-test", nix::sys::memfd::MFdFlags::MFD_CLOEXEC)
+                .unwrap();
         nix::unistd::write(&memfd, b"through the socket").unwrap();
         c.send(b"hello", &[memfd.as_fd()]).unwrap();
         let mut buf = [0u8; 64];

@@ -15,7 +15,9 @@
 use crate::bootstrap::Conn;
 use crate::error::{Error, Result};
 use crate::layout::{ServerClientBlock, LAYOUT_VERSION, PAGE};
-use crate::proto::{BootKind, Goodbye, Hello, Opcode, Status, Welcome, BOOT_MAGIC, PROTOCOL_VERSION};
+use crate::proto::{
+    BootKind, Goodbye, Hello, Opcode, Status, Welcome, BOOT_MAGIC, PROTOCOL_VERSION,
+};
 use crate::ring::{Consumer, FrameHeader, Producer, RingError, RingPtrs, HEADER_BYTES};
 use crate::rundir::ServerPaths;
 use crate::segment::ClientSegment;
@@ -36,7 +38,10 @@ pub struct ClientOptions {
 
 impl Default for ClientOptions {
     fn default() -> Self {
-        ClientOptions { connect_timeout: Duration::from_secs(5), wait: WaitPolicy::default() }
+        ClientOptions {
+            connect_timeout: Duration::from_secs(5),
+            wait: WaitPolicy::default(),
+        }
     }
 }
 
@@ -119,12 +124,18 @@ impl Client {
             layout_version: LAYOUT_VERSION,
             _reserved: 0,
         };
-        conn.send(bytemuck::bytes_of(&hello), &[]).map_err(crate::error::io("send hello"))?;
+        conn.send(bytemuck::bytes_of(&hello), &[])
+            .map_err(crate::error::io("send hello"))?;
         let mut buf = [0u8; 128];
-        let wait = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(500));
+        let wait = deadline
+            .saturating_duration_since(Instant::now())
+            .max(Duration::from_millis(500));
         let (n, mut fds) = conn.recv(&mut buf, wait).map_err(|e| match e.kind() {
             std::io::ErrorKind::TimedOut => Error::Timeout(wait),
-            _ => Error::Io { context: "receive welcome".into(), source: e },
+            _ => Error::Io {
+                context: "receive welcome".into(),
+                source: e,
+            },
         })?;
         if n == 0 {
             return Err(Error::ServerGone);
@@ -137,15 +148,22 @@ impl Client {
             return Err(Error::Protocol("not a welcome message".into()));
         }
         if w.status != 0 {
-            return Err(Error::Refused(Status::from_i32(w.status).unwrap_or(Status::Malformed)));
+            return Err(Error::Refused(
+                Status::from_i32(w.status).unwrap_or(Status::Malformed),
+            ));
         }
         if fds.len() != 1 {
-            return Err(Error::Protocol(format!("welcome carried {} descriptors, expected 1", fds.len())));
+            return Err(Error::Protocol(format!(
+                "welcome carried {} descriptors, expected 1",
+                fds.len()
+            )));
         }
         let seg = ClientSegment::attach(&paths.shm_name, fds.pop().expect("one fd"), w.slot)?;
         let info = seg.mapping.info().clone();
         if info.epoch != w.epoch {
-            return Err(Error::Protocol("welcome epoch differs from the segment's".into()));
+            return Err(Error::Protocol(
+                "welcome epoch differs from the segment's".into(),
+            ));
         }
         let g = info.geometry;
         let sb_off = seg.mapping.server_client_off(w.slot);
@@ -161,7 +179,9 @@ impl Client {
         let cq = RingPtrs {
             head: &*cb.cq_head,
             tail: &*sb.cq_tail,
-            data: seg.mapping.words(sb_off + PAGE as u64, u64::from(g.cq_ring_bytes)),
+            data: seg
+                .mapping
+                .words(sb_off + PAGE as u64, u64::from(g.cq_ring_bytes)),
             capacity: g.cq_ring_bytes as usize,
             max_frame: g.max_frame_bytes as usize,
         };
@@ -238,16 +258,32 @@ impl Client {
     /// completions and retry).
     pub fn enqueue(&mut self, op: Opcode, payload: &[u8], user_data: u64) -> Result<()> {
         if payload.len() > self.req.max_payload() {
-            return Err(RingError::TooLarge { len: payload.len(), max: self.req.max_payload() }.into());
+            return Err(RingError::TooLarge {
+                len: payload.len(),
+                max: self.req.max_payload(),
+            }
+            .into());
         }
         let bound = op.completion_bound(payload.len());
         if bound > self.credits {
-            return Err(RingError::Full { need: bound, free: self.credits }.into());
+            return Err(RingError::Full {
+                need: bound,
+                free: self.credits,
+            }
+            .into());
         }
-        let h = FrameHeader { opcode: op as u16, session: self.session, user_data, ..Default::default() };
+        let h = FrameHeader {
+            opcode: op as u16,
+            session: self.session,
+            user_data,
+            ..Default::default()
+        };
         self.req.write(&h, payload)?;
         self.credits -= bound;
-        self.inflight.push_back(InFlight { user_data, reserved: bound });
+        self.inflight.push_back(InFlight {
+            user_data,
+            reserved: bound,
+        });
         Ok(())
     }
 
@@ -257,15 +293,28 @@ impl Client {
     /// a bare header for an unknown opcode); without it, nothing is expected
     /// back (a frame with a stale session tag is dropped by the server).
     #[doc(hidden)]
-    pub fn submit_raw(&mut self, header: FrameHeader, payload: &[u8], expect_completion: bool) -> Result<()> {
-        let bound = Opcode::from_u16(header.opcode).map_or(HEADER_BYTES, |op| op.completion_bound(payload.len()));
+    pub fn submit_raw(
+        &mut self,
+        header: FrameHeader,
+        payload: &[u8],
+        expect_completion: bool,
+    ) -> Result<()> {
+        let bound = Opcode::from_u16(header.opcode)
+            .map_or(HEADER_BYTES, |op| op.completion_bound(payload.len()));
         if expect_completion && bound > self.credits {
-            return Err(RingError::Full { need: bound, free: self.credits }.into());
+            return Err(RingError::Full {
+                need: bound,
+                free: self.credits,
+            }
+            .into());
         }
         self.req.write(&header, payload)?;
         if expect_completion {
             self.credits -= bound;
-            self.inflight.push_back(InFlight { user_data: header.user_data, reserved: bound });
+            self.inflight.push_back(InFlight {
+                user_data: header.user_data,
+                reserved: bound,
+            });
         }
         self.flush();
         Ok(())
@@ -297,7 +346,9 @@ impl Client {
     /// Takes one completion if there is one. Its payload is copied into
     /// `payload` (cleared first). Returns the header.
     pub fn poll_into(&mut self, payload: &mut Vec<u8>) -> Result<Option<FrameHeader>> {
-        let Some(h) = self.take_frame()? else { return Ok(None) };
+        let Some(h) = self.take_frame()? else {
+            return Ok(None);
+        };
         payload.clear();
         payload.extend_from_slice(&bytemuck::cast_slice::<u64, u8>(&self.buf)[..h.len as usize]);
         Ok(Some(h))
@@ -313,7 +364,9 @@ impl Client {
         };
         self.cq.release();
         let Some(f) = self.inflight.pop_front() else {
-            return Err(Error::Protocol("completion without a request in flight".into()));
+            return Err(Error::Protocol(
+                "completion without a request in flight".into(),
+            ));
         };
         self.credits += f.reserved;
         if f.user_data != h.user_data || h.session != self.session {
@@ -334,14 +387,21 @@ impl Client {
     pub fn wait_completion(&mut self, deadline: Instant) -> Result<Completion> {
         let mut payload = Vec::new();
         let h = self.wait_into(deadline, &mut payload)?;
-        Ok(Completion { opcode: h.opcode, status: h.status, user_data: h.user_data, payload })
+        Ok(Completion {
+            opcode: h.opcode,
+            status: h.status,
+            user_data: h.user_data,
+            payload,
+        })
     }
 
     /// [`Client::wait_completion`] into a caller-owned buffer (no allocation
     /// once the buffer has grown).
     pub fn wait_into(&mut self, deadline: Instant, payload: &mut Vec<u8>) -> Result<FrameHeader> {
         if self.inflight.is_empty() {
-            return Err(Error::Protocol("waiting for a completion with nothing in flight".into()));
+            return Err(Error::Protocol(
+                "waiting for a completion with nothing in flight".into(),
+            ));
         }
         self.touch();
         let start = Instant::now();
@@ -366,7 +426,9 @@ impl Client {
         match r {
             Ok(Ok(())) => {}
             Ok(Err(e)) => return Err(e.into()),
-            Err(WaitEnd::Timeout) => return Err(Error::Timeout(deadline.saturating_duration_since(start))),
+            Err(WaitEnd::Timeout) => {
+                return Err(Error::Timeout(deadline.saturating_duration_since(start)))
+            }
             Err(WaitEnd::Dead(())) => return Err(Error::ServerGone),
         }
         let h = self.take_frame()?.expect("a frame was ready");
@@ -381,14 +443,19 @@ impl Client {
         self.submit(Opcode::Ping, payload, tag)?;
         let c = self.wait_completion(Instant::now() + timeout)?;
         if c.status != 0 {
-            return Err(Error::Status(Status::from_i32(c.status).unwrap_or(Status::Malformed)));
+            return Err(Error::Status(
+                Status::from_i32(c.status).unwrap_or(Status::Malformed),
+            ));
         }
         Ok(c.payload)
     }
 
     /// Records that this client is alive and calling in (for observers).
     fn touch(&self) {
-        self.seg.block_rw().heartbeat_ns.store(crate::liveness::monotonic_ns(), Ordering::Relaxed);
+        self.seg
+            .block_rw()
+            .heartbeat_ns
+            .store(crate::liveness::monotonic_ns(), Ordering::Relaxed);
     }
 
     /// Ends the session cleanly: the server frees the slot at once.
@@ -405,7 +472,11 @@ impl Drop for Client {
     fn drop(&mut self) {
         // The rings are unmapped when `seg` drops right after this; the
         // goodbye tells the server it may reuse the slot immediately.
-        let g = Goodbye { magic: BOOT_MAGIC, kind: BootKind::Goodbye as u32, _reserved: 0 };
+        let g = Goodbye {
+            magic: BOOT_MAGIC,
+            kind: BootKind::Goodbye as u32,
+            _reserved: 0,
+        };
         let _ = self.conn.send(bytemuck::bytes_of(&g), &[]);
     }
 }

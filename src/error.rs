@@ -7,18 +7,28 @@ use std::time::Duration;
 /// kvring's error type.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("invalid server name {0:?}: use 1-64 characters from [A-Za-z0-9_.-], not starting with '.'")]
+    #[error(
+        "invalid server name {0:?}: use 1-64 characters from [A-Za-z0-9_.-], not starting with '.'"
+    )]
     InvalidName(String),
     #[error("runtime directory {path}: {reason}")]
     RuntimeDir { path: String, reason: String },
     #[error("segment {name}: not a kvring segment (magic {found:#018x})")]
     NotKvring { name: String, found: u64 },
     #[error("segment {name}: layout version {found}, this build understands version {expected}")]
-    LayoutVersion { name: String, found: u32, expected: u32 },
+    LayoutVersion {
+        name: String,
+        found: u32,
+        expected: u32,
+    },
     #[error("segment {name}: not initialised yet (layout version not published)")]
     NotReady { name: String },
     #[error("segment {name}: truncated: {len} bytes, but {expected} are needed")]
-    Truncated { name: String, len: u64, expected: u64 },
+    Truncated {
+        name: String,
+        len: u64,
+        expected: u64,
+    },
     #[error("segment {name}: owned by uid {owner}, not by this user (uid {me})")]
     WrongOwner { name: String, owner: u32, me: u32 },
     #[error("segment {name}: inconsistent layout table: {reason}")]
@@ -28,7 +38,11 @@ pub enum Error {
     #[error("shared memory object {name} exists but is not a kvring segment; not replacing it")]
     NotOurs { name: String },
     #[error("no kvring server named {name} at {path}: {reason}")]
-    NoServer { name: String, path: String, reason: String },
+    NoServer {
+        name: String,
+        path: String,
+        reason: String,
+    },
     #[error("the server refused the connection: {0}")]
     Refused(Status),
     #[error("the server is gone (its process exited or closed the connection)")]
@@ -38,7 +52,10 @@ pub enum Error {
     #[error(transparent)]
     Ring(#[from] RingError),
     #[error("{context}: {source}")]
-    Io { context: String, source: std::io::Error },
+    Io {
+        context: String,
+        source: std::io::Error,
+    },
     #[error("protocol error: {0}")]
     Protocol(String),
     #[error("the server answered {0}")]
@@ -59,5 +76,8 @@ pub(crate) fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> E
 /// Wraps a nix error with what was being done.
 pub(crate) fn nix(context: impl Into<String>) -> impl FnOnce(nix::Error) -> Error {
     let context = context.into();
-    move |e| Error::Io { context, source: std::io::Error::from(e) }
+    move |e| Error::Io {
+        context,
+        source: std::io::Error::from(e),
+    }
 }

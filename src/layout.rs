@@ -328,10 +328,16 @@ impl Geometry {
     /// Checks every bound; the message says which one failed.
     pub fn validate(&self) -> Result<(), String> {
         if self.max_clients == 0 || self.max_clients > MAX_CLIENTS {
-            return Err(format!("max clients {} must be in 1..={MAX_CLIENTS}", self.max_clients));
+            return Err(format!(
+                "max clients {} must be in 1..={MAX_CLIENTS}",
+                self.max_clients
+            ));
         }
         if self.job_slots == 0 || self.job_slots > MAX_JOB_SLOTS {
-            return Err(format!("job slots {} must be in 1..={MAX_JOB_SLOTS}", self.job_slots));
+            return Err(format!(
+                "job slots {} must be in 1..={MAX_JOB_SLOTS}",
+                self.job_slots
+            ));
         }
         let frame = self.max_frame_bytes as usize;
         crate::ring::check_geometry(self.req_ring_bytes as usize, frame)
@@ -398,26 +404,92 @@ pub fn field_tables() -> Vec<(&'static str, Vec<(&'static str, usize, usize)>)> 
     use crate::ring::FrameHeader;
     vec![
         field_table!(SegmentHeader {
-            magic, layout_version, header_bytes, segment_bytes, epoch, server_pid, server_uid,
-            server_start_ticks, created_unix_ns, max_clients, job_slots, req_ring_bytes,
-            cq_ring_bytes, max_frame_bytes, _reserved0, doorbell_off, server_clients_off,
-            server_client_stride, client_blocks_off, client_block_stride, jobs_off, job_stride,
-            _reserved1, heartbeat_ns, server_sleeping, server_state, clients_connected,
-            clients_accepted, clients_reclaimed, clients_refused,
+            magic,
+            layout_version,
+            header_bytes,
+            segment_bytes,
+            epoch,
+            server_pid,
+            server_uid,
+            server_start_ticks,
+            created_unix_ns,
+            max_clients,
+            job_slots,
+            req_ring_bytes,
+            cq_ring_bytes,
+            max_frame_bytes,
+            _reserved0,
+            doorbell_off,
+            server_clients_off,
+            server_client_stride,
+            client_blocks_off,
+            client_block_stride,
+            jobs_off,
+            job_stride,
+            _reserved1,
+            heartbeat_ns,
+            server_sleeping,
+            server_state,
+            clients_connected,
+            clients_accepted,
+            clients_reclaimed,
+            clients_refused,
         }),
         field_table!(DoorbellPage { server_doorbell }),
         field_table!(ServerClientBlock {
-            state, session, pid, uid, pid_start_ticks, connected_unix_ns, requests_served,
-            requests_rejected, disconnect_reason, _reserved0, completions_posted, req_head,
-            cq_tail, client_doorbell,
+            state,
+            session,
+            pid,
+            uid,
+            pid_start_ticks,
+            connected_unix_ns,
+            requests_served,
+            requests_rejected,
+            disconnect_reason,
+            _reserved0,
+            completions_posted,
+            req_head,
+            cq_tail,
+            client_doorbell,
         }),
-        field_table!(ClientBlock { req_tail, cq_head, client_sleeping, heartbeat_ns }),
-        field_table!(FrameHeader { len, opcode, flags, session, status, user_data }),
-        field_table!(Hello { magic, kind, protocol, layout_version, _reserved }),
+        field_table!(ClientBlock {
+            req_tail,
+            cq_head,
+            client_sleeping,
+            heartbeat_ns
+        }),
+        field_table!(FrameHeader {
+            len,
+            opcode,
+            flags,
+            session,
+            status,
+            user_data
+        }),
+        field_table!(Hello {
+            magic,
+            kind,
+            protocol,
+            layout_version,
+            _reserved
+        }),
         field_table!(Welcome {
-            magic, kind, status, protocol, layout_version, slot, session, epoch, segment_bytes,
-            server_pid, _reserved,
+            magic,
+            kind,
+            status,
+            protocol,
+            layout_version,
+            slot,
+            session,
+            epoch,
+            segment_bytes,
+            server_pid,
+            _reserved,
         }),
-        field_table!(Goodbye { magic, kind, _reserved }),
+        field_table!(Goodbye {
+            magic,
+            kind,
+            _reserved
+        }),
     ]
 }

@@ -56,7 +56,11 @@ pub fn probe_lock(fd: BorrowedFd<'_>) -> std::io::Result<LockProbe> {
     if r != 0 {
         return Err(std::io::Error::last_os_error());
     }
-    Ok(if fl.l_type == libc::F_UNLCK as libc::c_short { LockProbe::Free } else { LockProbe::Held })
+    Ok(if fl.l_type == libc::F_UNLCK as libc::c_short {
+        LockProbe::Free
+    } else {
+        LockProbe::Held
+    })
 }
 
 /// Start time of process `pid` in clock ticks since boot (field 22 of
@@ -77,8 +81,12 @@ pub fn process_alive(pid: u32, start_ticks: u64) -> bool {
     if pid == 0 {
         return false;
     }
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return false };
-    let Some(close) = stat.rfind(')') else { return false };
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    let Some(close) = stat.rfind(')') else {
+        return false;
+    };
     let mut fields = stat[close + 1..].split_whitespace();
     let state = fields.next().unwrap_or("X");
     if state == "Z" || state == "X" {
@@ -104,7 +112,11 @@ impl PidFd {
 
     /// Whether the process has exited (non-blocking).
     pub fn exited(&self) -> bool {
-        let mut pfd = libc::pollfd { fd: self.0.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        let mut pfd = libc::pollfd {
+            fd: self.0.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
         // SAFETY: one valid pollfd, zero timeout.
         let r = unsafe { libc::poll(&mut pfd, 1, 0) };
         r > 0 && (pfd.revents & (libc::POLLIN | libc::POLLHUP)) != 0
@@ -132,7 +144,10 @@ pub fn open_lock_file(path: &std::path::Path) -> std::io::Result<File> {
 
 /// CLOCK_MONOTONIC in nanoseconds: comparable across processes of one boot.
 pub fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
     // SAFETY: valid timespec out-pointer.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
@@ -177,7 +192,10 @@ mod tests {
 
     #[test]
     fn pidfd_reports_exit() {
-        let mut child = std::process::Command::new("sleep").arg("0.05").spawn().unwrap();
+        let mut child = std::process::Command::new("sleep")
+            .arg("0.05")
+            .spawn()
+            .unwrap();
         let fd = PidFd::open(child.id()).unwrap();
         assert!(!fd.exited());
         child.wait().unwrap();

@@ -8,7 +8,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 #[derive(Parser)]
-#[command(name = "kvring", version, about = "Node-local KV-cache server and shared-memory IPC runtime")]
+#[command(
+    name = "kvring",
+    version,
+    about = "Node-local KV-cache server and shared-memory IPC runtime"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -27,7 +31,9 @@ struct Target {
 
 impl Target {
     fn dir(&self) -> std::path::PathBuf {
-        self.runtime_dir.clone().unwrap_or_else(kvring::rundir::runtime_dir)
+        self.runtime_dir
+            .clone()
+            .unwrap_or_else(kvring::rundir::runtime_dir)
     }
 }
 
@@ -101,10 +107,24 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> kvring::Result<()> {
     match cli.cmd {
-        Cmd::Serve { target, max_clients, req_ring_bytes, cq_ring_bytes, max_frame_bytes, job_slots, spin_us } => {
+        Cmd::Serve {
+            target,
+            max_clients,
+            req_ring_bytes,
+            cq_ring_bytes,
+            max_frame_bytes,
+            job_slots,
+            spin_us,
+        } => {
             let mut cfg = ServerConfig::new(&target.name);
             cfg.runtime_dir = target.dir();
-            cfg.geometry = Geometry { max_clients, req_ring_bytes, cq_ring_bytes, max_frame_bytes, job_slots };
+            cfg.geometry = Geometry {
+                max_clients,
+                req_ring_bytes,
+                cq_ring_bytes,
+                max_frame_bytes,
+                job_slots,
+            };
             cfg.ring_wait.spin = Duration::from_micros(spin_us);
             install_signal_handlers();
             let server = kvring::server::start(cfg)?;
@@ -123,7 +143,12 @@ fn run(cli: Cli) -> kvring::Result<()> {
             println!("kvring: stopped");
             Ok(())
         }
-        Cmd::Ping { target, count, size, timeout_ms } => {
+        Cmd::Ping {
+            target,
+            count,
+            size,
+            timeout_ms,
+        } => {
             let mut c = Client::connect_in(&target.dir(), &target.name)?;
             let payload: Vec<u8> = (0..size).map(|i| (i * 31 + 7) as u8).collect();
             let mut rtts = Vec::with_capacity(count as usize);
@@ -132,7 +157,9 @@ fn run(cli: Cli) -> kvring::Result<()> {
                 let back = c.ping(&payload, Duration::from_millis(timeout_ms))?;
                 rtts.push(t.elapsed().as_nanos() as u64);
                 if back != payload {
-                    return Err(kvring::Error::Protocol("ping payload came back changed".into()));
+                    return Err(kvring::Error::Protocol(
+                        "ping payload came back changed".into(),
+                    ));
                 }
             }
             rtts.sort_unstable();

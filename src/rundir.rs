@@ -15,7 +15,9 @@ pub fn check_name(name: &str) -> Result<()> {
     let ok = !name.is_empty()
         && name.len() <= 64
         && !name.starts_with('.')
-        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"_.-".contains(&b));
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"_.-".contains(&b));
     if ok {
         Ok(())
     } else {
@@ -43,8 +45,15 @@ pub fn runtime_dir() -> PathBuf {
 /// Creates the runtime directory (mode 0700) if needed and checks it is ours
 /// and closed to others.
 pub fn ensure_runtime_dir(dir: &Path) -> Result<()> {
-    let err = |reason: String| Error::RuntimeDir { path: dir.display().to_string(), reason };
-    match std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir) {
+    let err = |reason: String| Error::RuntimeDir {
+        path: dir.display().to_string(),
+        reason,
+    };
+    match std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+    {
         Ok(()) => {}
         Err(e) => return Err(err(format!("cannot create: {e}"))),
     }
@@ -54,13 +63,20 @@ pub fn ensure_runtime_dir(dir: &Path) -> Result<()> {
 /// Checks an existing runtime directory: a directory (not a link), owned by
 /// this user, with no access for group or others.
 pub fn check_runtime_dir(dir: &Path) -> Result<()> {
-    let err = |reason: String| Error::RuntimeDir { path: dir.display().to_string(), reason };
+    let err = |reason: String| Error::RuntimeDir {
+        path: dir.display().to_string(),
+        reason,
+    };
     let md = std::fs::symlink_metadata(dir).map_err(|e| err(format!("cannot stat: {e}")))?;
     if !md.is_dir() {
         return Err(err("not a directory".into()));
     }
     if md.uid() != euid() {
-        return Err(err(format!("owned by uid {}, not by uid {}", md.uid(), euid())));
+        return Err(err(format!(
+            "owned by uid {}, not by uid {}",
+            md.uid(),
+            euid()
+        )));
     }
     if md.permissions().mode() & 0o077 != 0 {
         return Err(err(format!(

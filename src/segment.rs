@@ -87,7 +87,8 @@ impl Mapping {
 
     pub fn client_block_off(&self, slot: u32) -> u64 {
         assert!(slot < self.info.geometry.max_clients);
-        self.info.offsets.client_blocks_off + u64::from(slot) * self.info.offsets.client_block_stride
+        self.info.offsets.client_blocks_off
+            + u64::from(slot) * self.info.offsets.client_block_stride
     }
 
     pub fn server_client(&self, slot: u32) -> &ServerClientBlock {
@@ -97,21 +98,20 @@ impl Mapping {
     pub fn client_block(&self, slot: u32) -> &ClientBlock {
         self.at(self.client_block_off(slot))
     }
-
-    /// The whole mapping's base and length (for the job table and tests).
-    pub(crate) fn base(&self) -> (*mut u8, usize) {
-        (self.map.as_mut_ptr(), self.map.len())
-    }
 }
 
 fn header_field_u32(map: &MmapRaw, off: usize) -> u32 {
     // SAFETY: callers pass offsets inside the mapped header page, 4-aligned.
-    unsafe { (*(map.as_ptr().add(off) as *const std::sync::atomic::AtomicU32)).load(Ordering::Relaxed) }
+    unsafe {
+        (*(map.as_ptr().add(off) as *const std::sync::atomic::AtomicU32)).load(Ordering::Relaxed)
+    }
 }
 
 fn header_field_u64(map: &MmapRaw, off: usize) -> u64 {
     // SAFETY: callers pass offsets inside the mapped header page, 8-aligned.
-    unsafe { (*(map.as_ptr().add(off) as *const std::sync::atomic::AtomicU64)).load(Ordering::Relaxed) }
+    unsafe {
+        (*(map.as_ptr().add(off) as *const std::sync::atomic::AtomicU64)).load(Ordering::Relaxed)
+    }
 }
 
 /// Validates a segment through `file`: owner, size, magic, version, table.
@@ -119,14 +119,23 @@ fn header_field_u64(map: &MmapRaw, off: usize) -> u64 {
 fn validate(name: &str, file: &File) -> Result<SegmentInfo> {
     use std::mem::offset_of as o;
     use std::os::unix::fs::MetadataExt;
-    let md = file.metadata().map_err(crate::error::io(format!("fstat {name}")))?;
+    let md = file
+        .metadata()
+        .map_err(crate::error::io(format!("fstat {name}")))?;
     let me = crate::rundir::euid();
     if md.uid() != me {
-        return Err(Error::WrongOwner { name: name.into(), owner: md.uid(), me });
+        return Err(Error::WrongOwner {
+            name: name.into(),
+            owner: md.uid(),
+            me,
+        });
     }
     let len = md.len();
     if len < 16 {
-        return Err(Error::NotKvring { name: name.into(), found: 0 });
+        return Err(Error::NotKvring {
+            name: name.into(),
+            found: 0,
+        });
     }
     let hdr_len = (len as usize).min(PAGE);
     let map = MmapOptions::new()
@@ -135,14 +144,22 @@ fn validate(name: &str, file: &File) -> Result<SegmentInfo> {
         .map_err(crate::error::io(format!("mmap {name}")))?;
     let magic = header_field_u64(&map, o!(SegmentHeader, magic));
     if magic != MAGIC {
-        return Err(Error::NotKvring { name: name.into(), found: magic });
+        return Err(Error::NotKvring {
+            name: name.into(),
+            found: magic,
+        });
     }
     if hdr_len < PAGE {
-        return Err(Error::Truncated { name: name.into(), len, expected: PAGE as u64 });
+        return Err(Error::Truncated {
+            name: name.into(),
+            len,
+            expected: PAGE as u64,
+        });
     }
     // SAFETY: offset 8 is inside the header page and 4-aligned.
     let version = unsafe {
-        &*(map.as_ptr().add(o!(SegmentHeader, layout_version)) as *const std::sync::atomic::AtomicU32)
+        &*(map.as_ptr().add(o!(SegmentHeader, layout_version))
+            as *const std::sync::atomic::AtomicU32)
     }
     // Acquire pairs with the server's Release store in `ServerSegment::create`:
     // every identity field below was written before it.
@@ -151,7 +168,11 @@ fn validate(name: &str, file: &File) -> Result<SegmentInfo> {
         return Err(Error::NotReady { name: name.into() });
     }
     if version != LAYOUT_VERSION {
-        return Err(Error::LayoutVersion { name: name.into(), found: version, expected: LAYOUT_VERSION });
+        return Err(Error::LayoutVersion {
+            name: name.into(),
+            found: version,
+            expected: LAYOUT_VERSION,
+        });
     }
     let geometry = Geometry {
         max_clients: header_field_u32(&map, o!(SegmentHeader, max_clients)),
@@ -160,7 +181,10 @@ fn validate(name: &str, file: &File) -> Result<SegmentInfo> {
         max_frame_bytes: header_field_u32(&map, o!(SegmentHeader, max_frame_bytes)),
         job_slots: header_field_u32(&map, o!(SegmentHeader, job_slots)),
     };
-    let bad = |reason: String| Error::BadTable { name: name.into(), reason };
+    let bad = |reason: String| Error::BadTable {
+        name: name.into(),
+        reason,
+    };
     geometry.validate().map_err(bad)?;
     let expected = geometry.offsets();
     let found = Offsets {
@@ -174,13 +198,19 @@ fn validate(name: &str, file: &File) -> Result<SegmentInfo> {
         segment_bytes: header_field_u64(&map, o!(SegmentHeader, segment_bytes)),
     };
     if found != expected {
-        return Err(bad(format!("table {found:?} does not match geometry {geometry:?}")));
+        return Err(bad(format!(
+            "table {found:?} does not match geometry {geometry:?}"
+        )));
     }
     if header_field_u32(&map, o!(SegmentHeader, header_bytes)) as usize != PAGE {
         return Err(bad("header size is not one page".into()));
     }
     if len < expected.segment_bytes {
-        return Err(Error::Truncated { name: name.into(), len, expected: expected.segment_bytes });
+        return Err(Error::Truncated {
+            name: name.into(),
+            len,
+            expected: expected.segment_bytes,
+        });
     }
     Ok(SegmentInfo {
         name: name.into(),
@@ -212,15 +242,19 @@ impl ReadOnlySegment {
 
     /// Opens and validates the shm object `shm_name` (with leading '/').
     pub fn open_shm(shm_name: &str) -> Result<ReadOnlySegment> {
-        let fd = nix::sys::mman::shm_open(shm_name, OFlag::O_RDONLY | OFlag::O_CLOEXEC, Mode::empty())
-            .map_err(nix_err(format!("shm_open {shm_name}")))?;
+        let fd =
+            nix::sys::mman::shm_open(shm_name, OFlag::O_RDONLY | OFlag::O_CLOEXEC, Mode::empty())
+                .map_err(nix_err(format!("shm_open {shm_name}")))?;
         let file = File::from(fd);
         let info = validate(shm_name, &file)?;
         let map = MmapOptions::new()
             .len(info.segment_bytes as usize)
             .map_raw_read_only(&file)
             .map_err(crate::error::io(format!("mmap {shm_name}")))?;
-        Ok(ReadOnlySegment { mapping: Mapping { map, info }, file })
+        Ok(ReadOnlySegment {
+            mapping: Mapping { map, info },
+            file,
+        })
     }
 
     /// Whether the server that owns this segment is alive (its liveness lock
@@ -269,7 +303,12 @@ impl ClientSegment {
             .len(mapping.info.offsets.client_block_stride as usize)
             .map_raw(&file)
             .map_err(crate::error::io("mmap client block"))?;
-        Ok(ClientSegment { mapping, doorbell_rw, block_rw, file })
+        Ok(ClientSegment {
+            mapping,
+            doorbell_rw,
+            block_rw,
+            file,
+        })
     }
 
     /// The doorbell page, writable.
@@ -294,7 +333,9 @@ impl ClientSegment {
 
     /// Whether the server's liveness lock is held (it is alive).
     pub fn server_alive(&self) -> bool {
-        liveness::probe_lock(self.file.as_fd()).map(|p| p == LockProbe::Held).unwrap_or(false)
+        liveness::probe_lock(self.file.as_fd())
+            .map(|p| p == LockProbe::Held)
+            .unwrap_or(false)
     }
 }
 
@@ -327,16 +368,19 @@ impl ServerSegment {
                     let pid = ReadOnlySegment::open_shm(shm_name)
                         .map(|s| s.mapping.info.server_pid)
                         .unwrap_or(0);
-                    return Err(Error::AlreadyRunning { name: shm_name.into(), pid });
+                    return Err(Error::AlreadyRunning {
+                        name: shm_name.into(),
+                        pid,
+                    });
                 }
                 match validate(shm_name, &file) {
                     Ok(info) => epoch_floor = info.epoch,
                     Err(Error::NotKvring { found: 0, .. }) if file_len(&file) == 0 => {}
-                    Err(
-                        e @ (Error::WrongOwner { .. } | Error::NotKvring { .. }),
-                    ) => {
+                    Err(e @ (Error::WrongOwner { .. } | Error::NotKvring { .. })) => {
                         return Err(match e {
-                            Error::NotKvring { .. } => Error::NotOurs { name: shm_name.into() },
+                            Error::NotKvring { .. } => Error::NotOurs {
+                                name: shm_name.into(),
+                            },
                             e => e,
                         })
                     }
@@ -344,7 +388,8 @@ impl ServerSegment {
                     // half-initialised, whose server is dead: stale.
                     Err(_) => {}
                 }
-                nix::sys::mman::shm_unlink(shm_name).map_err(nix_err(format!("shm_unlink {shm_name}")))?;
+                nix::sys::mman::shm_unlink(shm_name)
+                    .map_err(nix_err(format!("shm_unlink {shm_name}")))?;
             }
             Err(nix::errno::Errno::ENOENT) => {}
             Err(e) => return Err(nix_err(format!("shm_open {shm_name}"))(e)),
@@ -357,10 +402,14 @@ impl ServerSegment {
         )
         .map_err(nix_err(format!("shm_open(O_EXCL) {shm_name}")))?;
         if !liveness::try_lock(fd.as_fd()).map_err(crate::error::io("lock segment"))? {
-            return Err(Error::AlreadyRunning { name: shm_name.into(), pid: 0 });
+            return Err(Error::AlreadyRunning {
+                name: shm_name.into(),
+                pid: 0,
+            });
         }
         let off = geometry.offsets();
-        nix::unistd::ftruncate(&fd, off.segment_bytes as i64).map_err(nix_err("ftruncate segment"))?;
+        nix::unistd::ftruncate(&fd, off.segment_bytes as i64)
+            .map_err(nix_err("ftruncate segment"))?;
         let file = File::from(fd);
         let map = MmapOptions::new()
             .len(off.segment_bytes as usize)
@@ -388,7 +437,8 @@ impl ServerSegment {
         h.epoch.store(epoch, r);
         h.server_pid.store(mapping.info.server_pid, r);
         h.server_uid.store(mapping.info.server_uid, r);
-        h.server_start_ticks.store(mapping.info.server_start_ticks, r);
+        h.server_start_ticks
+            .store(mapping.info.server_start_ticks, r);
         h.created_unix_ns.store(mapping.info.created_unix_ns, r);
         h.max_clients.store(geometry.max_clients, r);
         h.job_slots.store(geometry.job_slots, r);
@@ -406,9 +456,15 @@ impl ServerSegment {
         // Published last. Release pairs with the Acquire load in `validate`.
         h.layout_version.store(LAYOUT_VERSION, Ordering::Release);
 
-        let share_fd = nix::sys::mman::shm_open(shm_name, OFlag::O_RDWR | OFlag::O_CLOEXEC, Mode::empty())
-            .map_err(nix_err("reopen segment for clients"))?;
-        Ok(ServerSegment { mapping, _lock_fd: OwnedFd::from(file), share_fd, shm_name: shm_name.into() })
+        let share_fd =
+            nix::sys::mman::shm_open(shm_name, OFlag::O_RDWR | OFlag::O_CLOEXEC, Mode::empty())
+                .map_err(nix_err("reopen segment for clients"))?;
+        Ok(ServerSegment {
+            mapping,
+            _lock_fd: OwnedFd::from(file),
+            share_fd,
+            shm_name: shm_name.into(),
+        })
     }
 
     /// The description to hand to clients.

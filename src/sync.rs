@@ -5,18 +5,16 @@
 //! under loom; everything that maps real memory is `cfg(not(loom))`.
 
 #[cfg(loom)]
-pub(crate) use loom::sync::atomic::{fence, AtomicU32, AtomicU64};
+pub(crate) use loom::sync::atomic::AtomicU64;
 #[cfg(not(loom))]
-pub(crate) use std::sync::atomic::{fence, AtomicU32, AtomicU64};
+pub(crate) use std::sync::atomic::{AtomicU32, AtomicU64};
 
 pub(crate) use std::sync::atomic::Ordering;
 
-/// A hint inside a busy-wait loop. Under loom it yields to the model's
-/// scheduler, which is what makes spinning loops checkable.
+/// A busy-wait step in loom tests: yields to the model's scheduler, which is
+/// what makes spinning loops checkable.
+#[cfg(all(test, loom))]
 #[inline(always)]
 pub(crate) fn spin_hint() {
-    #[cfg(loom)]
     loom::thread::yield_now();
-    #[cfg(not(loom))]
-    std::hint::spin_loop();
 }

@@ -94,10 +94,10 @@ pub fn wait_until<T, E>(
     }
     let start = Instant::now();
     let mut last_check = start;
+    let park_at_once = policy.spin.is_zero() && policy.yield_for.is_zero();
     // Spin, then yield; check the clock only every 64 rounds.
-    let mut round: u32 = 0;
-    loop {
-        round = round.wrapping_add(1);
+    let mut spinning = !park_at_once;
+    while spinning {
         for _ in 0..64 {
             if let Some(v) = ready() {
                 return Ok(v);
@@ -120,7 +120,7 @@ pub fn wait_until<T, E>(
             std::thread::yield_now();
             continue;
         }
-        break;
+        spinning = false;
     }
     loop {
         let now = Instant::now();
@@ -195,18 +195,27 @@ mod tests {
         let t = std::thread::spawn(move || {
             std::thread::sleep(Duration::from_millis(30));
             c2.flag.store(true, Ordering::Release);
-            notify(Parking { sleeping: &c2.sleeping, doorbell: &c2.doorbell })
+            notify(Parking {
+                sleeping: &c2.sleeping,
+                doorbell: &c2.doorbell,
+            })
         });
         let start = Instant::now();
         let r: Result<(), WaitEnd<()>> = wait_until(
             &WaitPolicy::PARK,
-            Parking { sleeping: &c.sleeping, doorbell: &c.doorbell },
+            Parking {
+                sleeping: &c.sleeping,
+                doorbell: &c.doorbell,
+            },
             Instant::now() + Duration::from_secs(5),
             || c.flag.load(Ordering::Acquire).then_some(()),
             || Ok(()),
         );
         assert!(r.is_ok());
-        assert!(t.join().unwrap(), "the waiter was parked, so notify had to wake it");
+        assert!(
+            t.join().unwrap(),
+            "the waiter was parked, so notify had to wake it"
+        );
         assert!(start.elapsed() < Duration::from_secs(1));
     }
 
@@ -216,14 +225,20 @@ mod tests {
         let start = Instant::now();
         let r: Result<(), WaitEnd<()>> = wait_until(
             &WaitPolicy::default(),
-            Parking { sleeping: &c.sleeping, doorbell: &c.doorbell },
+            Parking {
+                sleeping: &c.sleeping,
+                doorbell: &c.doorbell,
+            },
             Instant::now() + Duration::from_millis(120),
             || None,
             || Ok(()),
         );
         assert_eq!(r, Err(WaitEnd::Timeout));
         let e = start.elapsed();
-        assert!(e >= Duration::from_millis(120) && e < Duration::from_secs(2), "{e:?}");
+        assert!(
+            e >= Duration::from_millis(120) && e < Duration::from_secs(2),
+            "{e:?}"
+        );
     }
 
     #[test]
@@ -232,7 +247,10 @@ mod tests {
         let mut calls = 0;
         let r: Result<(), WaitEnd<&str>> = wait_until(
             &WaitPolicy::PARK,
-            Parking { sleeping: &c.sleeping, doorbell: &c.doorbell },
+            Parking {
+                sleeping: &c.sleeping,
+                doorbell: &c.doorbell,
+            },
             Instant::now() + Duration::from_secs(30),
             || None,
             || {
@@ -250,7 +268,10 @@ mod tests {
     #[test]
     fn notify_without_sleeper_makes_no_wake() {
         let c = cell();
-        assert!(!notify(Parking { sleeping: &c.sleeping, doorbell: &c.doorbell }));
+        assert!(!notify(Parking {
+            sleeping: &c.sleeping,
+            doorbell: &c.doorbell
+        }));
         assert_eq!(c.doorbell.load(Ordering::Relaxed), 0);
     }
 }

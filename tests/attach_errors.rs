@@ -25,8 +25,12 @@ fn real_segment_bytes(s: &Scope) -> Vec<u8> {
 
 fn write_shm(shm_name: &str, bytes: &[u8]) {
     let _ = nix::sys::mman::shm_unlink(shm_name);
-    let fd = nix::sys::mman::shm_open(shm_name, OFlag::O_RDWR | OFlag::O_CREAT | OFlag::O_EXCL, Mode::S_IRUSR | Mode::S_IWUSR)
-        .unwrap();
+    let fd = nix::sys::mman::shm_open(
+        shm_name,
+        OFlag::O_RDWR | OFlag::O_CREAT | OFlag::O_EXCL,
+        Mode::S_IRUSR | Mode::S_IWUSR,
+    )
+    .unwrap();
     nix::unistd::write(&fd, bytes).unwrap();
 }
 
@@ -42,7 +46,11 @@ fn another_layout_version_is_refused() {
     bytes[8..12].copy_from_slice(&(LAYOUT_VERSION + 1).to_le_bytes());
     write_shm(&s.shm_name(), &bytes);
     match ReadOnlySegment::open(&s.name) {
-        Err(e @ Error::LayoutVersion { found, expected, .. }) => {
+        Err(
+            e @ Error::LayoutVersion {
+                found, expected, ..
+            },
+        ) => {
             assert_eq!((found, expected), (LAYOUT_VERSION + 1, LAYOUT_VERSION));
             assert!(e.to_string().contains("layout version"), "{e}");
         }
@@ -59,7 +67,10 @@ fn an_unpublished_segment_is_not_attached() {
     let mut bytes = real_segment_bytes(&s);
     bytes[8..12].copy_from_slice(&0u32.to_le_bytes());
     write_shm(&s.shm_name(), &bytes);
-    assert!(matches!(ReadOnlySegment::open(&s.name), Err(Error::NotReady { .. })));
+    assert!(matches!(
+        ReadOnlySegment::open(&s.name),
+        Err(Error::NotReady { .. })
+    ));
 }
 
 #[test]
@@ -70,7 +81,9 @@ fn a_truncated_segment_is_refused() {
     for len in [bytes.len() - 4096, 4096, 100] {
         write_shm(&s.shm_name(), &bytes[..len]);
         match ReadOnlySegment::open(&s.name) {
-            Err(Error::Truncated { len: l, expected, .. }) => {
+            Err(Error::Truncated {
+                len: l, expected, ..
+            }) => {
                 assert_eq!(l, len as u64);
                 assert!(expected > l);
             }
@@ -90,7 +103,10 @@ fn a_bad_region_table_is_refused() {
     let off = u64::from_le_bytes(bytes[120..128].try_into().unwrap()) + 4096;
     bytes[120..128].copy_from_slice(&off.to_le_bytes());
     write_shm(&s.shm_name(), &bytes);
-    assert!(matches!(ReadOnlySegment::open(&s.name), Err(Error::BadTable { .. })));
+    assert!(matches!(
+        ReadOnlySegment::open(&s.name),
+        Err(Error::BadTable { .. })
+    ));
 }
 
 #[test]
@@ -112,7 +128,10 @@ fn a_foreign_object_is_refused_and_never_replaced() {
         .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("not a kvring segment; not replacing it"), "{err}");
+    assert!(
+        err.contains("not a kvring segment; not replacing it"),
+        "{err}"
+    );
     assert_eq!(shm_bytes(&s), bytes, "the foreign object was modified");
 }
 
@@ -129,7 +148,11 @@ fn a_segment_owned_by_another_user_is_refused() {
     let path = format!("/dev/shm{}", s.shm_name());
     std::os::unix::fs::chown(&path, Some(65534), Some(65534)).unwrap();
     match ReadOnlySegment::open(&s.name) {
-        Err(Error::WrongOwner { owner: 65534, me: 0, .. }) => {}
+        Err(Error::WrongOwner {
+            owner: 65534,
+            me: 0,
+            ..
+        }) => {}
         Err(e) => panic!("expected WrongOwner, got {e}"),
         Ok(_) => panic!("attached to another user's segment"),
     }

@@ -15,7 +15,9 @@ use std::time::{Duration, Instant};
 
 /// Child roles, run when this binary is re-executed by `Scope::child`.
 fn child_main() -> bool {
-    let Some((role, name, dir)) = child_role() else { return false };
+    let Some((role, name, dir)) = child_role() else {
+        return false;
+    };
     let mut c = kvring::Client::connect_in(&dir, &name).expect("child connect");
     match role.as_str() {
         "mid-message" => {
@@ -42,7 +44,11 @@ fn ping_round_trips_between_processes() {
     let mut c = s.client();
     for size in [0usize, 1, 7, 8, 64, 1000, c.max_payload()] {
         let payload: Vec<u8> = (0..size).map(|i| (i * 7 + size) as u8).collect();
-        assert_eq!(c.ping(&payload, Duration::from_secs(5)).unwrap(), payload, "size {size}");
+        assert_eq!(
+            c.ping(&payload, Duration::from_secs(5)).unwrap(),
+            payload,
+            "size {size}"
+        );
     }
     // Pipelined: many requests in flight, completions in order.
     for i in 0..100u64 {
@@ -50,7 +56,9 @@ fn ping_round_trips_between_processes() {
     }
     c.flush();
     for i in 0..100u64 {
-        let done = c.wait_completion(Instant::now() + Duration::from_secs(5)).unwrap();
+        let done = c
+            .wait_completion(Instant::now() + Duration::from_secs(5))
+            .unwrap();
         assert_eq!(done.user_data, i);
         assert_eq!(done.payload, i.to_le_bytes());
     }
@@ -60,7 +68,11 @@ fn ping_round_trips_between_processes() {
         .arg(&s.dir)
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(String::from_utf8_lossy(&out.stdout).contains("50 pings of 64 bytes"));
 }
 
@@ -75,11 +87,17 @@ fn oversized_request_is_refused_with_the_bound() {
     let mut c = s.client();
     assert_eq!(c.max_payload(), 4096 - 24);
     match c.ping(&vec![1u8; 4096], Duration::from_secs(1)) {
-        Err(Error::Ring(RingError::TooLarge { len: 4096, max: 4072 })) => {}
+        Err(Error::Ring(RingError::TooLarge {
+            len: 4096,
+            max: 4072,
+        })) => {}
         other => panic!("expected TooLarge, got {other:?}"),
     }
     // Still usable.
-    assert_eq!(c.ping(&[3u8; 4072], Duration::from_secs(5)).unwrap(), vec![3u8; 4072]);
+    assert_eq!(
+        c.ping(&[3u8; 4072], Duration::from_secs(5)).unwrap(),
+        vec![3u8; 4072]
+    );
 }
 
 #[test]
@@ -89,7 +107,14 @@ fn credits_bound_requests_in_flight_to_the_completion_ring() {
     }
     let _w = watchdog(Duration::from_secs(30));
     let s = Scope::new("credit");
-    let _srv = s.server(&["--cq-ring-bytes", "16384", "--req-ring-bytes", "65536", "--max-frame-bytes", "4096"]);
+    let _srv = s.server(&[
+        "--cq-ring-bytes",
+        "16384",
+        "--req-ring-bytes",
+        "65536",
+        "--max-frame-bytes",
+        "4096",
+    ]);
     let mut c = s.client();
     let payload = [5u8; 1000];
     let per = kvring::ring::frame_bytes(1000);
@@ -105,7 +130,12 @@ fn credits_bound_requests_in_flight_to_the_completion_ring() {
     assert!(matches!(err, Error::Ring(RingError::Full { .. })), "{err}");
     c.flush();
     for i in 0..n {
-        assert_eq!(c.wait_completion(Instant::now() + Duration::from_secs(5)).unwrap().user_data, i);
+        assert_eq!(
+            c.wait_completion(Instant::now() + Duration::from_secs(5))
+                .unwrap()
+                .user_data,
+            i
+        );
     }
     assert_eq!(c.credits(), 16384);
 }
@@ -125,16 +155,24 @@ fn stale_session_frames_are_never_served() {
         user_data: 0xdead,
         ..Default::default()
     };
-    c.submit_raw(stale, b"from a previous occupant", false).unwrap();
+    c.submit_raw(stale, b"from a previous occupant", false)
+        .unwrap();
     // The next completion is the real ping's, not the stale frame's.
     assert_eq!(c.ping(b"mine", Duration::from_secs(5)).unwrap(), b"mine");
     let ro = ReadOnlySegment::open(&s.name).unwrap();
     let sb = ro.mapping.server_client(c.slot());
     assert_eq!(sb.requests_rejected.load(Ordering::Relaxed), 1);
     // An unknown opcode gets an error completion, and the ring goes on.
-    let bad = FrameHeader { opcode: 999, session: c.session(), user_data: 7, ..Default::default() };
+    let bad = FrameHeader {
+        opcode: 999,
+        session: c.session(),
+        user_data: 7,
+        ..Default::default()
+    };
     c.submit_raw(bad, &[], true).unwrap();
-    let done = c.wait_completion(Instant::now() + Duration::from_secs(5)).unwrap();
+    let done = c
+        .wait_completion(Instant::now() + Duration::from_secs(5))
+        .unwrap();
     assert_eq!(done.status, kvring::proto::Status::UnknownOpcode as i32);
     assert_eq!(c.ping(b"again", Duration::from_secs(5)).unwrap(), b"again");
 }
@@ -148,7 +186,10 @@ fn killed_client_is_reclaimed_within_a_second_and_others_are_unaffected() {
     let s = Scope::new("kill");
     let _srv = s.server(&[]);
     let mut other = s.client();
-    let mut victim = s.child("killed_client_is_reclaimed_within_a_second_and_others_are_unaffected", "mid-message");
+    let mut victim = s.child(
+        "killed_client_is_reclaimed_within_a_second_and_others_are_unaffected",
+        "mid-message",
+    );
     let line = victim.expect_line("ready");
     let slot: u32 = line.trim_start_matches("ready slot=").parse().unwrap();
     let ro = ReadOnlySegment::open(&s.name).unwrap();
@@ -165,18 +206,29 @@ fn killed_client_is_reclaimed_within_a_second_and_others_are_unaffected() {
         sb.state.load(Ordering::Acquire) == SlotState::Free as u32
             && h.clients_reclaimed.load(Ordering::Relaxed) == reclaimed_before + 1
     });
-    assert!(took.is_some(), "slot {slot} not reclaimed within 1 s of the kill");
+    assert!(
+        took.is_some(),
+        "slot {slot} not reclaimed within 1 s of the kill"
+    );
     eprintln!("reclaimed {:?} after the kill", killed_at.elapsed());
     assert_eq!(h.clients_connected.load(Ordering::Relaxed), 1);
     for i in 0..1000u32 {
-        assert_eq!(other.ping(&i.to_le_bytes(), Duration::from_secs(5)).unwrap(), i.to_le_bytes());
+        assert_eq!(
+            other
+                .ping(&i.to_le_bytes(), Duration::from_secs(5))
+                .unwrap(),
+            i.to_le_bytes()
+        );
     }
     // The slot is reused with a new session and a clean ring.
     let old_session = sb.session.load(Ordering::Relaxed);
     let mut fresh = s.client();
     assert_eq!(fresh.slot(), slot);
     assert_ne!(fresh.session(), old_session);
-    assert_eq!(fresh.ping(b"new occupant", Duration::from_secs(5)).unwrap(), b"new occupant");
+    assert_eq!(
+        fresh.ping(b"new occupant", Duration::from_secs(5)).unwrap(),
+        b"new occupant"
+    );
 }
 
 #[test]
@@ -205,7 +257,10 @@ fn killed_server_ends_a_waiting_client_with_server_gone_and_restarts() {
     let killed_at = killer.join().unwrap();
     assert!(matches!(r, Err(Error::ServerGone)), "{r:?}");
     let lag = ended.saturating_duration_since(killed_at);
-    assert!(lag < Duration::from_secs(1), "wait ended {lag:?} after the kill");
+    assert!(
+        lag < Duration::from_secs(1),
+        "wait ended {lag:?} after the kill"
+    );
     eprintln!("wait ended {lag:?} after the kill");
     assert!(c.server_gone());
 
@@ -215,7 +270,10 @@ fn killed_server_ends_a_waiting_client_with_server_gone_and_restarts() {
     let _srv2 = s.server(&[]);
     let mut c2 = s.client();
     assert!(c2.epoch() > epoch);
-    assert_eq!(c2.ping(b"after restart", Duration::from_secs(5)).unwrap(), b"after restart");
+    assert_eq!(
+        c2.ping(b"after restart", Duration::from_secs(5)).unwrap(),
+        b"after restart"
+    );
 }
 
 #[test]
@@ -235,7 +293,9 @@ fn wedged_server_ends_a_wait_at_its_deadline() {
     assert!(t.elapsed() >= Duration::from_millis(300) && t.elapsed() < Duration::from_secs(2));
     // Resumed, the server answers the request that was waiting.
     srv.signal(libc::SIGCONT);
-    let done = c.wait_completion(Instant::now() + Duration::from_secs(5)).unwrap();
+    let done = c
+        .wait_completion(Instant::now() + Duration::from_secs(5))
+        .unwrap();
     assert_eq!((done.user_data, done.payload.as_slice()), (5, &b"late"[..]));
 }
 
@@ -254,13 +314,25 @@ fn a_live_server_is_never_taken_over_and_sigterm_cleans_up() {
         .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("already running") && err.contains(&format!("pid {}", srv.pid())), "{err}");
+    assert!(
+        err.contains("already running") && err.contains(&format!("pid {}", srv.pid())),
+        "{err}"
+    );
     let mut c = s.client();
-    assert_eq!(c.ping(b"still mine", Duration::from_secs(5)).unwrap(), b"still mine");
+    assert_eq!(
+        c.ping(b"still mine", Duration::from_secs(5)).unwrap(),
+        b"still mine"
+    );
     drop(c);
     assert!(srv.terminate().success());
-    assert!(!s.dir.join(format!("{}.sock", s.name)).exists(), "socket left behind");
-    assert!(!std::path::Path::new(&format!("/dev/shm{}", s.shm_name())).exists(), "segment left behind");
+    assert!(
+        !s.dir.join(format!("{}.sock", s.name)).exists(),
+        "socket left behind"
+    );
+    assert!(
+        !std::path::Path::new(&format!("/dev/shm{}", s.shm_name())).exists(),
+        "segment left behind"
+    );
 }
 
 #[test]
@@ -279,7 +351,9 @@ fn a_full_server_refuses_with_no_free_slot() {
     a.ping(b"ok", Duration::from_secs(5)).unwrap();
     drop(a);
     // A clean goodbye frees the slot at once.
-    let ok = eventually(Duration::from_secs(2), || kvring::Client::connect_in(&s.dir, &s.name).is_ok());
+    let ok = eventually(Duration::from_secs(2), || {
+        kvring::Client::connect_in(&s.dir, &s.name).is_ok()
+    });
     assert!(ok.is_some());
 }
 
@@ -290,7 +364,10 @@ fn no_server_is_a_clear_error() {
     }
     let s = Scope::new("none");
     let paths = kvring::rundir::ServerPaths::in_dir(&s.name, &s.dir).unwrap();
-    let opts = kvring::ClientOptions { connect_timeout: Duration::from_millis(50), ..Default::default() };
+    let opts = kvring::ClientOptions {
+        connect_timeout: Duration::from_millis(50),
+        ..Default::default()
+    };
     match kvring::Client::connect_with(&paths, &opts) {
         Err(e @ Error::NoServer { .. }) => assert!(e.to_string().contains(&s.name)),
         other => panic!("expected NoServer, got {:?}", other.map(|c| c.slot())),

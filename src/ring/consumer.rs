@@ -43,7 +43,10 @@ impl Consumer {
         // SAFETY: the caller guarantees `head` and `tail` are valid. The head
         // is ours; Acquire on tail pairs with the producer's Release store.
         let (head, tail) = unsafe {
-            ((*ptrs.head).load(Ordering::Relaxed), (*ptrs.tail).load(Ordering::Acquire))
+            (
+                (*ptrs.head).load(Ordering::Relaxed),
+                (*ptrs.tail).load(Ordering::Acquire),
+            )
         };
         if tail % 8 != 0 || head % 8 != 0 || tail.wrapping_sub(head) > ptrs.capacity as u64 {
             return Err(RingError::Corrupt("indices out of range at attach"));
@@ -132,10 +135,15 @@ impl Consumer {
     /// `None` when the ring is empty. The space is released at `release`.
     #[inline]
     pub fn pop(&mut self, buf: &mut [u64]) -> Result<Option<FrameHeader>, RingError> {
-        let Some(h) = self.peek()? else { return Ok(None) };
+        let Some(h) = self.peek()? else {
+            return Ok(None);
+        };
         let len = h.len as usize;
         let words = len.div_ceil(8);
-        assert!(buf.len() >= words, "pop buffer smaller than the frame bound");
+        assert!(
+            buf.len() >= words,
+            "pop buffer smaller than the frame bound"
+        );
         let base = self.local_head / 8 + HEADER_WORDS as u64;
         for (i, w) in buf[..words].iter_mut().enumerate() {
             *w = self.load(base + i as u64);
@@ -146,7 +154,9 @@ impl Consumer {
 
     /// Skips the next frame without copying its payload.
     pub fn skip(&mut self) -> Result<Option<FrameHeader>, RingError> {
-        let Some(h) = self.peek()? else { return Ok(None) };
+        let Some(h) = self.peek()? else {
+            return Ok(None);
+        };
         self.local_head += frame_bytes(h.len as usize) as u64;
         Ok(Some(h))
     }

@@ -42,7 +42,11 @@ fn run(frames: u64, start: u64) {
         // SAFETY: `r2` keeps the ring alive for the producer's life.
         let mut p = unsafe { Producer::new(ptrs(&r2)).unwrap() };
         for i in 1..=frames {
-            let h = FrameHeader { opcode: 1, user_data: i, ..Default::default() };
+            let h = FrameHeader {
+                opcode: 1,
+                user_data: i,
+                ..Default::default()
+            };
             loop {
                 match p.write_words(&h, &[i, !i]) {
                     Ok(()) => break,

@@ -98,7 +98,7 @@ pub struct RingPtrs {
     pub max_frame: usize,
 }
 
-#[cfg(all(test, not(loom)))]
-mod tests;
 #[cfg(all(test, loom))]
 mod loom_tests;
+#[cfg(all(test, not(loom)))]
+mod tests;

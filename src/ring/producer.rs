@@ -42,7 +42,10 @@ impl Producer {
         let (tail, head) = unsafe {
             // Acquire on head pairs with the consumer's Release store of head;
             // the tail is ours, nobody else writes it.
-            ((*ptrs.tail).load(Ordering::Relaxed), (*ptrs.head).load(Ordering::Acquire))
+            (
+                (*ptrs.tail).load(Ordering::Relaxed),
+                (*ptrs.head).load(Ordering::Acquire),
+            )
         };
         if tail % 8 != 0 || head % 8 != 0 || tail.wrapping_sub(head) > ptrs.capacity as u64 {
             return Err(RingError::Corrupt("indices out of range at attach"));
@@ -112,7 +115,10 @@ impl Producer {
     pub fn write(&mut self, header: &FrameHeader, payload: &[u8]) -> Result<(), RingError> {
         let need = frame_bytes(payload.len());
         if need > self.max_frame {
-            return Err(RingError::TooLarge { len: payload.len(), max: self.max_payload() });
+            return Err(RingError::TooLarge {
+                len: payload.len(),
+                max: self.max_payload(),
+            });
         }
         if (self.cached_free() as usize) < need {
             self.refresh_head()?;
@@ -148,7 +154,10 @@ impl Producer {
     pub fn write_words(&mut self, header: &FrameHeader, payload: &[u64]) -> Result<(), RingError> {
         let need = super::HEADER_BYTES + payload.len() * 8;
         if need > self.max_frame {
-            return Err(RingError::TooLarge { len: payload.len() * 8, max: self.max_payload() });
+            return Err(RingError::TooLarge {
+                len: payload.len() * 8,
+                max: self.max_payload(),
+            });
         }
         if (self.cached_free() as usize) < need {
             self.refresh_head()?;

@@ -29,12 +29,22 @@ impl HeapRing {
     }
     fn pair(&self) -> (Producer, Consumer) {
         // SAFETY: the HeapRing outlives both halves in every test below.
-        unsafe { (Producer::new(self.ptrs()).unwrap(), Consumer::new(self.ptrs()).unwrap()) }
+        unsafe {
+            (
+                Producer::new(self.ptrs()).unwrap(),
+                Consumer::new(self.ptrs()).unwrap(),
+            )
+        }
     }
 }
 
 fn hdr(op: u16, user: u64) -> FrameHeader {
-    FrameHeader { opcode: op, user_data: user, session: 7, ..Default::default() }
+    FrameHeader {
+        opcode: op,
+        user_data: user,
+        session: 7,
+        ..Default::default()
+    }
 }
 
 #[test]
@@ -77,7 +87,10 @@ fn full_ring_refuses_then_accepts_after_release() {
     let mut buf = vec![0u64; 128];
     assert_eq!(c.pop(&mut buf).unwrap().unwrap().user_data, 0);
     // Not released yet: still full.
-    assert!(matches!(p.push(&hdr(1, n), &payload), Err(RingError::Full { .. })));
+    assert!(matches!(
+        p.push(&hdr(1, n), &payload),
+        Err(RingError::Full { .. })
+    ));
     c.release();
     p.push(&hdr(1, n), &payload).unwrap();
 }
@@ -87,7 +100,13 @@ fn oversized_frame_is_refused_with_the_bound() {
     let r = HeapRing::new(4096, 1024);
     let (mut p, _c) = r.pair();
     let err = p.push(&hdr(1, 0), &[0u8; 1001]).unwrap_err();
-    assert_eq!(err, RingError::TooLarge { len: 1001, max: 1000 });
+    assert_eq!(
+        err,
+        RingError::TooLarge {
+            len: 1001,
+            max: 1000
+        }
+    );
 }
 
 #[test]
@@ -106,7 +125,7 @@ fn batch_is_invisible_until_published() {
 #[test]
 fn corrupt_tail_and_lengths_are_detected() {
     let r = HeapRing::new(4096, 1024);
-    let (mut p, mut c) = r.pair();
+    let (_p, mut c) = r.pair();
     // Tail beyond head + capacity.
     r.tail.store(8192, Ordering::Relaxed);
     assert!(matches!(c.available(), Err(RingError::Corrupt(_))));
@@ -136,7 +155,6 @@ fn corrupt_tail_and_lengths_are_detected() {
     let (mut p2, _c2) = r2.pair();
     r2.head.store(64, Ordering::Relaxed);
     assert!(matches!(p2.free(), Err(RingError::Corrupt(_))));
-    drop(p);
 }
 
 #[test]

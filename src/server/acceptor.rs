@@ -54,7 +54,12 @@ impl<'a> Acceptor<'a> {
     fn refuse(&self, conn: Conn, status: Status) {
         let w = self.welcome(status, u32::MAX, 0);
         let _ = conn.send(bytemuck::bytes_of(&w), &[]);
-        self.shared.seg.mapping.header().clients_refused.fetch_add(1, Ordering::Relaxed);
+        self.shared
+            .seg
+            .mapping
+            .header()
+            .clients_refused
+            .fetch_add(1, Ordering::Relaxed);
     }
 
     /// Handles the first message of a new connection.
@@ -108,7 +113,8 @@ impl<'a> Acceptor<'a> {
         sb.disconnect_reason.store(DisconnectReason::None as u32, r);
         sb.pid.store(cred.pid, r);
         sb.uid.store(cred.uid, r);
-        sb.pid_start_ticks.store(liveness::process_start_ticks(cred.pid).unwrap_or(0), r);
+        sb.pid_start_ticks
+            .store(liveness::process_start_ticks(cred.pid).unwrap_or(0), r);
         sb.connected_unix_ns.store(liveness::unix_ns(), r);
         sb.session.store(session, r);
         // Release: observers that see Active see the fields above.
@@ -163,13 +169,16 @@ impl<'a> Acceptor<'a> {
         if clean || exited {
             sb.state.store(SlotState::Free as u32, Ordering::Release);
         } else {
-            sb.state.store(SlotState::Quarantined as u32, Ordering::Release);
+            sb.state
+                .store(SlotState::Quarantined as u32, Ordering::Release);
             self.slots[slot as usize] = Phase::Quarantined { pidfd };
         }
     }
 
     fn on_message(&mut self, slot: u32) {
-        let Phase::Active { conn, .. } = &self.slots[slot as usize] else { return };
+        let Phase::Active { conn, .. } = &self.slots[slot as usize] else {
+            return;
+        };
         let mut buf = [0u8; 64];
         match conn.recv(&mut buf, Duration::ZERO) {
             Ok((0, _)) => self.detach(slot, DisconnectReason::SocketClosed),
@@ -188,14 +197,26 @@ impl<'a> Acceptor<'a> {
     }
 
     fn poll_once(&mut self, listener: &Listener, tick: Duration) {
-        let mut fds = vec![libc::pollfd { fd: listener.raw_fd(), events: libc::POLLIN, revents: 0 }];
+        let mut fds = vec![libc::pollfd {
+            fd: listener.raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        }];
         for (c, _) in &self.pending {
-            fds.push(libc::pollfd { fd: c.raw_fd(), events: libc::POLLIN, revents: 0 });
+            fds.push(libc::pollfd {
+                fd: c.raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            });
         }
         let mut active = Vec::new();
         for (i, p) in self.slots.iter().enumerate() {
             if let Phase::Active { conn, .. } = p {
-                fds.push(libc::pollfd { fd: conn.raw_fd(), events: libc::POLLIN | libc::POLLRDHUP, revents: 0 });
+                fds.push(libc::pollfd {
+                    fd: conn.raw_fd(),
+                    events: libc::POLLIN | libc::POLLRDHUP,
+                    revents: 0,
+                });
                 active.push(i as u32);
             }
         }
@@ -253,11 +274,16 @@ impl<'a> Acceptor<'a> {
 
 pub(super) fn run(shared: &Shared, listener: Listener, tick: Duration) {
     let n = shared.seg.mapping.info().geometry.max_clients as usize;
-    let mut a = Acceptor { shared, slots: (0..n).map(|_| Phase::Free).collect(), pending: Vec::new() };
+    let mut a = Acceptor {
+        shared,
+        slots: (0..n).map(|_| Phase::Free).collect(),
+        pending: Vec::new(),
+    };
     let h = shared.seg.mapping.header();
     while !shared.stop.load(Ordering::Acquire) {
         // Heartbeat: observers compare it with their own CLOCK_MONOTONIC.
-        h.heartbeat_ns.store(liveness::monotonic_ns(), Ordering::Relaxed);
+        h.heartbeat_ns
+            .store(liveness::monotonic_ns(), Ordering::Relaxed);
         a.poll_once(&listener, tick);
         a.housekeeping();
     }

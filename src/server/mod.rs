@@ -129,13 +129,15 @@ impl ServerHandle {
 
     fn shutdown(&mut self) {
         let h = self.shared.seg.mapping.header();
-        h.server_state.store(ServerState::ShuttingDown as u32, Ordering::Relaxed);
+        h.server_state
+            .store(ServerState::ShuttingDown as u32, Ordering::Relaxed);
         self.shared.stop.store(true, Ordering::Release);
         self.shared.wake_ring_loop();
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
-        h.server_state.store(ServerState::Stopped as u32, Ordering::Relaxed);
+        h.server_state
+            .store(ServerState::Stopped as u32, Ordering::Relaxed);
         self.shared.seg.unlink();
     }
 }
@@ -161,7 +163,10 @@ pub fn start(cfg: ServerConfig) -> Result<ServerHandle> {
         let pid = crate::segment::ReadOnlySegment::open(&cfg.name)
             .map(|s| s.mapping.info().server_pid)
             .unwrap_or(0);
-        return Err(Error::AlreadyRunning { name: cfg.name.clone(), pid });
+        return Err(Error::AlreadyRunning {
+            name: cfg.name.clone(),
+            pid,
+        });
     }
     let seg = ServerSegment::create(&paths.shm_name, cfg.geometry)?;
     let listener = crate::bootstrap::Listener::bind(&paths.socket)
@@ -174,7 +179,12 @@ pub fn start(cfg: ServerConfig) -> Result<ServerHandle> {
         kicks: Mutex::new(Vec::new()),
         detached: Mutex::new(Vec::new()),
     });
-    shared.seg.mapping.header().server_state.store(ServerState::Running as u32, Ordering::Relaxed);
+    shared
+        .seg
+        .mapping
+        .header()
+        .server_state
+        .store(ServerState::Running as u32, Ordering::Relaxed);
     let mut threads = Vec::new();
     {
         let shared = shared.clone();
@@ -196,5 +206,10 @@ pub fn start(cfg: ServerConfig) -> Result<ServerHandle> {
                 .map_err(crate::error::io("spawn acceptor"))?,
         );
     }
-    Ok(ServerHandle { shared, threads, paths, _lock: lock })
+    Ok(ServerHandle {
+        shared,
+        threads,
+        paths,
+        _lock: lock,
+    })
 }

@@ -90,7 +90,12 @@ fn serve(shared: &Shared, c: &mut RingClient<'_>, buf: &mut [u64]) -> Result<usi
             break;
         }
         let h = c.req.pop(buf)?.expect("peeked frame");
-        let reply = FrameHeader { opcode: h.opcode, session: h.session, user_data: h.user_data, ..Default::default() };
+        let reply = FrameHeader {
+            opcode: h.opcode,
+            session: h.session,
+            user_data: h.user_data,
+            ..Default::default()
+        };
         match op {
             Some(Opcode::Ping) => {
                 let payload = &bytemuck::cast_slice::<u64, u8>(buf)[..h.len as usize];
@@ -98,7 +103,13 @@ fn serve(shared: &Shared, c: &mut RingClient<'_>, buf: &mut [u64]) -> Result<usi
                 served += 1;
             }
             None => {
-                c.cq.write(&FrameHeader { status: Status::UnknownOpcode as i32, ..reply }, &[])?;
+                c.cq.write(
+                    &FrameHeader {
+                        status: Status::UnknownOpcode as i32,
+                        ..reply
+                    },
+                    &[],
+                )?;
                 rejected += 1;
             }
         }
@@ -106,13 +117,19 @@ fn serve(shared: &Shared, c: &mut RingClient<'_>, buf: &mut [u64]) -> Result<usi
     if served + rejected > 0 {
         c.req.release();
         if c.cq.publish() {
-            wait::notify(Parking { sleeping: c.sleeping, doorbell: c.doorbell });
+            wait::notify(Parking {
+                sleeping: c.sleeping,
+                doorbell: c.doorbell,
+            });
         }
         let sb = shared.seg.mapping.server_client(c.slot);
         // Counters for observers only; Relaxed, single writer.
-        sb.requests_served.fetch_add(served as u64, Ordering::Relaxed);
-        sb.requests_rejected.fetch_add(rejected as u64, Ordering::Relaxed);
-        sb.completions_posted.fetch_add(served as u64, Ordering::Relaxed);
+        sb.requests_served
+            .fetch_add(served as u64, Ordering::Relaxed);
+        sb.requests_rejected
+            .fetch_add(rejected as u64, Ordering::Relaxed);
+        sb.completions_posted
+            .fetch_add(served as u64, Ordering::Relaxed);
     }
     Ok(served + rejected)
 }
@@ -124,7 +141,10 @@ pub(super) fn run(shared: &Shared, policy: WaitPolicy) {
     let mut active: Vec<u32> = Vec::new();
     let mut buf = vec![0u64; g.max_frame_bytes as usize / 8];
     let header = m.header();
-    let parking = Parking { sleeping: &header.server_sleeping, doorbell: &m.doorbell().server_doorbell };
+    let parking = Parking {
+        sleeping: &header.server_sleeping,
+        doorbell: &m.doorbell().server_doorbell,
+    };
     loop {
         for ev in shared.take_events() {
             match ev {
@@ -133,7 +153,11 @@ pub(super) fn run(shared: &Shared, policy: WaitPolicy) {
                         clients[slot as usize] = Some(c);
                         active.push(slot);
                     }
-                    Err(_) => shared.kicks.lock().expect("kicks").push((slot, DisconnectReason::RingCorrupt)),
+                    Err(_) => shared
+                        .kicks
+                        .lock()
+                        .expect("kicks")
+                        .push((slot, DisconnectReason::RingCorrupt)),
                 },
                 RingEvent::Detach { slot } => {
                     clients[slot as usize] = None;
@@ -155,7 +179,11 @@ pub(super) fn run(shared: &Shared, policy: WaitPolicy) {
                 Ok(n) => work += n,
                 Err(_) => {
                     c.broken = true;
-                    shared.kicks.lock().expect("kicks").push((slot, DisconnectReason::RingCorrupt));
+                    shared
+                        .kicks
+                        .lock()
+                        .expect("kicks")
+                        .push((slot, DisconnectReason::RingCorrupt));
                 }
             }
         }
@@ -165,12 +193,15 @@ pub(super) fn run(shared: &Shared, policy: WaitPolicy) {
         // Idle: spin, yield, then park until a client publishes, an event
         // arrives, or the housekeeping slice ends.
         let deadline = Instant::now() + Duration::from_millis(100);
+
         let _ = wait::wait_until(
             &policy,
             parking,
             deadline,
             || {
-                if shared.events_pending.load(Ordering::Acquire) || shared.stop.load(Ordering::Acquire) {
+                if shared.events_pending.load(Ordering::Acquire)
+                    || shared.stop.load(Ordering::Acquire)
+                {
                     return Some(());
                 }
                 for &slot in &active {

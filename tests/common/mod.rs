@@ -73,7 +73,11 @@ impl Scope {
                     }
                 }
             }
-            assert!(Instant::now() < deadline, "server {} did not come up", self.name);
+            assert!(
+                Instant::now() < deadline,
+                "server {} did not come up",
+                self.name
+            );
             std::thread::sleep(Duration::from_millis(5));
         }
     }
