@@ -61,6 +61,9 @@ fn main() {
     }
 }
 
+/// Takes `n` round-trip samples (ns) of one transport.
+type Sampler = Box<dyn Fn(usize) -> Vec<u64>>;
+
 fn ring(json_out: bool, iters: usize, pipelined: u64) {
     let (client_cpu, server_cpu) = peers::cpus();
     eprintln!(
@@ -68,7 +71,7 @@ fn ring(json_out: bool, iters: usize, pipelined: u64) {
     );
     let timer = Summary::of(peers::timer_overhead(iters));
     let mut rtt = serde_json::Map::new();
-    let runs: Vec<(&str, Box<dyn Fn(usize) -> Vec<u64>>)> = vec![
+    let runs: Vec<(&str, Sampler)> = vec![
         ("floor", Box::new(peers::floor)),
         ("kvring_spin", Box::new(|n| peers::kvring_rtt(n, true))),
         ("kvring_futex", Box::new(|n| peers::kvring_rtt(n, false))),
