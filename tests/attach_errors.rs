@@ -121,11 +121,7 @@ fn a_foreign_object_is_refused_and_never_replaced() {
         Ok(_) => panic!("attached to a foreign object"),
     }
     // A server of that name refuses to start rather than replace it.
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvring"))
-        .args(["serve", "--name", &s.name, "--runtime-dir"])
-        .arg(&s.dir)
-        .output()
-        .unwrap();
+    let out = s.serve_output();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -156,11 +152,7 @@ fn a_segment_owned_by_another_user_is_refused() {
         Err(e) => panic!("expected WrongOwner, got {e}"),
         Ok(_) => panic!("attached to another user's segment"),
     }
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvring"))
-        .args(["serve", "--name", &s.name, "--runtime-dir"])
-        .arg(&s.dir)
-        .output()
-        .unwrap();
+    let out = s.serve_output();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("owned by uid 65534"));
     assert_eq!(shm_bytes(&s), bytes);

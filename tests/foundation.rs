@@ -307,11 +307,7 @@ fn a_live_server_is_never_taken_over_and_sigterm_cleans_up() {
     let _w = watchdog(Duration::from_secs(30));
     let s = Scope::new("twice");
     let mut srv = s.server(&[]);
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvring"))
-        .args(["serve", "--name", &s.name, "--runtime-dir"])
-        .arg(&s.dir)
-        .output()
-        .unwrap();
+    let out = s.serve_output();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(

@@ -61,6 +61,16 @@ impl Scope {
         p
     }
 
+    /// Runs `kvring serve` for this scope to completion (for start-up
+    /// failures) and returns its output.
+    pub fn serve_output(&self) -> std::process::Output {
+        Command::new(env!("CARGO_BIN_EXE_kvring"))
+            .args(["serve", "--name", &self.name, "--runtime-dir"])
+            .arg(&self.dir)
+            .output()
+            .expect("run kvring serve")
+    }
+
     /// Waits until the server's segment is published and its socket exists.
     pub fn wait_ready(&self) {
         let deadline = Instant::now() + Duration::from_secs(10);
