@@ -109,6 +109,19 @@ impl Producer {
         (self.local_tail - self.cached_head) as usize
     }
 
+    /// Fails with `Full` unless `need` bytes are free (reads the shared head
+    /// only when the cached copy says there is not enough).
+    #[inline]
+    fn ensure(&mut self, need: usize) -> Result<(), RingError> {
+        if !self.has_room(need)? {
+            return Err(RingError::Full {
+                need,
+                free: self.cached_free() as usize,
+            });
+        }
+        Ok(())
+    }
+
     /// Writes one frame without publishing it. Fails with `TooLarge` when the
     /// payload exceeds the frame bound, `Full` when there is no room now.
     #[inline]
@@ -120,13 +133,7 @@ impl Producer {
                 max: self.max_payload(),
             });
         }
-        if (self.cached_free() as usize) < need {
-            self.refresh_head()?;
-            let free = self.cached_free() as usize;
-            if free < need {
-                return Err(RingError::Full { need, free });
-            }
-        }
+        self.ensure(need)?;
         let mut h = *header;
         h.len = payload.len() as u32;
         let mut w = self.local_tail / 8;
@@ -159,13 +166,7 @@ impl Producer {
                 max: self.max_payload(),
             });
         }
-        if (self.cached_free() as usize) < need {
-            self.refresh_head()?;
-            let free = self.cached_free() as usize;
-            if free < need {
-                return Err(RingError::Full { need, free });
-            }
-        }
+        self.ensure(need)?;
         let mut h = *header;
         h.len = (payload.len() * 8) as u32;
         let mut w = self.local_tail / 8;
