@@ -19,7 +19,7 @@ pub const LINE: usize = 128;
 /// `"KVRINGSG"` as a little-endian u64.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"KVRINGSG");
 /// Version of this layout. Any change to a table in `shm_layout.md` bumps it.
-pub const LAYOUT_VERSION: u32 = 1;
+pub const LAYOUT_VERSION: u32 = 2;
 
 /// Segment header, at offset 0. Written by the server only.
 #[repr(C)]
@@ -86,6 +86,16 @@ pub struct SegmentHeader {
     pub clients_reclaimed: AtomicU64,
     /// Live: connections refused (bad credentials, full, bad hello).
     pub clients_refused: AtomicU64,
+    /// Live: jobs allocated.
+    pub jobs_submitted: AtomicU64,
+    /// Live: jobs that ended `Done`.
+    pub jobs_done: AtomicU64,
+    /// Live: jobs that ended `Failed` (any reason).
+    pub jobs_failed: AtomicU64,
+    /// Live: jobs tombstoned (released by their owner or reclaimed).
+    pub jobs_released: AtomicU64,
+    /// Live: job submissions refused for want of a free job slot.
+    pub jobs_refused: AtomicU64,
 }
 
 const _: () = {
@@ -117,6 +127,11 @@ const _: () = {
     assert!(offset_of!(SegmentHeader, clients_accepted) == 520);
     assert!(offset_of!(SegmentHeader, clients_reclaimed) == 528);
     assert!(offset_of!(SegmentHeader, clients_refused) == 536);
+    assert!(offset_of!(SegmentHeader, jobs_submitted) == 544);
+    assert!(offset_of!(SegmentHeader, jobs_done) == 552);
+    assert!(offset_of!(SegmentHeader, jobs_failed) == 560);
+    assert!(offset_of!(SegmentHeader, jobs_released) == 568);
+    assert!(offset_of!(SegmentHeader, jobs_refused) == 576);
     assert!(size_of::<SegmentHeader>() <= PAGE);
 };
 
@@ -400,7 +415,8 @@ macro_rules! field_table {
 /// what `shm_layout.md` must say (checked by `tests/layout_doc.rs`).
 #[allow(clippy::type_complexity)]
 pub fn field_tables() -> Vec<(&'static str, Vec<(&'static str, usize, usize)>)> {
-    use crate::proto::{Goodbye, Hello, Welcome};
+    use crate::jobs::{JobId, JobSlot};
+    use crate::proto::{DelayJobRequest, Goodbye, Hello, Welcome};
     use crate::ring::FrameHeader;
     vec![
         field_table!(SegmentHeader {
@@ -434,6 +450,11 @@ pub fn field_tables() -> Vec<(&'static str, Vec<(&'static str, usize, usize)>)> 
             clients_accepted,
             clients_reclaimed,
             clients_refused,
+            jobs_submitted,
+            jobs_done,
+            jobs_failed,
+            jobs_released,
+            jobs_refused,
         }),
         field_table!(DoorbellPage { server_doorbell }),
         field_table!(ServerClientBlock {
@@ -457,6 +478,35 @@ pub fn field_tables() -> Vec<(&'static str, Vec<(&'static str, usize, usize)>)> 
             cq_head,
             client_sleeping,
             heartbeat_ns
+        }),
+        field_table!(JobSlot {
+            seq,
+            generation,
+            state,
+            kind,
+            owner_slot,
+            owner_session,
+            fail_reason,
+            _reserved0,
+            result_value,
+            result_aux,
+            progress,
+            user_data,
+            submitted_ns,
+            started_ns,
+            finished_ns,
+            released_ns,
+            _reserved1,
+        }),
+        field_table!(JobId { epoch, key }),
+        field_table!(DelayJobRequest {
+            pending_us,
+            running_us,
+            progress_every_us,
+            result_value,
+            result_aux,
+            fail_reason,
+            _reserved,
         }),
         field_table!(FrameHeader {
             len,

@@ -4,6 +4,7 @@
 //!
 //! Module map (see README.md for the picture):
 //! * [`ring`]: the SPSC frame ring (producer, consumer, frame header);
+//! * [`jobs`]: the job table (slots, seqlock, state machine, ids);
 //! * [`layout`]: the segment's byte layout (`shm_layout.md` in tables);
 //! * [`segment`]: creating, attaching and replacing the segment;
 //! * [`wait`] and [`futex`]: spin, yield, then a shared futex, with deadlines;
@@ -14,6 +15,7 @@
 
 pub(crate) mod sync;
 
+pub mod jobs;
 pub mod ring;
 
 #[cfg(not(loom))]

@@ -17,12 +17,20 @@ pub const BOOT_MAGIC: u64 = u64::from_le_bytes(*b"KVRBOOT1");
 pub enum Opcode {
     /// Echo: the completion carries the request's payload back unchanged.
     Ping = 1,
+    /// Starts a delay job ([`DelayJobRequest`]); the completion carries its
+    /// [`JobId`](crate::jobs::JobId).
+    DelayJob = 2,
+    /// Releases a finished job (payload: its `JobId`): the slot becomes a
+    /// tombstone. Header-only completion.
+    ReleaseJob = 3,
 }
 
 impl Opcode {
     pub fn from_u16(v: u16) -> Option<Opcode> {
         Some(match v {
             1 => Opcode::Ping,
+            2 => Opcode::DelayJob,
+            3 => Opcode::ReleaseJob,
             _ => return None,
         })
     }
@@ -35,6 +43,8 @@ impl Opcode {
     pub fn completion_bound(self, request_len: usize) -> usize {
         match self {
             Opcode::Ping => crate::ring::frame_bytes(request_len),
+            Opcode::DelayJob => crate::ring::frame_bytes(size_of::<crate::jobs::JobId>()),
+            Opcode::ReleaseJob => crate::ring::HEADER_BYTES,
         }
     }
 }
@@ -61,6 +71,31 @@ pub enum Status {
     Malformed = -7,
     #[error("server shutting down")]
     ShuttingDown = -8,
+    #[error("no free job slot (every slot holds an unreleased job)")]
+    NoFreeJobSlot = -9,
+    #[error("unknown job (never issued by this server instance)")]
+    UnknownJob = -10,
+    #[error("job expired (its slot was reused)")]
+    JobExpired = -11,
+    #[error("job owned by another client")]
+    NotJobOwner = -12,
+    #[error("job not finished")]
+    JobNotFinished = -13,
+    #[error("invalid argument")]
+    InvalidArgument = -14,
+}
+
+impl From<crate::jobs::TableError> for Status {
+    fn from(e: crate::jobs::TableError) -> Status {
+        use crate::jobs::TableError as E;
+        match e {
+            E::Full => Status::NoFreeJobSlot,
+            E::Unknown => Status::UnknownJob,
+            E::Expired => Status::JobExpired,
+            E::NotOwner => Status::NotJobOwner,
+            E::NotFinished | E::WrongState(_) => Status::JobNotFinished,
+        }
+    }
 }
 
 impl Status {
@@ -75,8 +110,61 @@ impl Status {
             -6 => Status::VersionMismatch,
             -7 => Status::Malformed,
             -8 => Status::ShuttingDown,
+            -9 => Status::NoFreeJobSlot,
+            -10 => Status::UnknownJob,
+            -11 => Status::JobExpired,
+            -12 => Status::NotJobOwner,
+            -13 => Status::JobNotFinished,
+            -14 => Status::InvalidArgument,
             _ => return None,
         })
+    }
+}
+
+/// Longest a delay job may take in all (pending + running): one hour.
+pub const MAX_DELAY_US: u64 = 3_600_000_000;
+
+/// Request payload of [`Opcode::DelayJob`]: a job that stays `Pending` for
+/// `pending_us`, `Running` for `running_us` (publishing the microseconds
+/// it has run as progress every `progress_every_us`, 0 = never), then ends
+/// `Done(result_value, result_aux)`, or `Failed(fail_reason)` when that is
+/// nonzero. It exercises the whole job path (table, timers, wake-ups) for
+/// health checks, tests and benchmarks.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct DelayJobRequest {
+    pub pending_us: u64,
+    pub running_us: u64,
+    pub progress_every_us: u64,
+    pub result_value: u64,
+    pub result_aux: u64,
+    pub fail_reason: u32,
+    pub _reserved: u32,
+}
+
+const _: () = {
+    assert!(size_of::<DelayJobRequest>() == 48);
+    assert!(offset_of!(DelayJobRequest, running_us) == 8);
+    assert!(offset_of!(DelayJobRequest, progress_every_us) == 16);
+    assert!(offset_of!(DelayJobRequest, result_value) == 24);
+    assert!(offset_of!(DelayJobRequest, result_aux) == 32);
+    assert!(offset_of!(DelayJobRequest, fail_reason) == 40);
+};
+
+impl DelayJobRequest {
+    /// Checks the bounds; the message names the one that failed.
+    pub fn validate(&self) -> Result<(), String> {
+        let total = self.pending_us.checked_add(self.running_us);
+        if total.is_none_or(|t| t > MAX_DELAY_US) {
+            return Err(format!(
+                "pending {} us + running {} us exceeds {MAX_DELAY_US} us",
+                self.pending_us, self.running_us
+            ));
+        }
+        if self._reserved != 0 {
+            return Err("reserved field is not zero".into());
+        }
+        Ok(())
     }
 }
 

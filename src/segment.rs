@@ -98,6 +98,24 @@ impl Mapping {
     pub fn client_block(&self, slot: u32) -> &ClientBlock {
         self.at(self.client_block_off(slot))
     }
+
+    /// The job table: `job_slots` slots at `jobs_off`.
+    pub fn job_slots(&self) -> &[crate::jobs::JobSlot] {
+        let n = self.info.geometry.job_slots as usize;
+        let off = self.info.offsets.jobs_off as usize;
+        assert!(off + n * std::mem::size_of::<crate::jobs::JobSlot>() <= self.map.len());
+        // SAFETY: in bounds (checked above), page-aligned (the region table),
+        // and JobSlot is a repr(C) struct of atomics: any bit pattern is valid
+        // and shared mutation is sound.
+        unsafe {
+            std::slice::from_raw_parts(self.map.as_ptr().add(off) as *const crate::jobs::JobSlot, n)
+        }
+    }
+
+    /// A reader of this segment's job table.
+    pub fn job_reader(&self) -> crate::jobs::JobReader<'_> {
+        crate::jobs::JobReader::new(self.job_slots(), self.info.epoch)
+    }
 }
 
 fn header_field_u32(map: &MmapRaw, off: usize) -> u32 {

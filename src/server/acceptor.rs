@@ -10,6 +10,7 @@
 
 use super::{RingEvent, Shared};
 use crate::bootstrap::{Conn, Listener};
+use crate::jobs::FailReason;
 use crate::layout::{DisconnectReason, SlotState, LAYOUT_VERSION};
 use crate::liveness::{self, PidFd};
 use crate::proto::{BootKind, Goodbye, Hello, Status, Welcome, BOOT_MAGIC, PROTOCOL_VERSION};
@@ -162,6 +163,15 @@ impl<'a> Acceptor<'a> {
         };
         let m = &self.shared.seg.mapping;
         let h = m.header();
+        // The ring loop serves this slot no more: its jobs end here.
+        // Unfinished ones fail with ClientGone, all become tombstones.
+        let (failed, released) =
+            self.shared
+                .jobs
+                .client_gone(slot, FailReason::ClientGone, liveness::monotonic_ns());
+        h.jobs_failed.fetch_add(failed as u64, Ordering::Relaxed);
+        h.jobs_released
+            .fetch_add(released as u64, Ordering::Relaxed);
         h.clients_connected.fetch_sub(1, Ordering::Relaxed);
         h.clients_reclaimed.fetch_add(1, Ordering::Relaxed);
         let exited = pidfd.as_ref().is_none_or(|p| p.exited());
@@ -280,7 +290,7 @@ pub(super) fn run(shared: &Shared, listener: Listener, tick: Duration) {
         pending: Vec::new(),
     };
     let h = shared.seg.mapping.header();
-    while !shared.stop.load(Ordering::Acquire) {
+    while !shared.stop_acceptor.load(Ordering::Acquire) {
         // Heartbeat: observers compare it with their own CLOCK_MONOTONIC.
         h.heartbeat_ns
             .store(liveness::monotonic_ns(), Ordering::Relaxed);

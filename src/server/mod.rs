@@ -12,13 +12,15 @@
 //! client broke its ring) and detach acknowledgements the other.
 
 mod acceptor;
+mod delay;
 mod ring_loop;
 
 use crate::error::{Error, Result};
+use crate::jobs::{FailReason, JobTable};
 use crate::layout::{DisconnectReason, Geometry, ServerState};
 use crate::rundir::{ensure_runtime_dir, ServerPaths};
 use crate::segment::ServerSegment;
-use crate::wait::WaitPolicy;
+use crate::wait::{Parking, WaitPolicy};
 use std::fs::File;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -65,8 +67,15 @@ enum RingEvent {
 
 /// State both server threads see.
 pub(crate) struct Shared {
+    /// The job table over the segment's job slots (declared before `seg`, so
+    /// dropped before the mapping it points into).
+    jobs: JobTable,
     seg: ServerSegment,
+    /// Stops the ring loop.
     stop: AtomicBool,
+    /// Stops the acceptor (after the ring loop, so jobs can be failed
+    /// before connections close).
+    stop_acceptor: AtomicBool,
     /// Acceptor -> ring loop.
     events: Mutex<Vec<RingEvent>>,
     events_pending: AtomicBool,
@@ -94,6 +103,28 @@ impl Shared {
 
     fn wake_ring_loop(&self) {
         crate::wait::wake(&self.seg.mapping.doorbell().server_doorbell);
+    }
+
+    /// Wakes client `slot` if it is parked (a job of its ended).
+    fn wake_client(&self, slot: u32) {
+        let m = &self.seg.mapping;
+        crate::wait::notify(Parking {
+            sleeping: &m.client_block(slot).client_sleeping,
+            doorbell: &m.server_client(slot).client_doorbell,
+        });
+    }
+
+    /// A job of client `owner` ended (`done`: Done, else Failed): count it
+    /// and wake the owner if it waits.
+    fn job_ended(&self, owner: u32, done: bool) {
+        let h = self.seg.mapping.header();
+        // Counters for observers only: Relaxed.
+        if done {
+            h.jobs_done.fetch_add(1, Ordering::Relaxed);
+        } else {
+            h.jobs_failed.fetch_add(1, Ordering::Relaxed);
+        }
+        self.wake_client(owner);
     }
 }
 
@@ -128,12 +159,29 @@ impl ServerHandle {
     }
 
     fn shutdown(&mut self) {
-        let h = self.shared.seg.mapping.header();
+        let sh = &self.shared;
+        let h = sh.seg.mapping.header();
         h.server_state
             .store(ServerState::ShuttingDown as u32, Ordering::Relaxed);
-        self.shared.stop.store(true, Ordering::Release);
-        self.shared.wake_ring_loop();
-        for t in self.threads.drain(..) {
+        // The ring loop first: no job starts or is submitted after this.
+        sh.stop.store(true, Ordering::Release);
+        sh.wake_ring_loop();
+        let mut threads = self.threads.drain(..);
+        if let Some(ring) = threads.next() {
+            let _ = ring.join();
+        }
+        // Unfinished jobs end Failed(ServerShutdown) while their owners are
+        // still connected, so a waiting owner reads that, not a bare
+        // "server gone".
+        let (failed, owners) = sh
+            .jobs
+            .fail_all(FailReason::ServerShutdown, crate::liveness::monotonic_ns());
+        h.jobs_failed.fetch_add(failed as u64, Ordering::Relaxed);
+        for owner in owners {
+            sh.wake_client(owner);
+        }
+        sh.stop_acceptor.store(true, Ordering::Release);
+        for t in threads {
             let _ = t.join();
         }
         h.server_state
@@ -169,11 +217,24 @@ pub fn start(cfg: ServerConfig) -> Result<ServerHandle> {
         });
     }
     let seg = ServerSegment::create(&paths.shm_name, cfg.geometry)?;
+    let slots = seg.mapping.job_slots();
+    // SAFETY: the slots lie in the segment's mapping, which `Shared` owns
+    // next to the table and drops after it; this table is their only writer.
+    let jobs = unsafe {
+        JobTable::from_raw(
+            slots.as_ptr(),
+            slots.len() as u32,
+            seg.mapping.info().epoch,
+            cfg.geometry.max_clients,
+        )
+    };
     let listener = crate::bootstrap::Listener::bind(&paths.socket)
         .map_err(crate::error::io(format!("bind {}", paths.socket.display())))?;
     let shared = Arc::new(Shared {
+        jobs,
         seg,
         stop: AtomicBool::new(false),
+        stop_acceptor: AtomicBool::new(false),
         events: Mutex::new(Vec::new()),
         events_pending: AtomicBool::new(false),
         kicks: Mutex::new(Vec::new()),

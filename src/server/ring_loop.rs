@@ -7,11 +7,15 @@
 //! request space with another, and wakes the client only if it is parked.
 //! A client whose ring breaks an invariant is kicked, never trusted again.
 
+use super::delay::DelayJobs;
 use super::{RingEvent, Shared};
+use crate::jobs::{JobId, JobKind, NewJob, Released};
 use crate::layout::DisconnectReason;
-use crate::proto::{Opcode, Status};
+use crate::liveness::monotonic_ns;
+use crate::proto::{DelayJobRequest, Opcode, Status};
 use crate::ring::{Consumer, FrameHeader, Producer, RingError, RingPtrs, HEADER_BYTES};
 use crate::wait::{self, Parking, WaitPolicy};
+use std::mem::size_of;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
@@ -68,11 +72,100 @@ fn attach<'a>(shared: &'a Shared, slot: u32, session: u32) -> Result<RingClient<
     })
 }
 
+/// What serving one request produced: a completion (status and payload).
+struct Reply<'b> {
+    status: Status,
+    payload: &'b [u8],
+}
+
+impl<'b> Reply<'b> {
+    fn ok(payload: &'b [u8]) -> Self {
+        Reply {
+            status: Status::Ok,
+            payload,
+        }
+    }
+    fn err(status: Status) -> Self {
+        Reply {
+            status,
+            payload: &[],
+        }
+    }
+}
+
+/// Serves one request whose payload is `req` (already copied out of the
+/// ring). `out` holds a reply payload that is not the request's own.
+fn execute<'b>(
+    shared: &Shared,
+    delays: &mut DelayJobs,
+    c: &RingClient<'_>,
+    op: Option<Opcode>,
+    user_data: u64,
+    req: &'b [u8],
+    out: &'b mut [u8; 16],
+) -> Reply<'b> {
+    let h = shared.seg.mapping.header();
+    match op {
+        Some(Opcode::Ping) => Reply::ok(req),
+        Some(Opcode::DelayJob) => {
+            if req.len() != size_of::<DelayJobRequest>() {
+                return Reply::err(Status::BadLength);
+            }
+            let d: DelayJobRequest = bytemuck::pod_read_unaligned(req);
+            if d.validate().is_err() {
+                return Reply::err(Status::InvalidArgument);
+            }
+            let job = NewJob {
+                kind: JobKind::Delay,
+                owner_slot: c.slot,
+                owner_session: c.session,
+                user_data,
+                now_ns: monotonic_ns(),
+            };
+            match shared.jobs.submit(job) {
+                Ok(id) => {
+                    // Counters for observers only: Relaxed.
+                    h.jobs_submitted.fetch_add(1, Ordering::Relaxed);
+                    delays.schedule(shared, id, c.slot, d, Instant::now());
+                    *out = bytemuck::cast(id);
+                    Reply::ok(&out[..])
+                }
+                Err(e) => {
+                    h.jobs_refused.fetch_add(1, Ordering::Relaxed);
+                    Reply::err(e.into())
+                }
+            }
+        }
+        Some(Opcode::ReleaseJob) => {
+            if req.len() != size_of::<JobId>() {
+                return Reply::err(Status::BadLength);
+            }
+            let id: JobId = bytemuck::pod_read_unaligned(req);
+            match shared.jobs.release(id, c.slot, c.session, monotonic_ns()) {
+                Ok(Released::Now) => {
+                    h.jobs_released.fetch_add(1, Ordering::Relaxed);
+                    Reply::ok(&[])
+                }
+                Ok(Released::Already) => Reply::ok(&[]),
+                Err(e) => Reply::err(e.into()),
+            }
+        }
+        None => Reply::err(Status::UnknownOpcode),
+    }
+}
+
 /// Serves up to BATCH requests of one client. Returns how many.
-fn serve(shared: &Shared, c: &mut RingClient<'_>, buf: &mut [u64]) -> Result<usize, RingError> {
+fn serve(
+    shared: &Shared,
+    delays: &mut DelayJobs,
+    c: &mut RingClient<'_>,
+    buf: &mut [u64],
+) -> Result<usize, RingError> {
     let mut served = 0;
     let mut rejected = 0;
+    let mut posted = 0;
     c.stalled_on = None;
+    let mut out = [0u8; 16];
     while served + rejected < BATCH {
         let Some(h) = c.req.peek()? else { break };
         let op = Opcode::from_u16(h.opcode);
@@ -90,28 +183,24 @@ fn serve(shared: &Shared, c: &mut RingClient<'_>, buf: &mut [u64]) -> Result<usi
             break;
         }
         let h = c.req.pop(buf)?.expect("peeked frame");
-        let reply = FrameHeader {
-            opcode: h.opcode,
-            session: h.session,
-            user_data: h.user_data,
-            ..Default::default()
-        };
-        match op {
-            Some(Opcode::Ping) => {
-                let payload = &bytemuck::cast_slice::<u64, u8>(buf)[..h.len as usize];
-                c.cq.write(&reply, payload)?;
-                served += 1;
-            }
-            None => {
-                c.cq.write(
-                    &FrameHeader {
-                        status: Status::UnknownOpcode as i32,
-                        ..reply
-                    },
-                    &[],
-                )?;
-                rejected += 1;
-            }
+        let req = &bytemuck::cast_slice::<u64, u8>(buf)[..h.len as usize];
+        let reply = execute(shared, delays, c, op, h.user_data, req, &mut out);
+        debug_assert!(crate::ring::frame_bytes(reply.payload.len()) <= bound);
+        c.cq.write(
+            &FrameHeader {
+                opcode: h.opcode,
+                session: h.session,
+                user_data: h.user_data,
+                status: reply.status as i32,
+                ..Default::default()
+            },
+            reply.payload,
+        )?;
+        posted += 1;
+        if reply.status == Status::Ok {
+            served += 1;
+        } else {
+            rejected += 1;
         }
     }
     if served + rejected > 0 {
@@ -129,7 +218,7 @@ fn serve(shared: &Shared, c: &mut RingClient<'_>, buf: &mut [u64]) -> Result<usi
         sb.requests_rejected
             .fetch_add(rejected as u64, Ordering::Relaxed);
         sb.completions_posted
-            .fetch_add(served as u64, Ordering::Relaxed);
+            .fetch_add(posted as u64, Ordering::Relaxed);
     }
     Ok(served + rejected)
 }
@@ -140,6 +229,7 @@ pub(super) fn run(shared: &Shared, policy: WaitPolicy) {
     let mut clients: Vec<Option<RingClient<'_>>> = (0..g.max_clients).map(|_| None).collect();
     let mut active: Vec<u32> = Vec::new();
     let mut buf = vec![0u64; g.max_frame_bytes as usize / 8];
+    let mut delays = DelayJobs::default();
     let header = m.header();
     let parking = Parking {
         sleeping: &header.server_sleeping,
@@ -175,7 +265,7 @@ pub(super) fn run(shared: &Shared, policy: WaitPolicy) {
             if c.broken {
                 continue;
             }
-            match serve(shared, c, &mut buf) {
+            match serve(shared, &mut delays, c, &mut buf) {
                 Ok(n) => work += n,
                 Err(_) => {
                     c.broken = true;
@@ -187,12 +277,18 @@ pub(super) fn run(shared: &Shared, policy: WaitPolicy) {
                 }
             }
         }
+        if delays.next_due().is_some() {
+            delays.fire(shared, Instant::now());
+        }
         if work > 0 {
             continue;
         }
         // Idle: spin, yield, then park until a client publishes, an event
-        // arrives, or the housekeeping slice ends.
-        let deadline = Instant::now() + Duration::from_millis(100);
+        // arrives, the next job timer is due, or the housekeeping slice ends.
+        let mut deadline = Instant::now() + Duration::from_millis(100);
+        if let Some(due) = delays.next_due() {
+            deadline = deadline.min(due);
+        }
 
         let _ = wait::wait_until(
             &policy,

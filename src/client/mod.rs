@@ -12,6 +12,8 @@
 //! client's ring in order and answers every request it serves at once); the
 //! library checks this and treats anything else as a protocol error.
 
+mod jobs;
+
 use crate::bootstrap::Conn;
 use crate::error::{Error, Result};
 use crate::layout::{ServerClientBlock, LAYOUT_VERSION, PAGE};
@@ -74,6 +76,8 @@ pub struct Client {
     wait: WaitPolicy,
     buf: Vec<u64>,
     name: String,
+    /// When the server's liveness was last checked by a job status read.
+    alive_checked: std::cell::Cell<Instant>,
 }
 
 fn server_block(seg: &ClientSegment, slot: u32) -> &ServerClientBlock {
@@ -203,6 +207,7 @@ impl Client {
             wait: opts.wait,
             buf: vec![0u64; g.max_frame_bytes as usize / 8],
             name: paths.name.clone(),
+            alive_checked: std::cell::Cell::new(Instant::now()),
         })
     }
 
@@ -439,8 +444,21 @@ impl Client {
 
     /// One PING round trip: the payload comes back unchanged.
     pub fn ping(&mut self, payload: &[u8], timeout: Duration) -> Result<Vec<u8>> {
-        let tag = 0x5049_4e47_0000_0000 | (self.inflight.len() as u64);
-        self.submit(Opcode::Ping, payload, tag)?;
+        self.call(Opcode::Ping, payload, timeout)
+    }
+
+    /// One synchronous request: submits it, waits for its completion, and
+    /// turns an error status into `Error::Status`. Completions arrive in
+    /// order, so other requests may not be in flight.
+    pub fn call(&mut self, op: Opcode, payload: &[u8], timeout: Duration) -> Result<Vec<u8>> {
+        if !self.inflight.is_empty() {
+            return Err(Error::Protocol(format!(
+                "synchronous {op:?} while {} requests are in flight; consume their completions first",
+                self.inflight.len()
+            )));
+        }
+        let tag = 0x4341_4c4c_0000_0000 | op as u64;
+        self.submit(op, payload, tag)?;
         let c = self.wait_completion(Instant::now() + timeout)?;
         if c.status != 0 {
             return Err(Error::Status(

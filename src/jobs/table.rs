@@ -1,0 +1,394 @@
+//! The server's side of the job table: allocation, the state machine, and
+//! reclamation of a departed client's jobs.
+//!
+//! Shared-memory slots carry everything a client may read; the allocator's
+//! bookkeeping (which slots are free, which jobs each client owns) is private
+//! to the server and guarded by one mutex, taken by the structural operations
+//! (submit, release, client gone, shutdown). State changes of a running job
+//! (start, progress, finish, fail) take only the slot's seqlock.
+//!
+//! Every transition is checked under the slot's lock against the id's
+//! generation and the current state, so a stale id (a job already failed
+//! because its client died, a slot since reused) changes nothing.
+
+use super::slot::{JobSlot, SlotUpdate};
+use super::{
+    step, FailReason, JobId, JobKind, JobResult, JobState, TableError, Transition, MAX_GENERATION,
+};
+use std::collections::VecDeque;
+use std::sync::Mutex;
+
+/// What a new job is.
+#[derive(Clone, Copy, Debug)]
+pub struct NewJob {
+    pub kind: JobKind,
+    pub owner_slot: u32,
+    pub owner_session: u32,
+    pub user_data: u64,
+    /// CLOCK_MONOTONIC ns.
+    pub now_ns: u64,
+}
+
+/// How a release went.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Released {
+    /// The job is now a tombstone.
+    Now,
+    /// It already was one (releasing twice is harmless).
+    Already,
+}
+
+const NOT_OWNED: u32 = u32::MAX;
+
+struct Alloc {
+    /// Slots a new job may take: never-used ones first, then tombstones in
+    /// the order they were released (the oldest is reused first).
+    free: VecDeque<u32>,
+    /// Per client slot: indices of its jobs not released yet.
+    owned: Vec<Vec<u32>>,
+    /// Per job index: its position in its owner's `owned` list.
+    pos: Vec<u32>,
+    /// Per job index: its owner's client slot, or NOT_OWNED.
+    owner: Vec<u32>,
+}
+
+impl Alloc {
+    fn own(&mut self, client: u32, index: u32) {
+        let list = &mut self.owned[client as usize];
+        self.pos[index as usize] = list.len() as u32;
+        self.owner[index as usize] = client;
+        list.push(index);
+    }
+
+    fn disown(&mut self, index: u32) {
+        let client = self.owner[index as usize];
+        if client == NOT_OWNED {
+            return;
+        }
+        let list = &mut self.owned[client as usize];
+        let at = self.pos[index as usize] as usize;
+        list.swap_remove(at);
+        if let Some(&moved) = list.get(at) {
+            self.pos[moved as usize] = at as u32;
+        }
+        self.owner[index as usize] = NOT_OWNED;
+        self.pos[index as usize] = NOT_OWNED;
+    }
+
+    /// Puts a tombstoned slot back at the end of the free queue, unless its
+    /// generation is exhausted (then it is retired, never wrapped).
+    fn recycle(&mut self, index: u32, generation: u64) {
+        if generation < MAX_GENERATION {
+            self.free.push_back(index);
+        }
+    }
+}
+
+/// The server's job table over `job_slots` slots in shared memory (or on the
+/// heap, for tests).
+pub struct JobTable {
+    slots: *const JobSlot,
+    len: u32,
+    epoch: u64,
+    alloc: Mutex<Alloc>,
+    _heap: Option<Box<[JobSlot]>>,
+}
+
+// SAFETY: the slots are atomics only, written under their seqlock; the
+// private bookkeeping is behind a mutex. The creator of a raw table keeps the
+// memory mapped for the table's life (see `from_raw`).
+unsafe impl Send for JobTable {}
+// SAFETY: as above.
+unsafe impl Sync for JobTable {}
+
+impl JobTable {
+    /// A table over `len` slots at `slots`, for a server of `epoch` and
+    /// `max_clients` client slots. The slots must be zeroed (a fresh segment).
+    ///
+    /// # Safety
+    /// `slots` must point at `len` `JobSlot`s that stay mapped for the
+    /// table's life, and no other `JobTable` may write them.
+    pub unsafe fn from_raw(slots: *const JobSlot, len: u32, epoch: u64, max_clients: u32) -> Self {
+        JobTable {
+            slots,
+            len,
+            epoch,
+            alloc: Mutex::new(Alloc {
+                free: (0..len).collect(),
+                owned: (0..max_clients).map(|_| Vec::new()).collect(),
+                pos: vec![NOT_OWNED; len as usize],
+                owner: vec![NOT_OWNED; len as usize],
+            }),
+            _heap: None,
+        }
+    }
+
+    /// A table over zeroed heap memory (tests and models).
+    pub fn on_heap(len: u32, epoch: u64, max_clients: u32) -> Self {
+        let heap: Box<[JobSlot]> = (0..len).map(|_| JobSlot::new()).collect();
+        // SAFETY: the boxed slots live in the table and are never moved out.
+        let mut t = unsafe { Self::from_raw(heap.as_ptr(), len, epoch, max_clients) };
+        t._heap = Some(heap);
+        t
+    }
+
+    /// The slots, for readers of a heap table.
+    pub fn slots(&self) -> &[JobSlot] {
+        // SAFETY: `from_raw`'s contract: `len` slots, mapped for our life.
+        unsafe { std::slice::from_raw_parts(self.slots, self.len as usize) }
+    }
+
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    pub fn capacity(&self) -> u32 {
+        self.len
+    }
+
+    fn slot(&self, index: u32) -> &JobSlot {
+        &self.slots()[index as usize]
+    }
+
+    fn alloc(&self) -> std::sync::MutexGuard<'_, Alloc> {
+        // A panic while holding the lock leaves the bookkeeping as it was
+        // between two whole operations; keep serving.
+        self.alloc.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Checks an id's epoch and index; returns the slot.
+    fn slot_of(&self, id: JobId) -> Result<&JobSlot, TableError> {
+        if id.epoch != self.epoch || id.index() >= self.len || id.generation() == 0 {
+            return Err(TableError::Unknown);
+        }
+        Ok(self.slot(id.index()))
+    }
+
+    /// Allocates a slot for a new job, `Pending`. Fails with `Full` when every
+    /// slot holds an unreleased job: a live job is never overwritten.
+    pub fn submit(&self, job: NewJob) -> Result<JobId, TableError> {
+        let mut a = self.alloc();
+        let index = a.free.pop_front().ok_or(TableError::Full)?;
+        let slot = self.slot(index);
+        let w = slot.lock();
+        let cur = w.current();
+        debug_assert!(matches!(
+            JobState::from_u32(cur.status.state),
+            Some(JobState::Free | JobState::Tombstoned)
+        ));
+        let generation = cur.status.generation + 1;
+        w.apply(&SlotUpdate {
+            generation: Some(generation),
+            state: Some(JobState::Pending as u32),
+            kind: Some(job.kind as u32),
+            owner_slot: Some(job.owner_slot),
+            owner_session: Some(job.owner_session),
+            fail_reason: Some(0),
+            result_value: Some(0),
+            result_aux: Some(0),
+            progress: Some(0),
+            user_data: Some(job.user_data),
+            submitted_ns: Some(job.now_ns),
+            started_ns: Some(0),
+            finished_ns: Some(0),
+            released_ns: Some(0),
+        });
+        drop(w);
+        a.own(job.owner_slot, index);
+        Ok(JobId::new(self.epoch, index, generation))
+    }
+
+    /// Runs `f` on the slot of `id` under its lock if the generation matches;
+    /// `f` sees the current state and returns the update to apply.
+    fn transition(
+        &self,
+        id: JobId,
+        f: impl FnOnce(JobState) -> Result<SlotUpdate, TableError>,
+    ) -> Result<JobState, TableError> {
+        let slot = self.slot_of(id)?;
+        let w = slot.lock();
+        let cur = w.current();
+        let g = cur.status.generation;
+        if g < id.generation() {
+            return Err(TableError::Unknown);
+        }
+        if g > id.generation() {
+            return Err(TableError::Expired);
+        }
+        let state = JobState::from_u32(cur.status.state).ok_or(TableError::Unknown)?;
+        let u = f(state)?;
+        w.apply(&u);
+        Ok(state)
+    }
+
+    /// `Pending -> Running`.
+    pub fn start(&self, id: JobId, now_ns: u64) -> Result<(), TableError> {
+        self.transition(id, |s| {
+            Ok(SlotUpdate {
+                state: Some(step(s, Transition::Start)? as u32),
+                started_ns: Some(now_ns),
+                ..Default::default()
+            })
+        })
+        .map(|_| ())
+    }
+
+    /// Records progress of a running job.
+    pub fn progress(&self, id: JobId, progress: u64) -> Result<(), TableError> {
+        self.transition(id, |s| match s {
+            JobState::Running => Ok(SlotUpdate {
+                progress: Some(progress),
+                ..Default::default()
+            }),
+            s => Err(TableError::WrongState(s)),
+        })
+        .map(|_| ())
+    }
+
+    /// `Pending | Running -> Done(result)`.
+    pub fn finish(&self, id: JobId, result: JobResult, now_ns: u64) -> Result<(), TableError> {
+        self.transition(id, |s| {
+            Ok(SlotUpdate {
+                state: Some(step(s, Transition::Finish)? as u32),
+                result_value: Some(result.value),
+                result_aux: Some(result.aux),
+                finished_ns: Some(now_ns),
+                ..Default::default()
+            })
+        })
+        .map(|_| ())
+    }
+
+    /// `Pending | Running -> Failed(reason)`.
+    pub fn fail(&self, id: JobId, reason: FailReason, now_ns: u64) -> Result<(), TableError> {
+        self.transition(id, |s| {
+            step(s, Transition::Fail)?;
+            Ok(fail_update(reason, now_ns))
+        })
+        .map(|_| ())
+    }
+
+    /// `Done | Failed -> Tombstoned`, by the job's owner (client slot and
+    /// session). Releasing a tombstone again is harmless.
+    pub fn release(
+        &self,
+        id: JobId,
+        owner_slot: u32,
+        owner_session: u32,
+        now_ns: u64,
+    ) -> Result<Released, TableError> {
+        let mut a = self.alloc();
+        let slot = self.slot_of(id)?;
+        let w = slot.lock();
+        let cur = w.current();
+        let g = cur.status.generation;
+        if g < id.generation() {
+            return Err(TableError::Unknown);
+        }
+        if g > id.generation() {
+            return Err(TableError::Expired);
+        }
+        if cur.owner_slot != owner_slot || cur.owner_session != owner_session {
+            return Err(TableError::NotOwner);
+        }
+        let state = JobState::from_u32(cur.status.state).ok_or(TableError::Unknown)?;
+        if state == JobState::Tombstoned {
+            return Ok(Released::Already);
+        }
+        w.apply(&SlotUpdate {
+            state: Some(step(state, Transition::Release)? as u32),
+            released_ns: Some(now_ns),
+            ..Default::default()
+        });
+        drop(w);
+        a.disown(id.index());
+        a.recycle(id.index(), g);
+        Ok(Released::Now)
+    }
+
+    /// A client left (or died): its unfinished jobs end `Failed(reason)` and
+    /// all its jobs become tombstones, free for reuse. Returns (failed,
+    /// released).
+    pub fn client_gone(&self, owner_slot: u32, reason: FailReason, now_ns: u64) -> (usize, usize) {
+        let mut a = self.alloc();
+        let Some(list) = a.owned.get_mut(owner_slot as usize) else {
+            return (0, 0);
+        };
+        let jobs = std::mem::take(list);
+        let mut failed = 0;
+        for &index in &jobs {
+            let w = self.slot(index).lock();
+            let cur = w.current();
+            let state = JobState::from_u32(cur.status.state);
+            let mut u = SlotUpdate {
+                state: Some(JobState::Tombstoned as u32),
+                released_ns: Some(now_ns),
+                ..Default::default()
+            };
+            debug_assert!(state.is_some_and(|s| step(s, Transition::Reclaim).is_ok()));
+            if state.is_some_and(|s| step(s, Transition::Fail).is_ok()) {
+                let f = fail_update(reason, now_ns);
+                u.fail_reason = f.fail_reason;
+                u.finished_ns = f.finished_ns;
+                failed += 1;
+            }
+            w.apply(&u);
+            drop(w);
+            a.owner[index as usize] = NOT_OWNED;
+            a.pos[index as usize] = NOT_OWNED;
+            a.recycle(index, cur.status.generation);
+        }
+        (failed, jobs.len())
+    }
+
+    /// Server shutdown: every unfinished job ends `Failed(reason)`. Returns
+    /// how many, and the client slots that owned one (to be woken).
+    pub fn fail_all(&self, reason: FailReason, now_ns: u64) -> (usize, Vec<u32>) {
+        let a = self.alloc();
+        let mut owners = Vec::new();
+        let mut failed = 0;
+        for (client, list) in a.owned.iter().enumerate() {
+            let mut any = false;
+            for &index in list {
+                let w = self.slot(index).lock();
+                let state = JobState::from_u32(w.current().status.state);
+                if state.is_some_and(|s| step(s, Transition::Fail).is_ok()) {
+                    w.apply(&fail_update(reason, now_ns));
+                    any = true;
+                    failed += 1;
+                }
+            }
+            if any {
+                owners.push(client as u32);
+            }
+        }
+        (failed, owners)
+    }
+
+    /// Jobs allocated and not released yet.
+    pub fn live(&self) -> usize {
+        let a = self.alloc();
+        a.owned.iter().map(Vec::len).sum()
+    }
+
+    /// Jobs of one client not released yet.
+    pub fn live_of(&self, owner_slot: u32) -> usize {
+        self.alloc()
+            .owned
+            .get(owner_slot as usize)
+            .map_or(0, Vec::len)
+    }
+}
+
+fn fail_update(reason: FailReason, now_ns: u64) -> SlotUpdate {
+    SlotUpdate {
+        state: Some(JobState::Failed as u32),
+        // 0 means "did not fail"; a caller's `Other(0)` must still read failed.
+        fail_reason: Some(match reason.code() {
+            0 => u32::MAX,
+            c => c,
+        }),
+        finished_ns: Some(now_ns),
+        ..Default::default()
+    }
+}
