@@ -78,6 +78,35 @@ enum Cmd {
         #[arg(long, default_value_t = 1000)]
         timeout_ms: u64,
     },
+    /// Run a delay job through the job table and print every state it is
+    /// seen in (a health check of the job path): pending for --pending-ms,
+    /// running for --running-ms, then done, or failed with --fail.
+    DelayJob {
+        #[command(flatten)]
+        target: Target,
+        #[arg(long, default_value_t = 100)]
+        pending_ms: u64,
+        #[arg(long, default_value_t = 100)]
+        running_ms: u64,
+        /// End the job failed (reason "requested") instead of done.
+        #[arg(long)]
+        fail: bool,
+        /// Leave the job unreleased (it stays readable as done or failed).
+        #[arg(long)]
+        keep: bool,
+    },
+}
+
+/// Prints a status the way the CLI shows it.
+fn show(st: &kvring::jobs::JobStatus) -> String {
+    use kvring::jobs::JobStatus::*;
+    match st {
+        Done(r) => format!("done (value {}, aux {})", r.value, r.aux),
+        Failed(f) => format!("failed ({f})"),
+        Tombstoned(Ok(r)) => format!("tombstoned (done: value {}, aux {})", r.value, r.aux),
+        Tombstoned(Err(f)) => format!("tombstoned (failed: {f})"),
+        other => other.name().to_string(),
+    }
 }
 
 static STOP: AtomicBool = AtomicBool::new(false);
@@ -174,6 +203,58 @@ fn run(cli: Cli) -> kvring::Result<()> {
                 pct(0.99),
                 rtts.last().copied().unwrap_or(0)
             );
+            Ok(())
+        }
+        Cmd::DelayJob {
+            target,
+            pending_ms,
+            running_ms,
+            fail,
+            keep,
+        } => {
+            let mut c = Client::connect_in(&target.dir(), &target.name)?;
+            let req = kvring::proto::DelayJobRequest {
+                pending_us: pending_ms.saturating_mul(1000),
+                running_us: running_ms.saturating_mul(1000),
+                progress_every_us: 1000,
+                result_value: 1,
+                fail_reason: if fail {
+                    kvring::jobs::FailReason::Requested.code()
+                } else {
+                    0
+                },
+                ..Default::default()
+            };
+            let start = Instant::now();
+            let id = c.submit_delay_job(&req)?;
+            println!("submitted {id}");
+            let deadline = start + Duration::from_millis(pending_ms + running_ms + 10_000);
+            let mut last = None;
+            let st = loop {
+                let st = c.job_status(id)?;
+                if last != Some(st) {
+                    println!(
+                        "{:>9.3} ms  {}",
+                        start.elapsed().as_secs_f64() * 1e3,
+                        show(&st)
+                    );
+                    last = Some(st);
+                }
+                if st.is_terminal() {
+                    break st;
+                }
+                if Instant::now() > deadline {
+                    return Err(kvring::Error::Timeout(deadline - start));
+                }
+                std::thread::sleep(Duration::from_micros(200));
+            };
+            if !keep {
+                c.release_job(id)?;
+                println!("released: {}", show(&c.job_status(id)?));
+            }
+            if fail != matches!(st, kvring::jobs::JobStatus::Failed(_)) {
+                return Err(kvring::Error::Protocol(format!("job ended {}", show(&st))));
+            }
             Ok(())
         }
     }

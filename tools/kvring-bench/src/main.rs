@@ -5,6 +5,7 @@
 //! pinned to its own CPU where the machine has two. Each peer runs in a
 //! forked child; the parent is single-threaded at every fork.
 
+mod jobs;
 mod peers;
 mod stats;
 
@@ -37,6 +38,17 @@ enum Cmd {
         #[arg(long, default_value_t = 5_000_000)]
         pipelined: u64,
     },
+    /// Job status polls (a shared-memory read) while the server writes the
+    /// slot, next to a status query as a kvring ring or ZeroMQ round trip;
+    /// and submit-to-done latency.
+    Jobs {
+        /// Print the JSON object (always the last line of stdout).
+        #[arg(long)]
+        json: bool,
+        /// Timed samples per measurement (after warm-up).
+        #[arg(long, default_value_t = 200_000)]
+        iters: usize,
+    },
     /// (internal) Run a kvring server for the benchmark until stdin closes.
     #[command(hide = true)]
     ServeChild {
@@ -57,6 +69,7 @@ fn main() {
             iters,
             pipelined,
         } => ring(json, iters, pipelined),
+        Cmd::Jobs { json, iters } => jobs::run(json, iters),
         Cmd::ServeChild { name, dir, spin_us } => peers::serve_child(&name, &dir, spin_us),
     }
 }

@@ -6,7 +6,7 @@ use std::io::{Read, Write};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-const WARMUP: usize = 10_000;
+pub const WARMUP: usize = 10_000;
 const PAYLOAD: [u8; 64] = [0x5a; 64];
 
 /// (client cpu, server cpu), or None each when the machine has one CPU.
@@ -26,7 +26,7 @@ pub fn cpus() -> (Option<usize>, Option<usize>) {
     })
 }
 
-fn pin(cpu: Option<usize>) {
+pub fn pin(cpu: Option<usize>) {
     let Some(cpu) = cpu else { return };
     // SAFETY: a zeroed cpu_set_t is valid; CPU_SET writes inside it;
     // sched_setaffinity reads it for the calling thread.
@@ -64,7 +64,7 @@ fn reap(pid: libc::pid_t) {
 }
 
 /// Times `iters` calls of `f` after a warm-up; one clock read per sample.
-fn sample(iters: usize, mut f: impl FnMut()) -> Vec<u64> {
+pub fn sample(iters: usize, mut f: impl FnMut()) -> Vec<u64> {
     for _ in 0..WARMUP {
         f();
     }
@@ -142,7 +142,7 @@ fn bench_dir() -> std::path::PathBuf {
 
 /// Starts a kvring server in a fresh process (this binary re-executed with
 /// `serve-child`), pinned to the server CPU. Returns the child and its name.
-fn kvring_server(tag: &str, policy: WaitPolicy) -> (std::process::Child, String) {
+pub fn kvring_server(tag: &str, policy: WaitPolicy) -> (std::process::Child, String) {
     use std::os::unix::process::CommandExt;
     let name = format!("bench-{}-{tag}", std::process::id());
     let spin_us = if policy.spin == Duration::MAX {
@@ -196,12 +196,12 @@ pub fn serve_child(name: &str, dir: &std::path::Path, spin_us: u64) {
 }
 
 /// Closes the server's stdin (it stops cleanly) and reaps it.
-fn stop_server(mut child: std::process::Child) {
+pub fn stop_server(mut child: std::process::Child) {
     drop(child.stdin.take());
     let _ = child.wait();
 }
 
-fn kvring_client(name: &str) -> kvring::Client {
+pub fn kvring_client(name: &str) -> kvring::Client {
     let paths = kvring::rundir::ServerPaths::in_dir(name, &bench_dir()).unwrap();
     let opts = kvring::ClientOptions {
         connect_timeout: Duration::from_secs(10),
