@@ -181,8 +181,17 @@ impl JobSlot {
         if s1 & 1 != 0 {
             return None;
         }
+        let snap = self.load_all();
+        // R2, as in `try_read_status`.
+        fence(Ordering::Acquire);
+        (self.seq.load(Ordering::Relaxed) == s1).then_some(snap)
+    }
+
+    /// Every field, Relaxed: whole only between two equal even `seq` loads
+    /// (readers) or under the writers' lock.
+    fn load_all(&self) -> SlotSnapshot {
         let r = Ordering::Relaxed;
-        let snap = SlotSnapshot {
+        SlotSnapshot {
             status: SlotStatus {
                 generation: self.generation.load(r),
                 state: self.state.load(r),
@@ -199,10 +208,7 @@ impl JobSlot {
             started_ns: self.started_ns.load(r),
             finished_ns: self.finished_ns.load(r),
             released_ns: self.released_ns.load(r),
-        };
-        // R2, as in `try_read_status`.
-        fence(Ordering::Acquire);
-        (self.seq.load(Ordering::Relaxed) == s1).then_some(snap)
+        }
     }
 
     /// Takes the writers' lock (seq even -> odd). Only server threads write,
@@ -250,26 +256,7 @@ impl SlotWriter<'_> {
     /// The slot's current fields (only writers store them, and we hold the
     /// lock, so these are the latest values).
     pub fn current(&self) -> SlotSnapshot {
-        let s = self.slot;
-        let r = Ordering::Relaxed;
-        SlotSnapshot {
-            status: SlotStatus {
-                generation: s.generation.load(r),
-                state: s.state.load(r),
-                fail_reason: s.fail_reason.load(r),
-                result_value: s.result_value.load(r),
-                result_aux: s.result_aux.load(r),
-            },
-            kind: s.kind.load(r),
-            owner_slot: s.owner_slot.load(r),
-            owner_session: s.owner_session.load(r),
-            progress: s.progress.load(r),
-            user_data: s.user_data.load(r),
-            submitted_ns: s.submitted_ns.load(r),
-            started_ns: s.started_ns.load(r),
-            finished_ns: s.finished_ns.load(r),
-            released_ns: s.released_ns.load(r),
-        }
+        self.slot.load_all()
     }
 
     /// Stores the fields `u` sets (Relaxed: published by the unlock's W2).
