@@ -96,7 +96,14 @@ pub struct SegmentHeader {
     pub jobs_released: AtomicU64,
     /// Live: job submissions refused for want of a free job slot.
     pub jobs_refused: AtomicU64,
+    /// Live: the cache's counters, word for word the fields of the STATS
+    /// reply (`proto::kv::StatsReply`), each stored Relaxed after every
+    /// cache operation (each word is current; they are not one snapshot).
+    pub cache_stats: [AtomicU64; CACHE_STATS_WORDS],
 }
+
+/// Words of `SegmentHeader::cache_stats`.
+pub const CACHE_STATS_WORDS: usize = 18;
 
 const _: () = {
     assert!(offset_of!(SegmentHeader, magic) == 0);
@@ -132,6 +139,8 @@ const _: () = {
     assert!(offset_of!(SegmentHeader, jobs_failed) == 560);
     assert!(offset_of!(SegmentHeader, jobs_released) == 568);
     assert!(offset_of!(SegmentHeader, jobs_refused) == 576);
+    assert!(offset_of!(SegmentHeader, cache_stats) == 584);
+    assert!(std::mem::size_of::<crate::proto::kv::StatsReply>() == CACHE_STATS_WORDS * 8);
     assert!(size_of::<SegmentHeader>() <= PAGE);
 };
 
@@ -455,6 +464,7 @@ pub fn field_tables() -> Vec<(&'static str, Vec<(&'static str, usize, usize)>)> 
             jobs_failed,
             jobs_released,
             jobs_refused,
+            cache_stats,
         }),
         field_table!(DoorbellPage { server_doorbell }),
         field_table!(ServerClientBlock {

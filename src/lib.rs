@@ -27,6 +27,8 @@ pub mod error;
 #[cfg(not(loom))]
 pub mod futex;
 #[cfg(not(loom))]
+pub mod kv;
+#[cfg(not(loom))]
 pub mod layout;
 #[cfg(not(loom))]
 pub mod liveness;

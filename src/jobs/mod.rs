@@ -152,12 +152,22 @@ pub enum JobKind {
     /// A timed job for health checks, tests and benchmarks of the job path
     /// (`Opcode::DelayJob`).
     Delay = 1,
+    /// LOOKUP: result value = hit chunks (prefix), aux = chunks asked.
+    Lookup = 2,
+    /// STORE: result value = chunks present after it, aux = chunks that got
+    /// no space.
+    Store = 3,
+    /// RETRIEVE: result value = chunks copied, aux = bytes copied.
+    Retrieve = 4,
 }
 
 impl JobKind {
     pub fn from_u32(v: u32) -> Option<JobKind> {
         Some(match v {
             1 => JobKind::Delay,
+            2 => JobKind::Lookup,
+            3 => JobKind::Store,
+            4 => JobKind::Retrieve,
             _ => return None,
         })
     }
@@ -165,6 +175,9 @@ impl JobKind {
     pub fn name(self) -> &'static str {
         match self {
             JobKind::Delay => "delay",
+            JobKind::Lookup => "lookup",
+            JobKind::Store => "store",
+            JobKind::Retrieve => "retrieve",
         }
     }
 }
@@ -178,6 +191,8 @@ pub enum FailReason {
     ServerShutdown,
     /// The submitter asked for a failure (delay jobs).
     Requested,
+    /// A copy between an engine's cache and the pool failed.
+    CopyFailed,
     /// A code this build does not know (a newer server).
     Other(u32),
 }
@@ -188,6 +203,7 @@ impl FailReason {
             FailReason::ClientGone => 1,
             FailReason::ServerShutdown => 2,
             FailReason::Requested => 3,
+            FailReason::CopyFailed => 4,
             FailReason::Other(c) => c,
         }
     }
@@ -198,6 +214,7 @@ impl FailReason {
             1 => FailReason::ClientGone,
             2 => FailReason::ServerShutdown,
             3 => FailReason::Requested,
+            4 => FailReason::CopyFailed,
             c => FailReason::Other(c),
         }
     }
@@ -209,6 +226,7 @@ impl std::fmt::Display for FailReason {
             FailReason::ClientGone => write!(f, "client gone"),
             FailReason::ServerShutdown => write!(f, "server shut down"),
             FailReason::Requested => write!(f, "failure requested"),
+            FailReason::CopyFailed => write!(f, "copy failed"),
             FailReason::Other(c) => write!(f, "failure code {c}"),
         }
     }

@@ -43,6 +43,12 @@ const _: () = {
     assert!(core::mem::offset_of!(FrameHeader, user_data) == 16);
 };
 
+/// `FrameHeader::flags` bit: more frames of the same request follow. The
+/// receiver appends this frame's payload and answers only the last frame,
+/// so a request may exceed the frame bound (up to the server's
+/// `max_request_bytes`).
+pub const FLAG_MORE: u16 = 1;
+
 /// Size of the header in bytes.
 pub const HEADER_BYTES: usize = core::mem::size_of::<FrameHeader>();
 /// Size of the header in 8-byte words.

@@ -13,25 +13,43 @@ use crate::bootstrap::{Conn, Listener};
 use crate::jobs::FailReason;
 use crate::layout::{DisconnectReason, SlotState, LAYOUT_VERSION};
 use crate::liveness::{self, PidFd};
-use crate::proto::{BootKind, Goodbye, Hello, Status, Welcome, BOOT_MAGIC, PROTOCOL_VERSION};
-use std::os::fd::AsFd;
+use crate::proto::kv::{split_header, RegisterKv, RegisterReply, TensorRegion, UnregisterKv};
+use crate::proto::{BootKind, Hello, Status, Welcome, BOOT_MAGIC, PROTOCOL_VERSION};
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 /// How long a new connection may take to send its hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// Most descriptors a client may send ahead of one registration.
+const MAX_PENDING_FDS: usize = 4096;
+/// Largest bootstrap message (a registration of up to 1024 tensors fits).
+const MAX_BOOT_MESSAGE: usize = 64 * 1024;
+
 enum Phase {
     Free,
-    Active { conn: Conn, pidfd: Option<PidFd> },
-    Closing { pidfd: Option<PidFd>, clean: bool },
-    Quarantined { pidfd: Option<PidFd> },
+    Active {
+        conn: Conn,
+        pidfd: Option<PidFd>,
+        /// Descriptors sent (AttachFds) for the next registration.
+        fds: Vec<OwnedFd>,
+    },
+    Closing {
+        pidfd: Option<PidFd>,
+        clean: bool,
+    },
+    Quarantined {
+        pidfd: Option<PidFd>,
+    },
 }
 
 struct Acceptor<'a> {
     shared: &'a Shared,
     slots: Vec<Phase>,
     pending: Vec<(Conn, Instant)>,
+    /// Receive buffer for messages on active connections.
+    buf: Vec<u8>,
 }
 
 impl<'a> Acceptor<'a> {
@@ -129,18 +147,26 @@ impl<'a> Acceptor<'a> {
         h.clients_accepted.fetch_add(1, r);
         h.clients_connected.fetch_add(1, r);
         if conn.send(bytemuck::bytes_of(&w), &[share.as_fd()]).is_err() {
-            self.slots[slot as usize] = Phase::Active { conn, pidfd };
+            self.slots[slot as usize] = Phase::Active {
+                conn,
+                pidfd,
+                fds: Vec::new(),
+            };
             self.detach(slot, DisconnectReason::SocketClosed);
             return;
         }
-        self.slots[slot as usize] = Phase::Active { conn, pidfd };
+        self.slots[slot as usize] = Phase::Active {
+            conn,
+            pidfd,
+            fds: Vec::new(),
+        };
     }
 
     /// Ends a slot's session: closes the connection and asks the ring loop to
     /// let go of the slot. Reclamation finishes in `finish_detach`.
     fn detach(&mut self, slot: u32, reason: DisconnectReason) {
         let phase = std::mem::replace(&mut self.slots[slot as usize], Phase::Free);
-        let Phase::Active { conn, pidfd } = phase else {
+        let Phase::Active { conn, pidfd, .. } = phase else {
             self.slots[slot as usize] = phase;
             return;
         };
@@ -172,6 +198,13 @@ impl<'a> Acceptor<'a> {
         h.jobs_failed.fetch_add(failed as u64, Ordering::Relaxed);
         h.jobs_released
             .fetch_add(released as u64, Ordering::Relaxed);
+        // Its engine instances and leases end too (copies still running
+        // keep their instance's mappings until they finish).
+        let kv = &self.shared.kv;
+        kv.registry().client_gone(slot);
+        kv.with_cache(self.shared, |c| {
+            c.drop_leases(Some(slot), std::time::Instant::now())
+        });
         h.clients_connected.fetch_sub(1, Ordering::Relaxed);
         h.clients_reclaimed.fetch_add(1, Ordering::Relaxed);
         let exited = pidfd.as_ref().is_none_or(|p| p.exited());
@@ -189,21 +222,122 @@ impl<'a> Acceptor<'a> {
         let Phase::Active { conn, .. } = &self.slots[slot as usize] else {
             return;
         };
-        let mut buf = [0u8; 64];
-        match conn.recv(&mut buf, Duration::ZERO) {
+        let mut buf = std::mem::take(&mut self.buf);
+        buf.resize(MAX_BOOT_MESSAGE, 0);
+        let r = conn.recv(&mut buf, Duration::ZERO);
+        match r {
             Ok((0, _)) => self.detach(slot, DisconnectReason::SocketClosed),
-            Ok((n, _fds)) if n == std::mem::size_of::<Goodbye>() => {
-                let g: Goodbye = bytemuck::pod_read_unaligned(&buf[..n]);
-                if g.magic == BOOT_MAGIC && g.kind == BootKind::Goodbye as u32 {
-                    self.detach(slot, DisconnectReason::Goodbye);
-                } else {
+            Ok((n, fds)) => {
+                if !self.on_boot_message(slot, &buf[..n], fds) {
                     self.detach(slot, DisconnectReason::SocketClosed);
                 }
             }
-            Ok(_) => self.detach(slot, DisconnectReason::SocketClosed),
             Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {}
             Err(_) => self.detach(slot, DisconnectReason::SocketClosed),
         }
+        self.buf = buf;
+    }
+
+    /// One message on an active connection. False: not a message of the
+    /// protocol (the connection is ended).
+    fn on_boot_message(&mut self, slot: u32, msg: &[u8], fds: Vec<OwnedFd>) -> bool {
+        if msg.len() < 12 {
+            return false;
+        }
+        let magic = u64::from_le_bytes(msg[..8].try_into().expect("8 bytes"));
+        let kind = u32::from_le_bytes(msg[8..12].try_into().expect("4 bytes"));
+        if magic != BOOT_MAGIC {
+            return false;
+        }
+        let Phase::Active {
+            conn, fds: pending, ..
+        } = &mut self.slots[slot as usize]
+        else {
+            return false;
+        };
+        let session = self
+            .shared
+            .seg
+            .mapping
+            .server_client(slot)
+            .session
+            .load(Ordering::Relaxed);
+        let kv = &self.shared.kv;
+        let chunk = kv.chunk_tokens;
+        let reply = |conn: &Conn, status: Status, instance: u32, text: &str| {
+            let r = RegisterReply::new(status as i32, instance, chunk, text);
+            let _ = conn.send(bytemuck::bytes_of(&r), &[]);
+        };
+        match kind {
+            k if k == BootKind::Goodbye as u32 => {
+                return self.goodbye(slot);
+            }
+            k if k == BootKind::AttachFds as u32 => {
+                // No reply: a problem is reported at the registration.
+                if pending.len() + fds.len() > MAX_PENDING_FDS {
+                    pending.clear();
+                    return false;
+                }
+                pending.extend(fds);
+            }
+            k if k == BootKind::Register as u32 => {
+                let mut all = std::mem::take(pending);
+                all.extend(fds);
+                let Some((req, rest)) = split_header::<RegisterKv>(msg) else {
+                    reply(conn, Status::Malformed, 0, "registration message too short");
+                    return true;
+                };
+                let n = req.n_tensors as usize;
+                if rest.len() != n * std::mem::size_of::<TensorRegion>() {
+                    reply(
+                        conn,
+                        Status::Malformed,
+                        0,
+                        "tensor table length differs from n_tensors",
+                    );
+                    return true;
+                }
+                let regions: Vec<TensorRegion> = rest
+                    .chunks_exact(std::mem::size_of::<TensorRegion>())
+                    .map(bytemuck::pod_read_unaligned)
+                    .collect();
+                let r = kv
+                    .registry()
+                    .register(slot, session, chunk, &req, &regions, &all);
+                match r {
+                    Ok(inst) => reply(conn, Status::Ok, inst.id, "registered"),
+                    Err((status, text)) => reply(conn, status, 0, &text),
+                }
+                // Publish the instance count.
+                kv.with_cache(self.shared, |_| ());
+            }
+            k if k == BootKind::Unregister as u32 => {
+                if msg.len() != std::mem::size_of::<UnregisterKv>() {
+                    reply(conn, Status::Malformed, 0, "bad unregister message");
+                    return true;
+                }
+                let u: UnregisterKv = bytemuck::pod_read_unaligned(msg);
+                if kv.registry().unregister(slot, session, u.instance) {
+                    reply(conn, Status::Ok, u.instance, "unregistered");
+                } else {
+                    reply(
+                        conn,
+                        Status::UnknownInstance,
+                        u.instance,
+                        "no such instance of this client",
+                    );
+                }
+                kv.with_cache(self.shared, |_| ());
+            }
+            _ => return false,
+        }
+        true
+    }
+
+    /// A goodbye: the client has stopped using its rings.
+    fn goodbye(&mut self, slot: u32) -> bool {
+        self.detach(slot, DisconnectReason::Goodbye);
+        true
     }
 
     fn poll_once(&mut self, listener: &Listener, tick: Duration) {
@@ -270,6 +404,11 @@ impl<'a> Acceptor<'a> {
         for slot in detached {
             self.finish_detach(slot);
         }
+        // Leases past their TTL end.
+        let kv = &self.shared.kv;
+        kv.with_cache(self.shared, |c| {
+            c.drop_leases(None, std::time::Instant::now())
+        });
         for i in 0..self.slots.len() {
             if let Phase::Quarantined { pidfd, .. } = &self.slots[i] {
                 if pidfd.as_ref().is_none_or(|p| p.exited()) {
@@ -288,6 +427,7 @@ pub(super) fn run(shared: &Shared, listener: Listener, tick: Duration) {
         shared,
         slots: (0..n).map(|_| Phase::Free).collect(),
         pending: Vec::new(),
+        buf: Vec::new(),
     };
     let h = shared.seg.mapping.header();
     while !shared.stop_acceptor.load(Ordering::Acquire) {

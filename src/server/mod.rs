@@ -12,8 +12,15 @@
 //! client broke its ring) and detach acknowledgements the other.
 
 mod acceptor;
+mod cache;
+mod copier;
 mod delay;
+mod kv_ops;
+mod pool;
+mod registry;
 mod ring_loop;
+
+pub use copier::{Backend, HostBackend};
 
 use crate::error::{Error, Result};
 use crate::jobs::{FailReason, JobTable};
@@ -41,6 +48,88 @@ pub struct ServerConfig {
     pub ring_wait: WaitPolicy,
     /// Heartbeat and housekeeping period.
     pub tick: Duration,
+    /// The cache's settings.
+    pub kv: KvConfig,
+}
+
+/// The cache's settings.
+#[derive(Clone, Debug)]
+pub struct KvConfig {
+    /// Tokens per chunk object; every engine's block size must divide it.
+    pub chunk_tokens: u32,
+    /// Bytes of the host pool, allocated at start.
+    pub pool_bytes: u64,
+    /// Touch every pool page at start (no page faults in the first stores).
+    pub prefault: bool,
+    /// Copy worker threads.
+    pub copy_threads: u32,
+    /// Largest request (all frames of it together).
+    pub max_request_bytes: u32,
+    /// How long a lookup's leases last unless used or freed.
+    pub lease_ttl: Duration,
+    /// Pool usage (fraction) past which eviction starts ...
+    pub high_watermark: f64,
+    /// ... and down to which it evicts.
+    pub low_watermark: f64,
+}
+
+impl Default for KvConfig {
+    fn default() -> Self {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as u32;
+        KvConfig {
+            chunk_tokens: crate::kv::DEFAULT_CHUNK_TOKENS,
+            pool_bytes: 2 << 30,
+            prefault: false,
+            copy_threads: (cores / 2).clamp(1, 8),
+            max_request_bytes: 4 << 20,
+            lease_ttl: Duration::from_secs(300),
+            high_watermark: 0.9,
+            low_watermark: 0.8,
+        }
+    }
+}
+
+impl KvConfig {
+    /// Checks the settings; the message names the one that is wrong.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        if self.chunk_tokens == 0 || self.chunk_tokens > 1 << 20 {
+            return Err(format!(
+                "chunk size {} tokens: must be 1..=1048576",
+                self.chunk_tokens
+            ));
+        }
+        if self.pool_bytes < 1 << 20 {
+            return Err(format!(
+                "pool of {} bytes: must be at least 1 MiB",
+                self.pool_bytes
+            ));
+        }
+        if self.copy_threads == 0 || self.copy_threads > 256 {
+            return Err(format!(
+                "{} copy threads: must be 1..=256",
+                self.copy_threads
+            ));
+        }
+        if self.max_request_bytes < 4096 || self.max_request_bytes > 1 << 30 {
+            return Err(format!(
+                "max request of {} bytes: must be 4096..=1073741824",
+                self.max_request_bytes
+            ));
+        }
+        if self.lease_ttl.is_zero() {
+            return Err("lease TTL must be positive".into());
+        }
+        if !(0.0 < self.low_watermark
+            && self.low_watermark <= self.high_watermark
+            && self.high_watermark <= 1.0)
+        {
+            return Err(format!(
+                "watermarks {} (low) and {} (high): need 0 < low <= high <= 1",
+                self.low_watermark, self.high_watermark
+            ));
+        }
+        Ok(())
+    }
 }
 
 impl ServerConfig {
@@ -56,6 +145,7 @@ impl ServerConfig {
                 park_slice: Duration::from_millis(100),
             },
             tick: Duration::from_millis(50),
+            kv: KvConfig::default(),
         }
     }
 }
@@ -70,6 +160,8 @@ pub(crate) struct Shared {
     /// The job table over the segment's job slots (declared before `seg`, so
     /// dropped before the mapping it points into).
     jobs: JobTable,
+    /// The cache: registry, pool, objects, leases, copy workers.
+    kv: kv_ops::KvState,
     seg: ServerSegment,
     /// Stops the ring loop.
     stop: AtomicBool,
@@ -131,7 +223,9 @@ impl Shared {
 /// A running server. Dropping it stops the server.
 pub struct ServerHandle {
     shared: Arc<Shared>,
+    /// The ring loop, then the acceptor.
     threads: Vec<JoinHandle<()>>,
+    workers: Vec<JoinHandle<()>>,
     paths: ServerPaths,
     _lock: File,
 }
@@ -169,6 +263,12 @@ impl ServerHandle {
         let mut threads = self.threads.drain(..);
         if let Some(ring) = threads.next() {
             let _ = ring.join();
+        }
+        // Then the copy workers: each finishes the chunk it is copying; the
+        // jobs of queued chunks fail below.
+        sh.kv.copier.stop();
+        for w in self.workers.drain(..) {
+            let _ = w.join();
         }
         // Unfinished jobs end Failed(ServerShutdown) while their owners are
         // still connected, so a waiting owner reads that, not a bare
@@ -216,6 +316,11 @@ pub fn start(cfg: ServerConfig) -> Result<ServerHandle> {
             pid,
         });
     }
+    cfg.kv.validate().map_err(Error::Config)?;
+    let kv =
+        kv_ops::KvState::new(&cfg.kv, cfg.geometry.max_clients, Box::new(HostBackend)).map_err(
+            crate::error::io(format!("allocate a pool of {} bytes", cfg.kv.pool_bytes)),
+        )?;
     let seg = ServerSegment::create(&paths.shm_name, cfg.geometry)?;
     let slots = seg.mapping.job_slots();
     // SAFETY: the slots lie in the segment's mapping, which `Shared` owns
@@ -232,6 +337,7 @@ pub fn start(cfg: ServerConfig) -> Result<ServerHandle> {
         .map_err(crate::error::io(format!("bind {}", paths.socket.display())))?;
     let shared = Arc::new(Shared {
         jobs,
+        kv,
         seg,
         stop: AtomicBool::new(false),
         stop_acceptor: AtomicBool::new(false),
@@ -267,9 +373,21 @@ pub fn start(cfg: ServerConfig) -> Result<ServerHandle> {
                 .map_err(crate::error::io("spawn acceptor"))?,
         );
     }
+    let mut workers = Vec::new();
+    for i in 0..cfg.kv.copy_threads {
+        let shared = shared.clone();
+        workers.push(
+            std::thread::Builder::new()
+                .name(format!("kvring-copy-{i}"))
+                .spawn(move || copier::run(&shared))
+                .map_err(crate::error::io("spawn copy worker"))?,
+        );
+    }
+    kv_ops::publish(&shared, &shared.kv.stats());
     Ok(ServerHandle {
         shared,
         threads,
+        workers,
         paths,
         _lock: lock,
     })

@@ -8,13 +8,15 @@
 //! A client whose ring breaks an invariant is kicked, never trusted again.
 
 use super::delay::DelayJobs;
+use super::kv_ops;
 use super::{RingEvent, Shared};
 use crate::jobs::{JobId, JobKind, NewJob, Released};
 use crate::layout::DisconnectReason;
 use crate::liveness::monotonic_ns;
 use crate::proto::{DelayJobRequest, Opcode, Status};
-use crate::ring::{Consumer, FrameHeader, Producer, RingError, RingPtrs, HEADER_BYTES};
+use crate::ring::{Consumer, FrameHeader, Producer, RingError, RingPtrs, FLAG_MORE, HEADER_BYTES};
 use crate::wait::{self, Parking, WaitPolicy};
+use std::borrow::Cow;
 use std::mem::size_of;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
@@ -32,6 +34,12 @@ struct RingClient<'a> {
     broken: bool,
     /// Completion bytes the next request needs but the ring lacked.
     stalled_on: Option<usize>,
+    /// The pieces so far of a request sent in several frames (`FLAG_MORE`).
+    pending: Vec<u8>,
+    pending_op: u16,
+    /// The pieces broke a rule (too large, opcodes differ): the last piece
+    /// is answered with an error.
+    pending_bad: bool,
 }
 
 fn attach<'a>(shared: &'a Shared, slot: u32, session: u32) -> Result<RingClient<'a>, RingError> {
@@ -69,32 +77,44 @@ fn attach<'a>(shared: &'a Shared, slot: u32, session: u32) -> Result<RingClient<
         doorbell: &sb.client_doorbell,
         broken: false,
         stalled_on: None,
+        pending: Vec::new(),
+        pending_op: 0,
+        pending_bad: false,
     })
 }
 
 /// What serving one request produced: a completion (status and payload).
 struct Reply<'b> {
     status: Status,
-    payload: &'b [u8],
+    payload: Cow<'b, [u8]>,
 }
 
 impl<'b> Reply<'b> {
-    fn ok(payload: &'b [u8]) -> Self {
+    fn ok(payload: impl Into<Cow<'b, [u8]>>) -> Self {
         Reply {
             status: Status::Ok,
-            payload,
+            payload: payload.into(),
         }
     }
     fn err(status: Status) -> Self {
         Reply {
             status,
-            payload: &[],
+            payload: Cow::Borrowed(&[]),
+        }
+    }
+}
+
+impl<'b> From<kv_ops::Outcome> for Reply<'b> {
+    fn from(o: kv_ops::Outcome) -> Self {
+        match o {
+            Ok(p) => Reply::ok(p),
+            Err(s) => Reply::err(s),
         }
     }
 }
 
 /// Serves one request whose payload is `req` (already copied out of the
-/// ring). `out` holds a reply payload that is not the request's own.
+/// ring).
 fn execute<'b>(
     shared: &Shared,
     delays: &mut DelayJobs,
@@ -102,9 +122,13 @@ fn execute<'b>(
     op: Option<Opcode>,
     user_data: u64,
     req: &'b [u8],
-    out: &'b mut [u8; 16],
 ) -> Reply<'b> {
     let h = shared.seg.mapping.header();
+    let who = kv_ops::Caller {
+        slot: c.slot,
+        session: c.session,
+        user_data,
+    };
     match op {
         Some(Opcode::Ping) => Reply::ok(req),
         Some(Opcode::DelayJob) => {
@@ -127,8 +151,7 @@ fn execute<'b>(
                     // Counters for observers only: Relaxed.
                     h.jobs_submitted.fetch_add(1, Ordering::Relaxed);
                     delays.schedule(shared, id, c.slot, d, Instant::now());
-                    *out = bytemuck::cast(id);
-                    Reply::ok(&out[..])
+                    Reply::ok(bytemuck::bytes_of(&id).to_vec())
                 }
                 Err(e) => {
                     h.jobs_refused.fetch_add(1, Ordering::Relaxed);
@@ -144,12 +167,20 @@ fn execute<'b>(
             match shared.jobs.release(id, c.slot, c.session, monotonic_ns()) {
                 Ok(Released::Now) => {
                     h.jobs_released.fetch_add(1, Ordering::Relaxed);
-                    Reply::ok(&[])
+                    Reply::ok(&[][..])
                 }
-                Ok(Released::Already) => Reply::ok(&[]),
+                Ok(Released::Already) => Reply::ok(&[][..]),
                 Err(e) => Reply::err(e.into()),
             }
         }
+        Some(Opcode::Lookup) => kv_ops::lookup(shared, who, req).into(),
+        Some(Opcode::Store) => kv_ops::store(shared, who, req).into(),
+        Some(Opcode::Retrieve) => kv_ops::retrieve(shared, who, req).into(),
+        Some(Opcode::FreeLookupLocks) => kv_ops::free_lookup_locks(shared, req).into(),
+        Some(Opcode::EndSession) => kv_ops::end_session(shared, req).into(),
+        Some(Opcode::Clear) => kv_ops::clear(shared, req).into(),
+        Some(Opcode::Stats) => kv_ops::stats(shared, req).into(),
+        Some(Opcode::GetConfig) => kv_ops::config(shared, req).into(),
         None => Reply::err(Status::UnknownOpcode),
     }
 }
@@ -165,7 +196,7 @@ fn serve(
     let mut rejected = 0;
     let mut posted = 0;
     c.stalled_on = None;
-    let mut out = [0u8; 16];
+    let max_request = shared.kv.max_request_bytes as usize;
     while served + rejected < BATCH {
         let Some(h) = c.req.peek()? else { break };
         let op = Opcode::from_u16(h.opcode);
@@ -182,22 +213,57 @@ fn serve(
             c.stalled_on = Some(bound);
             break;
         }
+        if h.flags & FLAG_MORE != 0 {
+            // A piece of a request larger than one frame: gather it, answer
+            // nothing until the last piece.
+            let h = c.req.pop(buf)?.expect("peeked frame");
+            let piece = &bytemuck::cast_slice::<u64, u8>(buf)[..h.len as usize];
+            if c.pending.is_empty() {
+                c.pending_op = h.opcode;
+            }
+            if c.pending_op != h.opcode || c.pending.len() + piece.len() > max_request {
+                c.pending_bad = true;
+            } else {
+                c.pending.extend_from_slice(piece);
+            }
+            served += 1;
+            continue;
+        }
         let h = c.req.pop(buf)?.expect("peeked frame");
-        let req = &bytemuck::cast_slice::<u64, u8>(buf)[..h.len as usize];
-        let reply = execute(shared, delays, c, op, h.user_data, req, &mut out);
-        debug_assert!(crate::ring::frame_bytes(reply.payload.len()) <= bound);
-        c.cq.write(
-            &FrameHeader {
-                opcode: h.opcode,
-                session: h.session,
-                user_data: h.user_data,
-                status: reply.status as i32,
-                ..Default::default()
-            },
-            reply.payload,
-        )?;
+        let last = &bytemuck::cast_slice::<u64, u8>(buf)[..h.len as usize];
+        let gathered = !c.pending.is_empty() || c.pending_bad;
+        let mut whole = std::mem::take(&mut c.pending);
+        let bad = std::mem::take(&mut c.pending_bad)
+            || (gathered && (c.pending_op != h.opcode || whole.len() + last.len() > max_request));
+        let status = {
+            let reply = if bad {
+                Reply::err(Status::BadLength)
+            } else if gathered {
+                whole.extend_from_slice(last);
+                execute(shared, delays, c, op, h.user_data, &whole)
+            } else {
+                execute(shared, delays, c, op, h.user_data, last)
+            };
+            debug_assert!(crate::ring::frame_bytes(reply.payload.len()) <= bound);
+            c.cq.write(
+                &FrameHeader {
+                    opcode: h.opcode,
+                    session: h.session,
+                    user_data: h.user_data,
+                    status: reply.status as i32,
+                    ..Default::default()
+                },
+                &reply.payload,
+            )?;
+            reply.status
+        };
+        if gathered {
+            // Keep the buffer's capacity for the next large request.
+            whole.clear();
+            c.pending = whole;
+        }
         posted += 1;
-        if reply.status == Status::Ok {
+        if status == Status::Ok {
             served += 1;
         } else {
             rejected += 1;

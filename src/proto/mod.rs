@@ -3,6 +3,8 @@
 //! `repr(C)` + `Pod` with compile-time size and offset assertions; its table
 //! is in `shm_layout.md`.
 
+pub mod kv;
+
 use bytemuck::{Pod, Zeroable};
 use std::mem::{offset_of, size_of};
 
@@ -23,6 +25,26 @@ pub enum Opcode {
     /// Releases a finished job (payload: its `JobId`): the slot becomes a
     /// tombstone. Header-only completion.
     ReleaseJob = 3,
+    /// Longest stored prefix of a prompt ([`kv::LookupRequest`]); a job whose
+    /// result is the number of hit chunks. Takes read leases on the hits.
+    Lookup = 10,
+    /// Copies chunks from an engine's cache into the pool
+    /// ([`kv::StoreRequest`]); a job.
+    Store = 11,
+    /// Copies leased chunks into an engine's cache
+    /// ([`kv::RetrieveRequest`]); a job, all or nothing.
+    Retrieve = 12,
+    /// Ends a lease's holds on a range of chunks ([`kv::FreeLocksRequest`]).
+    FreeLookupLocks = 13,
+    /// Ends a lease ([`kv::EndSessionRequest`]).
+    EndSession = 14,
+    /// Drops every stored object not leased or being written
+    /// ([`kv::ClearReply`]).
+    Clear = 15,
+    /// The cache's counters ([`kv::StatsReply`]).
+    Stats = 16,
+    /// The server's configuration ([`kv::ConfigReply`]).
+    GetConfig = 17,
 }
 
 impl Opcode {
@@ -31,6 +53,14 @@ impl Opcode {
             1 => Opcode::Ping,
             2 => Opcode::DelayJob,
             3 => Opcode::ReleaseJob,
+            10 => Opcode::Lookup,
+            11 => Opcode::Store,
+            12 => Opcode::Retrieve,
+            13 => Opcode::FreeLookupLocks,
+            14 => Opcode::EndSession,
+            15 => Opcode::Clear,
+            16 => Opcode::Stats,
+            17 => Opcode::GetConfig,
             _ => return None,
         })
     }
@@ -41,10 +71,16 @@ impl Opcode {
     /// serves a request only when this much completion space is free, so a
     /// completion is never dropped.
     pub fn completion_bound(self, request_len: usize) -> usize {
+        use crate::ring::{frame_bytes, HEADER_BYTES};
         match self {
-            Opcode::Ping => crate::ring::frame_bytes(request_len),
-            Opcode::DelayJob => crate::ring::frame_bytes(size_of::<crate::jobs::JobId>()),
-            Opcode::ReleaseJob => crate::ring::HEADER_BYTES,
+            Opcode::Ping => frame_bytes(request_len),
+            Opcode::DelayJob | Opcode::Lookup | Opcode::Store | Opcode::Retrieve => {
+                frame_bytes(size_of::<crate::jobs::JobId>())
+            }
+            Opcode::ReleaseJob | Opcode::FreeLookupLocks | Opcode::EndSession => HEADER_BYTES,
+            Opcode::Clear => frame_bytes(size_of::<kv::ClearReply>()),
+            Opcode::Stats => frame_bytes(size_of::<kv::StatsReply>()),
+            Opcode::GetConfig => frame_bytes(size_of::<kv::ConfigReply>()),
         }
     }
 }
@@ -83,6 +119,12 @@ pub enum Status {
     JobNotFinished = -13,
     #[error("invalid argument")]
     InvalidArgument = -14,
+    #[error("no lease: the chunks were not leased by that lookup (or the lease ended)")]
+    NoLease = -15,
+    #[error("unknown engine instance (not registered by this client)")]
+    UnknownInstance = -16,
+    #[error("server error")]
+    ServerError = -17,
 }
 
 impl From<crate::jobs::TableError> for Status {
@@ -116,6 +158,9 @@ impl Status {
             -12 => Status::NotJobOwner,
             -13 => Status::JobNotFinished,
             -14 => Status::InvalidArgument,
+            -15 => Status::NoLease,
+            -16 => Status::UnknownInstance,
+            -17 => Status::ServerError,
             _ => return None,
         })
     }
@@ -175,6 +220,14 @@ pub enum BootKind {
     Hello = 1,
     Welcome = 2,
     Goodbye = 3,
+    /// [`kv::RegisterKv`].
+    Register = 4,
+    /// [`kv::RegisterReply`].
+    RegisterReply = 5,
+    /// [`kv::UnregisterKv`].
+    Unregister = 6,
+    /// [`kv::AttachFds`].
+    AttachFds = 7,
 }
 
 /// Client -> server, first message on the bootstrap socket.

@@ -1,0 +1,11 @@
+//! What engines and the server agree on about KV caches: paged layouts and
+//! chunk objects ([`layout`]), and keys ([`hash`]).
+
+pub mod hash;
+pub mod layout;
+
+pub use hash::{chunk_hashes, model_id, salt_id, ChunkHash};
+pub use layout::{KvLayout, KvLayoutKind};
+
+/// Chunk size (tokens) a server uses unless told otherwise.
+pub const DEFAULT_CHUNK_TOKENS: u32 = 256;

@@ -1,0 +1,246 @@
+//! The KV operations' wire structs: ring request payloads (a fixed header,
+//! then arrays), completion payloads, and the registration messages of the
+//! bootstrap socket. Tables in `shm_layout.md`.
+
+use crate::jobs::JobId;
+use crate::kv::KvLayout;
+use bytemuck::{Pod, Zeroable};
+use std::mem::{offset_of, size_of};
+
+/// LOOKUP: `n_chunks` chained chunk hashes (16 bytes each) follow.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct LookupRequest {
+    pub model_id: u64,
+    pub salt: u64,
+    pub world_size: u32,
+    pub n_chunks: u32,
+}
+
+/// STORE: `n_chunks` chunk hashes (16 bytes each), then
+/// `n_chunks * blocks_per_chunk` block ids (u32) follow.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct StoreRequest {
+    pub instance: u32,
+    pub n_chunks: u32,
+    pub salt: u64,
+}
+
+/// RETRIEVE: `n_chunks * blocks_per_chunk` block ids (u32) follow. Chunks
+/// `first_chunk ..` of the lookup `lease` are copied into them; the first
+/// `skip_tokens` tokens (a multiple of the block size) are left alone.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct RetrieveRequest {
+    pub lease: JobId,
+    pub instance: u32,
+    pub first_chunk: u32,
+    pub n_chunks: u32,
+    pub skip_tokens: u32,
+}
+
+/// FREE_LOOKUP_LOCKS: ends the lease's holds on chunks
+/// `first_chunk .. first_chunk + n_chunks` (`n_chunks` u32::MAX: to the end).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct FreeLocksRequest {
+    pub lease: JobId,
+    pub first_chunk: u32,
+    pub n_chunks: u32,
+}
+
+/// END_SESSION: ends everything the lease still holds and marks its objects
+/// recently used.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct EndSessionRequest {
+    pub lease: JobId,
+}
+
+/// Completion of CLEAR.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct ClearReply {
+    pub objects: u64,
+    pub bytes: u64,
+}
+
+/// Completion of GET_CONFIG: what an engine must agree with.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct ConfigReply {
+    pub chunk_tokens: u32,
+    pub copy_threads: u32,
+    pub pool_bytes: u64,
+    pub max_request_bytes: u32,
+    pub lease_ttl_ms: u32,
+    /// 1 host, 2 cuda.
+    pub backend: u32,
+    pub _reserved: u32,
+}
+
+/// Completion of STATS: the cache counters, as the segment header has them.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct StatsReply {
+    pub pool_bytes: u64,
+    pub pool_used_bytes: u64,
+    pub objects: u64,
+    pub leases: u64,
+    pub instances: u64,
+    pub lookups: u64,
+    pub lookup_chunks: u64,
+    pub lookup_hit_chunks: u64,
+    pub stores: u64,
+    pub stored_chunks: u64,
+    pub stored_bytes: u64,
+    pub store_no_space_chunks: u64,
+    pub retrieves: u64,
+    pub retrieved_chunks: u64,
+    pub retrieved_bytes: u64,
+    pub evicted_objects: u64,
+    pub evicted_bytes: u64,
+    pub leases_expired: u64,
+}
+
+/// `RegisterKv::mem_kind`: how the tensors' memory is handed over.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MemKind {
+    /// Host memory: sealed memfds passed with the message (SCM_RIGHTS).
+    HostFd = 1,
+}
+
+/// Bootstrap message: register an engine instance's KV cache. Followed by
+/// `n_tensors` [`TensorRegion`]s; the memory's descriptors travel with this
+/// message and any [`AttachFds`] messages sent just before it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct RegisterKv {
+    pub magic: u64,
+    /// `BootKind::Register`.
+    pub kind: u32,
+    /// [`MemKind`].
+    pub mem_kind: u32,
+    pub model_id: u64,
+    pub world_size: u32,
+    pub rank: u32,
+    pub layout: KvLayout,
+    pub n_tensors: u32,
+    pub _reserved: u32,
+}
+
+/// Where one tensor of a registration lives: `layout.tensor_bytes()` bytes
+/// at `offset` of descriptor `fd_index` (counting the descriptors of the
+/// preceding `AttachFds` messages first, then this message's).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct TensorRegion {
+    pub fd_index: u32,
+    pub _reserved: u32,
+    pub offset: u64,
+}
+
+/// Bootstrap message: descriptors for the next `RegisterKv` (when it needs
+/// more than one message can carry).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct AttachFds {
+    pub magic: u64,
+    /// `BootKind::AttachFds`.
+    pub kind: u32,
+    pub count: u32,
+}
+
+/// Bootstrap message: unregister an instance.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+pub struct UnregisterKv {
+    pub magic: u64,
+    /// `BootKind::Unregister`.
+    pub kind: u32,
+    pub instance: u32,
+}
+
+/// Bytes of a reply's message text.
+pub const REPLY_TEXT: usize = 200;
+
+/// Bootstrap reply to `RegisterKv`, `UnregisterKv` and `AttachFds`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+pub struct RegisterReply {
+    pub magic: u64,
+    /// `BootKind::RegisterReply`.
+    pub kind: u32,
+    /// 0 ok, else a `Status` code; `text` says why.
+    pub status: i32,
+    /// The instance handle for STORE and RETRIEVE.
+    pub instance: u32,
+    /// The server's chunk size in tokens.
+    pub chunk_tokens: u32,
+    /// UTF-8, zero-padded.
+    pub text: [u8; REPLY_TEXT],
+}
+
+const _: () = {
+    assert!(size_of::<LookupRequest>() == 24);
+    assert!(offset_of!(LookupRequest, world_size) == 16);
+    assert!(size_of::<StoreRequest>() == 16);
+    assert!(offset_of!(StoreRequest, salt) == 8);
+    assert!(size_of::<RetrieveRequest>() == 32);
+    assert!(offset_of!(RetrieveRequest, instance) == 16);
+    assert!(offset_of!(RetrieveRequest, skip_tokens) == 28);
+    assert!(size_of::<FreeLocksRequest>() == 24);
+    assert!(size_of::<EndSessionRequest>() == 16);
+    assert!(size_of::<ClearReply>() == 16);
+    assert!(size_of::<ConfigReply>() == 32);
+    assert!(size_of::<StatsReply>() == 18 * 8);
+    assert!(size_of::<RegisterKv>() == 72);
+    assert!(offset_of!(RegisterKv, layout) == 32);
+    assert!(offset_of!(RegisterKv, n_tensors) == 64);
+    assert!(size_of::<TensorRegion>() == 16);
+    assert!(size_of::<AttachFds>() == 16);
+    assert!(size_of::<UnregisterKv>() == 16);
+    assert!(size_of::<RegisterReply>() == 224);
+};
+
+impl RegisterReply {
+    pub fn new(status: i32, instance: u32, chunk_tokens: u32, text: &str) -> Self {
+        let mut t = [0u8; REPLY_TEXT];
+        // Cut at a char boundary so the text stays valid UTF-8.
+        let mut n = text.len().min(REPLY_TEXT);
+        while !text.is_char_boundary(n) {
+            n -= 1;
+        }
+        t[..n].copy_from_slice(&text.as_bytes()[..n]);
+        RegisterReply {
+            magic: super::BOOT_MAGIC,
+            kind: super::BootKind::RegisterReply as u32,
+            status,
+            instance,
+            chunk_tokens,
+            text: t,
+        }
+    }
+
+    /// The reply's text (untrusted bytes, decoded lossily).
+    pub fn text(&self) -> String {
+        let end = self.text.iter().position(|&b| b == 0).unwrap_or(REPLY_TEXT);
+        String::from_utf8_lossy(&self.text[..end]).into_owned()
+    }
+}
+
+/// Splits `bytes` into a `T` header and the rest, if long enough.
+pub fn split_header<T: Pod>(bytes: &[u8]) -> Option<(T, &[u8])> {
+    let n = size_of::<T>();
+    (bytes.len() >= n).then(|| (bytemuck::pod_read_unaligned(&bytes[..n]), &bytes[n..]))
+}
+
+/// Reads `n` little-endian u32s from `bytes` (whose length the caller has
+/// checked).
+pub fn u32s(bytes: &[u8]) -> impl Iterator<Item = u32> + '_ {
+    bytes
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
+}

@@ -1,0 +1,516 @@
+//! The cache: chunk objects in the host pool, their index, LRU order,
+//! leases, eviction and counters. One mutex guards it; every operation is a
+//! short, bounded piece of bookkeeping (no copy happens under it).
+//!
+//! Object life: `Writing` (allocated by a store, invisible to lookups) ->
+//! `Ready` (committed, in LRU order) -> evicted or cleared. An object with
+//! holds (a lease's, or a running retrieve's) or being written is never
+//! evicted or cleared.
+//!
+//! A lease is what a LOOKUP took: for each hit chunk and each rank of the
+//! world, one hold on the object that rank will retrieve (MLA ranks hold the
+//! one shared object once each). A RETRIEVE moves its rank's holds from the
+//! lease to its job, so a concurrent FREE_LOOKUP_LOCKS cannot drop an object
+//! under a copy; the job drops them when the copy ends. A lease ends when it
+//! holds nothing, at END_SESSION, when its owner goes, or at its TTL.
+
+use super::pool::PoolAlloc;
+use super::registry::{rank_tag, Group, SHARED_RANK};
+use crate::jobs::JobId;
+use crate::kv::ChunkHash;
+use crate::proto::kv::StatsReply;
+use std::collections::HashMap;
+use std::time::Instant;
+
+/// Identity of a stored chunk object.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ObjectKey {
+    pub model_id: u64,
+    pub salt: u64,
+    pub fingerprint: u64,
+    pub rank_tag: u32,
+    pub hash: ChunkHash,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ObjState {
+    Writing,
+    Ready,
+}
+
+const NIL: u32 = u32::MAX;
+
+struct Object {
+    key: ObjectKey,
+    off: u64,
+    len: u64,
+    state: ObjState,
+    /// Lease and retrieve holds.
+    holds: u32,
+    prev: u32,
+    next: u32,
+}
+
+struct Lease {
+    owner_slot: u32,
+    expires: Instant,
+    /// `holds[chunk][rank]`: the object that rank may retrieve, while held.
+    holds: Vec<Vec<Option<u32>>>,
+    held: usize,
+}
+
+/// A chunk a store will write: the object and where it lives in the pool.
+#[derive(Clone, Copy, Debug)]
+pub struct Planned {
+    pub chunk: u32,
+    pub obj: u32,
+    pub off: u64,
+}
+
+/// What a store request turned into.
+#[derive(Debug, Default)]
+pub struct StorePlan {
+    pub write: Vec<Planned>,
+    /// Chunks already stored (or being stored by someone else).
+    pub present: u32,
+    /// Chunks that got no space (everything else was held or being written).
+    pub no_space: u32,
+}
+
+/// Why a retrieve cannot use a lease.
+#[derive(Debug, PartialEq, Eq)]
+pub enum LeaseError {
+    /// No such lease (never taken, ended, or expired).
+    NoLease,
+    /// The lease does not cover these chunks for this rank (not hit,
+    /// already retrieved or freed).
+    NotHeld,
+    /// The lease was taken for another model, world size or salt.
+    Mismatch,
+}
+
+pub struct Cache {
+    pool: PoolAlloc,
+    objects: Vec<Option<Object>>,
+    free_ids: Vec<u32>,
+    index: HashMap<ObjectKey, u32>,
+    lru_head: u32,
+    lru_tail: u32,
+    leases: HashMap<JobId, (LeaseMeta, Lease)>,
+    high_water: u64,
+    low_water: u64,
+    pub stats: StatsReply,
+}
+
+/// What a lease was taken for; a retrieve must match it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LeaseMeta {
+    pub model_id: u64,
+    pub world_size: u32,
+    pub salt: u64,
+    pub fingerprint: u64,
+}
+
+impl Cache {
+    /// A cache over a pool of `capacity` bytes that evicts down to
+    /// `low_water` once usage passes `high_water` (fractions of capacity).
+    pub fn new(capacity: u64, high: f64, low: f64) -> Cache {
+        let pool = PoolAlloc::new(capacity);
+        let cap = pool.capacity() as f64;
+        Cache {
+            stats: StatsReply {
+                pool_bytes: pool.capacity(),
+                ..Default::default()
+            },
+            pool,
+            objects: Vec::new(),
+            free_ids: Vec::new(),
+            index: HashMap::new(),
+            lru_head: NIL,
+            lru_tail: NIL,
+            leases: HashMap::new(),
+            high_water: (cap * high) as u64,
+            low_water: (cap * low) as u64,
+        }
+    }
+
+    fn obj(&self, id: u32) -> &Object {
+        self.objects[id as usize].as_ref().expect("live object")
+    }
+
+    fn obj_mut(&mut self, id: u32) -> &mut Object {
+        self.objects[id as usize].as_mut().expect("live object")
+    }
+
+    fn lru_unlink(&mut self, id: u32) {
+        let (p, n) = {
+            let o = self.obj(id);
+            (o.prev, o.next)
+        };
+        if p == NIL {
+            if self.lru_head == id {
+                self.lru_head = n;
+            }
+        } else {
+            self.obj_mut(p).next = n;
+        }
+        if n == NIL {
+            if self.lru_tail == id {
+                self.lru_tail = p;
+            }
+        } else {
+            self.obj_mut(n).prev = p;
+        }
+        let o = self.obj_mut(id);
+        o.prev = NIL;
+        o.next = NIL;
+    }
+
+    fn lru_push_back(&mut self, id: u32) {
+        let tail = self.lru_tail;
+        {
+            let o = self.obj_mut(id);
+            o.prev = tail;
+            o.next = NIL;
+        }
+        if tail == NIL {
+            self.lru_head = id;
+        } else {
+            self.obj_mut(tail).next = id;
+        }
+        self.lru_tail = id;
+    }
+
+    /// Marks a ready object recently used.
+    fn touch(&mut self, id: u32) {
+        if self.obj(id).state == ObjState::Ready {
+            self.lru_unlink(id);
+            self.lru_push_back(id);
+        }
+    }
+
+    fn remove_object(&mut self, id: u32) {
+        if self.obj(id).state == ObjState::Ready {
+            self.lru_unlink(id);
+        }
+        let o = self.objects[id as usize].take().expect("live object");
+        self.index.remove(&o.key);
+        self.pool.free(o.off, o.len);
+        self.free_ids.push(id);
+        self.stats.objects -= 1;
+        self.stats.pool_used_bytes = self.pool.used();
+    }
+
+    /// Evicts least recently used objects without holds until `pred` says
+    /// stop or nothing evictable is left. Returns whether `pred` was met.
+    fn evict_until(&mut self, mut enough: impl FnMut(&Cache) -> bool) -> bool {
+        let mut cur = self.lru_head;
+        while !enough(self) {
+            if cur == NIL {
+                return false;
+            }
+            let next = self.obj(cur).next;
+            if self.obj(cur).holds == 0 {
+                let len = self.obj(cur).len;
+                self.remove_object(cur);
+                self.stats.evicted_objects += 1;
+                self.stats.evicted_bytes += len;
+            }
+            cur = next;
+        }
+        true
+    }
+
+    /// A pool range of `len` bytes, evicting unheld objects (least recently
+    /// used first) until one fits.
+    fn alloc(&mut self, len: u64) -> Option<u64> {
+        if let Some(off) = self.pool.alloc(len) {
+            return Some(off);
+        }
+        let need = PoolAlloc::rounded(len);
+        if self.evict_until(|c| c.pool.largest_free() >= need) {
+            self.pool.alloc(len)
+        } else {
+            None
+        }
+    }
+
+    /// After a store allocated: evict down to the low watermark once usage
+    /// passed the high one.
+    fn watermark(&mut self) {
+        if self.pool.used() > self.high_water {
+            let low = self.low_water;
+            self.evict_until(|c| c.pool.used() <= low);
+        }
+    }
+
+    /// Plans a store of `keys` (one per chunk, `len` bytes each): chunks
+    /// already present are skipped, the others get a `Writing` object.
+    pub fn plan_store(&mut self, keys: &[ObjectKey], len: u64) -> StorePlan {
+        let mut plan = StorePlan::default();
+        for (i, key) in keys.iter().enumerate() {
+            if let Some(&id) = self.index.get(key) {
+                self.touch(id);
+                plan.present += 1;
+                continue;
+            }
+            let Some(off) = self.alloc(len) else {
+                plan.no_space += 1;
+                continue;
+            };
+            let o = Object {
+                key: *key,
+                off,
+                len,
+                state: ObjState::Writing,
+                holds: 0,
+                prev: NIL,
+                next: NIL,
+            };
+            let id = match self.free_ids.pop() {
+                Some(id) => {
+                    self.objects[id as usize] = Some(o);
+                    id
+                }
+                None => {
+                    self.objects.push(Some(o));
+                    (self.objects.len() - 1) as u32
+                }
+            };
+            self.index.insert(*key, id);
+            self.stats.objects += 1;
+            plan.write.push(Planned {
+                chunk: i as u32,
+                obj: id,
+                off,
+            });
+        }
+        self.stats.pool_used_bytes = self.pool.used();
+        self.stats.stores += 1;
+        self.stats.store_no_space_chunks += u64::from(plan.no_space);
+        self.watermark();
+        plan
+    }
+
+    /// Ends a store: its objects become readable (`ok`) or are dropped.
+    pub fn finish_store(&mut self, objs: &[u32], ok: bool, bytes: u64) {
+        for &id in objs {
+            if ok {
+                self.obj_mut(id).state = ObjState::Ready;
+                self.lru_push_back(id);
+            } else {
+                self.remove_object(id);
+            }
+        }
+        if ok {
+            self.stats.stored_chunks += objs.len() as u64;
+            self.stats.stored_bytes += bytes;
+        }
+        self.watermark();
+    }
+
+    /// Longest prefix of `hashes` whose objects are ready for every rank of
+    /// `group`; takes a lease `id` on the hits (owned by `owner`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn lookup(
+        &mut self,
+        id: JobId,
+        owner: u32,
+        meta: LeaseMeta,
+        group: Group,
+        hashes: &[ChunkHash],
+        ttl: std::time::Duration,
+        now: Instant,
+    ) -> u32 {
+        let world = meta.world_size;
+        let mut holds: Vec<Vec<Option<u32>>> = Vec::new();
+        'chunks: for h in hashes {
+            let mut row = Vec::with_capacity(world as usize);
+            for rank in 0..world {
+                let tag = rank_tag(
+                    world,
+                    if group.shared_objects {
+                        SHARED_RANK
+                    } else {
+                        rank
+                    },
+                );
+                let key = ObjectKey {
+                    model_id: meta.model_id,
+                    salt: meta.salt,
+                    fingerprint: group.fingerprint,
+                    rank_tag: tag,
+                    hash: *h,
+                };
+                match self.index.get(&key) {
+                    Some(&o) if self.obj(o).state == ObjState::Ready => row.push(Some(o)),
+                    _ => break 'chunks,
+                }
+            }
+            holds.push(row);
+        }
+        let hits = holds.len() as u32;
+        for row in &holds {
+            for o in row.iter().flatten() {
+                self.obj_mut(*o).holds += 1;
+                self.touch(*o);
+            }
+        }
+        self.stats.lookups += 1;
+        self.stats.lookup_chunks += hashes.len() as u64;
+        self.stats.lookup_hit_chunks += u64::from(hits);
+        if hits > 0 {
+            let held = holds.len() * world as usize;
+            self.leases.insert(
+                id,
+                (
+                    meta,
+                    Lease {
+                        owner_slot: owner,
+                        expires: now + ttl,
+                        holds,
+                        held,
+                    },
+                ),
+            );
+            self.stats.leases = self.leases.len() as u64;
+        }
+        hits
+    }
+
+    /// Moves `rank`'s holds on chunks `first .. first + n` of lease `id` to
+    /// a retrieve: all of them or none. Returns the objects (and offsets).
+    pub fn take_for_retrieve(
+        &mut self,
+        id: JobId,
+        meta_check: impl FnOnce(&LeaseMeta) -> bool,
+        rank: u32,
+        first: u32,
+        n: u32,
+    ) -> Result<Vec<(u32, u64)>, LeaseError> {
+        let Some((meta, lease)) = self.leases.get_mut(&id) else {
+            return Err(LeaseError::NoLease);
+        };
+        if !meta_check(meta) {
+            return Err(LeaseError::Mismatch);
+        }
+        let end = first.checked_add(n).ok_or(LeaseError::NotHeld)? as usize;
+        if end > lease.holds.len() || rank as usize >= meta.world_size as usize {
+            return Err(LeaseError::NotHeld);
+        }
+        let rows = &mut lease.holds[first as usize..end];
+        if rows.iter().any(|r| r[rank as usize].is_none()) {
+            return Err(LeaseError::NotHeld);
+        }
+        let ids: Vec<u32> = rows
+            .iter_mut()
+            .map(|r| r[rank as usize].take().expect("checked"))
+            .collect();
+        lease.held -= ids.len();
+        let empty = lease.held == 0;
+        if empty {
+            self.leases.remove(&id);
+            self.stats.leases = self.leases.len() as u64;
+        }
+        // The holds now belong to the retrieve (dropped by `finish_retrieve`).
+        Ok(ids.into_iter().map(|o| (o, self.obj(o).off)).collect())
+    }
+
+    /// Ends a retrieve: drops its holds.
+    pub fn finish_retrieve(&mut self, objs: &[u32], ok: bool, bytes: u64) {
+        for &o in objs {
+            self.obj_mut(o).holds -= 1;
+        }
+        self.stats.retrieves += 1;
+        if ok {
+            self.stats.retrieved_chunks += objs.len() as u64;
+            self.stats.retrieved_bytes += bytes;
+        }
+    }
+
+    fn drop_holds(&mut self, lease: &mut Lease, rows: std::ops::Range<usize>, touch: bool) {
+        for r in rows {
+            for h in lease.holds[r].iter_mut() {
+                if let Some(o) = h.take() {
+                    self.obj_mut(o).holds -= 1;
+                    if touch {
+                        self.touch(o);
+                    }
+                    lease.held -= 1;
+                }
+            }
+        }
+    }
+
+    /// FREE_LOOKUP_LOCKS: drops lease `id`'s holds on chunks `first ..
+    /// first + n` (clamped to the lease). False if there is no such lease.
+    pub fn free_locks(&mut self, id: JobId, first: u32, n: u32) -> bool {
+        let Some((meta, mut lease)) = self.leases.remove(&id) else {
+            return false;
+        };
+        let len = lease.holds.len();
+        let a = (first as usize).min(len);
+        let b = (first as usize).saturating_add(n as usize).min(len);
+        self.drop_holds(&mut lease, a..b, false);
+        if lease.held > 0 {
+            self.leases.insert(id, (meta, lease));
+        }
+        self.stats.leases = self.leases.len() as u64;
+        true
+    }
+
+    /// END_SESSION: drops everything lease `id` holds, marking its objects
+    /// recently used. False if there is no such lease.
+    pub fn end_session(&mut self, id: JobId) -> bool {
+        let Some((_, mut lease)) = self.leases.remove(&id) else {
+            return false;
+        };
+        let n = lease.holds.len();
+        self.drop_holds(&mut lease, 0..n, true);
+        self.stats.leases = self.leases.len() as u64;
+        true
+    }
+
+    /// Drops the leases of a departed client, and leases past their TTL.
+    /// Returns how many leases ended.
+    pub fn drop_leases(&mut self, owner_slot: Option<u32>, now: Instant) -> usize {
+        let ended: Vec<JobId> = self
+            .leases
+            .iter()
+            .filter(|(_, (_, l))| Some(l.owner_slot) == owner_slot || l.expires <= now)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in &ended {
+            let (_, mut lease) = self.leases.remove(id).expect("listed");
+            if lease.expires <= now && Some(lease.owner_slot) != owner_slot {
+                self.stats.leases_expired += 1;
+            }
+            let n = lease.holds.len();
+            self.drop_holds(&mut lease, 0..n, false);
+        }
+        self.stats.leases = self.leases.len() as u64;
+        ended.len()
+    }
+
+    /// CLEAR: drops every ready object without holds. Returns (objects, bytes).
+    pub fn clear(&mut self) -> (u64, u64) {
+        let (mut n, mut bytes) = (0, 0);
+        let mut cur = self.lru_head;
+        while cur != NIL {
+            let next = self.obj(cur).next;
+            if self.obj(cur).holds == 0 {
+                bytes += self.obj(cur).len;
+                self.remove_object(cur);
+                n += 1;
+            }
+            cur = next;
+        }
+        (n, bytes)
+    }
+
+    /// Holds on an object (tests).
+    #[cfg(test)]
+    pub fn holds_of(&self, key: &ObjectKey) -> Option<u32> {
+        self.index.get(key).map(|&o| self.obj(o).holds)
+    }
+}

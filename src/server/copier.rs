@@ -1,0 +1,323 @@
+//! Copy workers: the threads that move chunk objects between engines' KV
+//! caches and the pool, so the ring loop never waits on a copy.
+//!
+//! A STORE or RETRIEVE job is split into one task per chunk. Tasks wait in
+//! per-client queues served round robin, so one client's large job cannot
+//! stall another's: every client with work gets the next free worker in
+//! turn. A job ends when its last task does; the worker that finishes it
+//! commits (store) or drops holds (retrieve) in the cache, then publishes the
+//! job's outcome in the job table and wakes the owner.
+//!
+//! The copy itself is the backend's ([`Backend`]): memcpy on the host.
+
+use super::registry::Instance;
+use super::Shared;
+use crate::jobs::{FailReason, JobId, JobResult};
+use crate::kv::KvLayout;
+use crate::liveness::monotonic_ns;
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+/// Which way a copy goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dir {
+    /// Engine cache -> pool object (STORE).
+    ToPool,
+    /// Pool object -> engine cache (RETRIEVE).
+    FromPool,
+}
+
+/// One chunk to copy: `blocks` of the engine's cache <-> the object at
+/// `object`. Blocks before `skip_blocks` are left alone.
+pub struct ChunkCopy<'a> {
+    pub layout: &'a KvLayout,
+    pub inst: &'a Instance,
+    pub chunk_tokens: u32,
+    pub blocks: &'a [u32],
+    pub skip_blocks: u32,
+    pub object: *mut u8,
+    pub dir: Dir,
+}
+
+/// What moves the bytes.
+pub trait Backend: Send + Sync {
+    fn name(&self) -> &'static str;
+    /// Copies one chunk; returns the bytes moved.
+    fn copy_chunk(&self, c: &ChunkCopy<'_>) -> Result<u64, String>;
+}
+
+/// The host backend: slab-by-slab memcpy between mapped engine memory and
+/// the pool.
+pub struct HostBackend;
+
+impl Backend for HostBackend {
+    fn name(&self) -> &'static str {
+        "host"
+    }
+
+    fn copy_chunk(&self, c: &ChunkCopy<'_>) -> Result<u64, String> {
+        let l = c.layout;
+        let slab = l.slab_bytes() as usize;
+        let mut bytes = 0u64;
+        for part in 0..l.parts() {
+            for layer in 0..l.num_layers {
+                for (j, &block) in c.blocks.iter().enumerate().skip(c.skip_blocks as usize) {
+                    let (t, off) = l.slab_at(layer, part, block);
+                    let tensor = &c.inst.tensors[t as usize];
+                    let obj_off = l.object_offset(c.chunk_tokens, layer, part, j as u32);
+                    debug_assert!(off + slab as u64 <= tensor.bytes());
+                    // SAFETY: `block < num_blocks` was checked when the job
+                    // was accepted, so the slab lies inside the tensor's
+                    // mapping (`slab_at` tiles the tensor exactly); the object
+                    // range lies inside the pool range the cache allocated for
+                    // `object_bytes`. The engine's memory may change under the
+                    // copy (its bytes are the engine's business), but it cannot
+                    // shrink (sealed), so the access never faults. Raw
+                    // pointers only: no reference to shared memory is formed.
+                    unsafe {
+                        let eng = tensor.ptr().add(off as usize);
+                        let obj = c.object.add(obj_off as usize);
+                        match c.dir {
+                            Dir::ToPool => std::ptr::copy_nonoverlapping(eng, obj, slab),
+                            Dir::FromPool => std::ptr::copy_nonoverlapping(obj, eng, slab),
+                        }
+                    }
+                    bytes += slab as u64;
+                }
+            }
+        }
+        Ok(bytes)
+    }
+}
+
+/// A STORE or RETRIEVE job in flight.
+pub struct JobRun {
+    pub id: JobId,
+    pub owner: u32,
+    pub dir: Dir,
+    pub inst: Arc<Instance>,
+    /// Objects written (store) or held (retrieve).
+    pub objs: Vec<u32>,
+    /// The job's result words (store: present chunks and no-space chunks;
+    /// retrieve: chunk count; bytes are added as the copies finish).
+    pub value: u64,
+    pub aux: u64,
+    remaining: AtomicU32,
+    started: AtomicBool,
+    failed: AtomicBool,
+    bytes: AtomicU64,
+}
+
+impl JobRun {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        id: JobId,
+        owner: u32,
+        dir: Dir,
+        inst: Arc<Instance>,
+        objs: Vec<u32>,
+        value: u64,
+        aux: u64,
+        tasks: u32,
+    ) -> Arc<JobRun> {
+        Arc::new(JobRun {
+            id,
+            owner,
+            dir,
+            inst,
+            objs,
+            value,
+            aux,
+            remaining: AtomicU32::new(tasks),
+            started: AtomicBool::new(false),
+            failed: AtomicBool::new(false),
+            bytes: AtomicU64::new(0),
+        })
+    }
+}
+
+/// One chunk of a job.
+pub struct Task {
+    pub job: Arc<JobRun>,
+    /// Pool offset of the object.
+    pub pool_off: u64,
+    pub blocks: Vec<u32>,
+    pub skip_blocks: u32,
+}
+
+#[derive(Default)]
+struct Queues {
+    per_client: Vec<VecDeque<Task>>,
+    /// Clients with queued tasks, in service order.
+    turn: VecDeque<u32>,
+    stop: bool,
+}
+
+/// The workers' shared queue.
+pub struct Copier {
+    q: Mutex<Queues>,
+    cv: Condvar,
+    pub backend: Box<dyn Backend>,
+}
+
+impl Copier {
+    pub fn new(max_clients: u32, backend: Box<dyn Backend>) -> Copier {
+        Copier {
+            q: Mutex::new(Queues {
+                per_client: (0..max_clients).map(|_| VecDeque::new()).collect(),
+                ..Default::default()
+            }),
+            cv: Condvar::new(),
+            backend,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Queues> {
+        self.q.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Queues a job's tasks (all of one client).
+    pub fn submit(&self, client: u32, tasks: Vec<Task>) {
+        if tasks.is_empty() {
+            return;
+        }
+        let mut q = self.lock();
+        let queue = &mut q.per_client[client as usize];
+        let was_empty = queue.is_empty();
+        let n = tasks.len();
+        queue.extend(tasks);
+        if was_empty {
+            q.turn.push_back(client);
+        }
+        drop(q);
+        if n == 1 {
+            self.cv.notify_one();
+        } else {
+            self.cv.notify_all();
+        }
+    }
+
+    /// Next task, round robin over clients; `None` once stopped.
+    fn next(&self) -> Option<Task> {
+        let mut q = self.lock();
+        loop {
+            if q.stop {
+                return None;
+            }
+            if let Some(c) = q.turn.pop_front() {
+                let queue = &mut q.per_client[c as usize];
+                let t = queue.pop_front();
+                if !queue.is_empty() {
+                    q.turn.push_back(c);
+                }
+                if let Some(t) = t {
+                    return Some(t);
+                }
+                continue;
+            }
+            // Idle: sleep until work or stop (the timeout only bounds how
+            // long a missed notification could delay shutdown).
+            q = self
+                .cv
+                .wait_timeout(q, Duration::from_millis(100))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    /// Stops the workers; queued tasks are dropped (their jobs are failed by
+    /// the shutdown that follows).
+    pub fn stop(&self) {
+        self.lock().stop = true;
+        self.cv.notify_all();
+    }
+}
+
+/// A copy worker's body.
+pub(super) fn run(shared: &Shared) {
+    let copier = &shared.kv.copier;
+    let chunk_tokens = shared.kv.chunk_tokens;
+    while let Some(task) = copier.next() {
+        let job = &task.job;
+        if !job.started.swap(true, Ordering::Relaxed) {
+            // The job may already have failed (its client died): then the
+            // copy is wasted but harmless, and the outcome is not published.
+            let _ = shared.jobs.start(job.id, monotonic_ns());
+        }
+        let c = ChunkCopy {
+            layout: &job.inst.layout,
+            inst: &job.inst,
+            chunk_tokens,
+            blocks: &task.blocks,
+            skip_blocks: task.skip_blocks,
+            object: shared.kv.pool.at(task.pool_off),
+            dir: job.dir,
+        };
+        match copier.backend.copy_chunk(&c) {
+            Ok(b) => {
+                job.bytes.fetch_add(b, Ordering::Relaxed);
+            }
+            Err(e) => {
+                eprintln!("kvring: copy for {} failed: {e}", job.id);
+                job.failed.store(true, Ordering::Relaxed);
+            }
+        }
+        // AcqRel: the last task's worker sees every other task's byte count
+        // and failure flag (each task's Release half of this RMW).
+        if job.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+            finish(shared, job);
+        }
+    }
+}
+
+/// The last task of `job` is done: settle the cache, then publish.
+fn finish(shared: &Shared, job: &JobRun) {
+    let ok = !job.failed.load(Ordering::Relaxed);
+    let bytes = job.bytes.load(Ordering::Relaxed);
+    let now = monotonic_ns();
+    // A store commits its objects before it reads Done, so a lookup issued
+    // after Done finds them. A retrieve publishes first: its blocks are
+    // written, and the holds stay ours until dropped below.
+    let outcome = || {
+        if ok {
+            let r = match job.dir {
+                Dir::ToPool => JobResult {
+                    value: job.value,
+                    aux: job.aux,
+                },
+                Dir::FromPool => JobResult {
+                    value: job.value,
+                    aux: bytes,
+                },
+            };
+            shared.jobs.finish(job.id, r, now).map(|()| true)
+        } else {
+            shared
+                .jobs
+                .fail(job.id, FailReason::CopyFailed, now)
+                .map(|()| false)
+        }
+    };
+    // A whole copy is committed even if the job's client died meanwhile:
+    // the engine wrote those blocks before it asked for the store.
+    let published = match job.dir {
+        Dir::ToPool => {
+            shared
+                .kv
+                .with_cache(shared, |c| c.finish_store(&job.objs, ok, bytes));
+            outcome()
+        }
+        Dir::FromPool => {
+            let published = outcome();
+            shared
+                .kv
+                .with_cache(shared, |c| c.finish_retrieve(&job.objs, ok, bytes));
+            published
+        }
+    };
+    if let Ok(done) = published {
+        shared.job_ended(job.owner, done);
+    }
+}

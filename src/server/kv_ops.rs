@@ -1,0 +1,393 @@
+//! The KV operations as the ring loop serves them: every request payload is
+//! validated (lengths, counts, block ids, instance ownership) before anything
+//! is allocated; LOOKUP runs inline (a short index scan); STORE and RETRIEVE
+//! become jobs whose chunk copies run on the copy workers.
+
+use super::cache::{Cache, LeaseError, LeaseMeta, ObjectKey};
+use super::copier::{Copier, Dir, JobRun, Task};
+use super::pool::PoolMemory;
+use super::registry::Registry;
+use super::Shared;
+use crate::jobs::{JobId, JobKind, JobResult, NewJob};
+use crate::kv::ChunkHash;
+use crate::liveness::monotonic_ns;
+use crate::proto::kv::{
+    split_header, u32s, ClearReply, ConfigReply, EndSessionRequest, FreeLocksRequest,
+    LookupRequest, RetrieveRequest, StatsReply, StoreRequest,
+};
+use crate::proto::Status;
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// The cache server's KV state.
+pub struct KvState {
+    pub chunk_tokens: u32,
+    pub lease_ttl: Duration,
+    pub max_request_bytes: u32,
+    pub copy_threads: u32,
+    pub registry: Mutex<Registry>,
+    cache: Mutex<Cache>,
+    pub pool: PoolMemory,
+    pub copier: Copier,
+}
+
+/// What serving a request produced: a status and a reply payload.
+pub type Outcome = Result<Vec<u8>, Status>;
+
+impl KvState {
+    pub fn new(
+        cfg: &super::KvConfig,
+        max_clients: u32,
+        backend: Box<dyn super::copier::Backend>,
+    ) -> std::io::Result<KvState> {
+        let pool = PoolMemory::new(cfg.pool_bytes, cfg.prefault)?;
+        Ok(KvState {
+            chunk_tokens: cfg.chunk_tokens,
+            lease_ttl: cfg.lease_ttl,
+            max_request_bytes: cfg.max_request_bytes,
+            copy_threads: cfg.copy_threads,
+            registry: Mutex::new(Registry::default()),
+            cache: Mutex::new(Cache::new(
+                pool.len(),
+                cfg.high_watermark,
+                cfg.low_watermark,
+            )),
+            pool,
+            copier: Copier::new(max_clients, backend),
+        })
+    }
+
+    pub fn cache(&self) -> MutexGuard<'_, Cache> {
+        self.cache.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn registry(&self) -> MutexGuard<'_, Registry> {
+        self.registry.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Runs `f` on the cache, then publishes its counters in the header.
+    pub fn with_cache<T>(&self, shared: &Shared, f: impl FnOnce(&mut Cache) -> T) -> T {
+        let mut c = self.cache();
+        let r = f(&mut c);
+        let mut stats = c.stats;
+        drop(c);
+        stats.instances = self.registry().len() as u64;
+        publish(shared, &stats);
+        r
+    }
+
+    /// The cache's counters now.
+    pub fn stats(&self) -> StatsReply {
+        let mut s = self.cache().stats;
+        s.instances = self.registry().len() as u64;
+        s
+    }
+}
+
+/// Copies the counters into the segment header for observers.
+pub fn publish(shared: &Shared, stats: &StatsReply) {
+    let words: [u64; crate::layout::CACHE_STATS_WORDS] = bytemuck::cast(*stats);
+    for (a, w) in shared.seg.mapping.header().cache_stats.iter().zip(words) {
+        // Observers only: Relaxed.
+        a.store(w, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+fn hashes(bytes: &[u8]) -> impl Iterator<Item = ChunkHash> + '_ {
+    bytes
+        .chunks_exact(16)
+        .map(|c| c.try_into().expect("16 bytes"))
+}
+
+/// The requesting client.
+#[derive(Clone, Copy)]
+pub struct Caller {
+    pub slot: u32,
+    pub session: u32,
+    pub user_data: u64,
+}
+
+fn new_job(shared: &Shared, kind: JobKind, who: Caller) -> Result<JobId, Status> {
+    let h = shared.seg.mapping.header();
+    let r = shared.jobs.submit(NewJob {
+        kind,
+        owner_slot: who.slot,
+        owner_session: who.session,
+        user_data: who.user_data,
+        now_ns: monotonic_ns(),
+    });
+    // Counters for observers only: Relaxed.
+    match r {
+        Ok(id) => {
+            h.jobs_submitted
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            Ok(id)
+        }
+        Err(e) => {
+            h.jobs_refused
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            Err(e.into())
+        }
+    }
+}
+
+fn id_reply(id: JobId) -> Outcome {
+    Ok(bytemuck::bytes_of(&id).to_vec())
+}
+
+/// LOOKUP: inline. The job is done by the time its id is answered.
+pub fn lookup(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
+    let (h, rest) = split_header::<LookupRequest>(req).ok_or(Status::BadLength)?;
+    if rest.len() as u64 != u64::from(h.n_chunks) * 16 {
+        return Err(Status::BadLength);
+    }
+    if h.world_size == 0 || h.world_size > super::registry::MAX_WORLD_SIZE {
+        return Err(Status::InvalidArgument);
+    }
+    let id = new_job(shared, JobKind::Lookup, who)?;
+    let group = shared.kv.registry().group(h.model_id, h.world_size);
+    let hits = match group {
+        // No rank of this model is registered: nothing can be retrieved.
+        None => 0,
+        Some(g) => {
+            let hs: Vec<ChunkHash> = hashes(rest).collect();
+            let meta = LeaseMeta {
+                model_id: h.model_id,
+                world_size: h.world_size,
+                salt: h.salt,
+                fingerprint: g.fingerprint,
+            };
+            shared.kv.with_cache(shared, |c| {
+                c.lookup(
+                    id,
+                    who.slot,
+                    meta,
+                    g,
+                    &hs,
+                    shared.kv.lease_ttl,
+                    Instant::now(),
+                )
+            })
+        }
+    };
+    let result = JobResult {
+        value: u64::from(hits),
+        aux: u64::from(h.n_chunks),
+    };
+    if shared.jobs.finish(id, result, monotonic_ns()).is_ok() {
+        shared.job_ended(who.slot, true);
+    }
+    id_reply(id)
+}
+
+/// Checks block ids against the instance's cache; splits them per chunk.
+fn blocks_per_chunk(
+    bytes: &[u8],
+    n_chunks: u32,
+    bpc: u32,
+    num_blocks: u32,
+) -> Result<Vec<Vec<u32>>, Status> {
+    if bytes.len() as u64 != u64::from(n_chunks) * u64::from(bpc) * 4 {
+        return Err(Status::BadLength);
+    }
+    let ids: Vec<u32> = u32s(bytes).collect();
+    if ids.iter().any(|&b| b >= num_blocks) {
+        return Err(Status::InvalidArgument);
+    }
+    Ok(ids.chunks(bpc as usize).map(<[u32]>::to_vec).collect())
+}
+
+/// STORE: plans the objects, then queues one copy task per new chunk.
+pub fn store(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
+    let kv = &shared.kv;
+    let (h, rest) = split_header::<StoreRequest>(req).ok_or(Status::BadLength)?;
+    let inst = kv
+        .registry()
+        .get(who.slot, who.session, h.instance)
+        .ok_or(Status::UnknownInstance)?;
+    let n = h.n_chunks;
+    let hash_bytes = (n as usize)
+        .checked_mul(16)
+        .filter(|&b| b <= rest.len())
+        .ok_or(Status::BadLength)?;
+    let (hash_part, block_part) = rest.split_at(hash_bytes);
+    let bpc = inst.layout.blocks_per_chunk(kv.chunk_tokens);
+    let blocks = blocks_per_chunk(block_part, n, bpc, inst.layout.num_blocks)?;
+    let id = new_job(shared, JobKind::Store, who)?;
+    let tag = inst.rank_tag();
+    let keys: Vec<ObjectKey> = hashes(hash_part)
+        .map(|hash| ObjectKey {
+            model_id: inst.model_id,
+            salt: h.salt,
+            fingerprint: inst.fingerprint,
+            rank_tag: tag,
+            hash,
+        })
+        .collect();
+    let len = inst.layout.object_bytes(kv.chunk_tokens);
+    let plan = kv.with_cache(shared, |c| c.plan_store(&keys, len));
+    let value = u64::from(plan.present) + plan.write.len() as u64;
+    let aux = u64::from(plan.no_space);
+    if plan.write.is_empty() {
+        if shared
+            .jobs
+            .finish(id, JobResult { value, aux }, monotonic_ns())
+            .is_ok()
+        {
+            shared.job_ended(who.slot, true);
+        }
+        return id_reply(id);
+    }
+    let objs = plan.write.iter().map(|p| p.obj).collect();
+    let job = JobRun::new(
+        id,
+        who.slot,
+        Dir::ToPool,
+        inst,
+        objs,
+        value,
+        aux,
+        plan.write.len() as u32,
+    );
+    let tasks = plan
+        .write
+        .iter()
+        .map(|p| Task {
+            job: job.clone(),
+            pool_off: p.off,
+            blocks: blocks[p.chunk as usize].clone(),
+            skip_blocks: 0,
+        })
+        .collect();
+    kv.copier.submit(who.slot, tasks);
+    id_reply(id)
+}
+
+/// RETRIEVE: takes the rank's holds from the lease (all or nothing), then
+/// queues one copy task per chunk.
+pub fn retrieve(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
+    let kv = &shared.kv;
+    let (h, rest) = split_header::<RetrieveRequest>(req).ok_or(Status::BadLength)?;
+    let inst = kv
+        .registry()
+        .get(who.slot, who.session, h.instance)
+        .ok_or(Status::UnknownInstance)?;
+    let bpc = inst.layout.blocks_per_chunk(kv.chunk_tokens);
+    let blocks = blocks_per_chunk(rest, h.n_chunks, bpc, inst.layout.num_blocks)?;
+    let bt = inst.layout.block_tokens;
+    if h.skip_tokens % bt != 0
+        || u64::from(h.skip_tokens) > u64::from(h.n_chunks) * u64::from(kv.chunk_tokens)
+    {
+        return Err(Status::InvalidArgument);
+    }
+    if h.n_chunks == 0 {
+        return Err(Status::InvalidArgument);
+    }
+    let rank = inst.rank;
+    let check = |m: &LeaseMeta| {
+        m.model_id == inst.model_id
+            && m.world_size == inst.world_size
+            && m.fingerprint == inst.fingerprint
+    };
+    let held = kv.with_cache(shared, |c| {
+        c.take_for_retrieve(h.lease, check, rank, h.first_chunk, h.n_chunks)
+    });
+    let objs = match held {
+        Ok(o) => o,
+        Err(LeaseError::Mismatch) => return Err(Status::InvalidArgument),
+        Err(LeaseError::NoLease | LeaseError::NotHeld) => return Err(Status::NoLease),
+    };
+    let id = match new_job(shared, JobKind::Retrieve, who) {
+        Ok(id) => id,
+        Err(e) => {
+            // Give the holds back to nobody: the lease no longer has them,
+            // so they end here.
+            let ids: Vec<u32> = objs.iter().map(|o| o.0).collect();
+            kv.with_cache(shared, |c| c.finish_retrieve(&ids, false, 0));
+            return Err(e);
+        }
+    };
+    let mut skip_blocks = h.skip_tokens / bt;
+    let mut tasks = Vec::with_capacity(objs.len());
+    let job = JobRun::new(
+        id,
+        who.slot,
+        Dir::FromPool,
+        inst,
+        objs.iter().map(|o| o.0).collect(),
+        u64::from(h.n_chunks),
+        0,
+        objs.len() as u32,
+    );
+    for (i, &(_, off)) in objs.iter().enumerate() {
+        let skip = skip_blocks.min(bpc);
+        skip_blocks -= skip;
+        tasks.push(Task {
+            job: job.clone(),
+            pool_off: off,
+            blocks: blocks[i].clone(),
+            skip_blocks: skip,
+        });
+    }
+    kv.copier.submit(who.slot, tasks);
+    id_reply(id)
+}
+
+pub fn free_lookup_locks(shared: &Shared, req: &[u8]) -> Outcome {
+    let (h, rest) = split_header::<FreeLocksRequest>(req).ok_or(Status::BadLength)?;
+    if !rest.is_empty() {
+        return Err(Status::BadLength);
+    }
+    if shared
+        .kv
+        .with_cache(shared, |c| c.free_locks(h.lease, h.first_chunk, h.n_chunks))
+    {
+        Ok(Vec::new())
+    } else {
+        Err(Status::NoLease)
+    }
+}
+
+pub fn end_session(shared: &Shared, req: &[u8]) -> Outcome {
+    let (h, rest) = split_header::<EndSessionRequest>(req).ok_or(Status::BadLength)?;
+    if !rest.is_empty() {
+        return Err(Status::BadLength);
+    }
+    if shared.kv.with_cache(shared, |c| c.end_session(h.lease)) {
+        Ok(Vec::new())
+    } else {
+        Err(Status::NoLease)
+    }
+}
+
+pub fn clear(shared: &Shared, req: &[u8]) -> Outcome {
+    if !req.is_empty() {
+        return Err(Status::BadLength);
+    }
+    let (objects, bytes) = shared.kv.with_cache(shared, |c| c.clear());
+    Ok(bytemuck::bytes_of(&ClearReply { objects, bytes }).to_vec())
+}
+
+pub fn stats(shared: &Shared, req: &[u8]) -> Outcome {
+    if !req.is_empty() {
+        return Err(Status::BadLength);
+    }
+    Ok(bytemuck::bytes_of(&shared.kv.stats()).to_vec())
+}
+
+pub fn config(shared: &Shared, req: &[u8]) -> Outcome {
+    if !req.is_empty() {
+        return Err(Status::BadLength);
+    }
+    let kv = &shared.kv;
+    Ok(bytemuck::bytes_of(&ConfigReply {
+        chunk_tokens: kv.chunk_tokens,
+        copy_threads: kv.copy_threads,
+        pool_bytes: kv.pool.len(),
+        max_request_bytes: kv.max_request_bytes,
+        lease_ttl_ms: kv.lease_ttl.as_millis().min(u128::from(u32::MAX)) as u32,
+        backend: 1,
+        _reserved: 0,
+    })
+    .to_vec())
+}

@@ -1,0 +1,282 @@
+//! Registered engine instances: each a KV cache whose memory the server has
+//! mapped once (host backend: sealed memfds received over the bootstrap
+//! socket), with its layout, model, world size and rank.
+//!
+//! An instance is shared (`Arc`) with the copy tasks that use it, so its
+//! mappings outlive an unregister or the client's death until the last copy
+//! that reads them has finished.
+
+use crate::kv::KvLayout;
+use crate::proto::kv::{MemKind, RegisterKv, TensorRegion};
+use memmap2::{MmapOptions, MmapRaw};
+use std::collections::HashMap;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::sync::Arc;
+
+/// Largest world size (tensor-parallel ranks) a registration may name.
+pub const MAX_WORLD_SIZE: u32 = 4096;
+
+/// Rank tag of objects every rank shares (MLA).
+pub const SHARED_RANK: u32 = 0xffff;
+
+/// One mapped tensor.
+pub struct TensorMem {
+    _map: MmapRaw,
+    ptr: *mut u8,
+    bytes: u64,
+}
+
+// SAFETY: the mapping is owned here and only accessed through raw pointers
+// by copy code that stays in bounds (`bytes`).
+unsafe impl Send for TensorMem {}
+// SAFETY: as above.
+unsafe impl Sync for TensorMem {}
+
+impl TensorMem {
+    pub fn ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+}
+
+/// A registered KV cache.
+pub struct Instance {
+    pub id: u32,
+    pub owner_slot: u32,
+    pub owner_session: u32,
+    pub model_id: u64,
+    pub world_size: u32,
+    pub rank: u32,
+    pub layout: KvLayout,
+    pub fingerprint: u64,
+    pub tensors: Vec<TensorMem>,
+}
+
+impl Instance {
+    /// Whether every rank shares one object per chunk (MLA).
+    pub fn shared_objects(&self) -> bool {
+        self.layout.parts() == 1
+    }
+
+    /// The rank tag of this instance's objects.
+    pub fn rank_tag(&self) -> u32 {
+        rank_tag(
+            self.world_size,
+            if self.shared_objects() {
+                SHARED_RANK
+            } else {
+                self.rank
+            },
+        )
+    }
+}
+
+/// `world_size << 16 | rank` (rank `SHARED_RANK` for shared objects).
+pub fn rank_tag(world_size: u32, rank: u32) -> u32 {
+    (world_size << 16) | (rank & 0xffff)
+}
+
+/// What every instance of one (model, world size) agrees on: how lookups
+/// of that model expand a chunk into objects.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Group {
+    pub fingerprint: u64,
+    pub shared_objects: bool,
+    members: u32,
+}
+
+/// Every registered instance.
+#[derive(Default)]
+pub struct Registry {
+    next_id: u32,
+    instances: HashMap<u32, Arc<Instance>>,
+    groups: HashMap<(u64, u32), Group>,
+}
+
+/// Why a registration was refused (status and text for the reply).
+pub type Refusal = (crate::proto::Status, String);
+
+fn bad(text: impl Into<String>) -> Refusal {
+    (crate::proto::Status::InvalidArgument, text.into())
+}
+
+/// Maps `bytes` at `offset` of a sealed memfd, after checking the seal and
+/// the size, so the mapping can never fault (the engine cannot shrink it).
+fn map_region(fd: &OwnedFd, offset: u64, bytes: u64) -> Result<TensorMem, Refusal> {
+    // SAFETY: F_GET_SEALS only reads the descriptor's seal set.
+    let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+    if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
+        return Err(bad(
+            "tensor memory must be a memfd sealed with F_SEAL_SHRINK (HostKvCache does this)",
+        ));
+    }
+    let st = nix::sys::stat::fstat(fd.as_fd()).map_err(|e| bad(format!("fstat: {e}")))?;
+    let size = st.st_size as u64;
+    let end = offset
+        .checked_add(bytes)
+        .ok_or_else(|| bad("region offset overflows"))?;
+    if end > size {
+        return Err(bad(format!(
+            "region [{offset}, {end}) exceeds the memory object's {size} bytes"
+        )));
+    }
+    let page = crate::layout::PAGE as u64;
+    let start = offset / page * page;
+    let map = MmapOptions::new()
+        .offset(start)
+        .len((end - start) as usize)
+        .map_raw(fd)
+        .map_err(|e| bad(format!("mmap: {e}")))?;
+    // SAFETY: `offset - start` < one page, inside the mapping.
+    let ptr = unsafe { map.as_mut_ptr().add((offset - start) as usize) };
+    Ok(TensorMem {
+        _map: map,
+        ptr,
+        bytes,
+    })
+}
+
+impl Registry {
+    /// Registers an instance for client `slot`/`session`.
+    pub fn register(
+        &mut self,
+        slot: u32,
+        session: u32,
+        chunk_tokens: u32,
+        req: &RegisterKv,
+        regions: &[TensorRegion],
+        fds: &[OwnedFd],
+    ) -> Result<Arc<Instance>, Refusal> {
+        if req.mem_kind != MemKind::HostFd as u32 {
+            return Err(bad(format!(
+                "memory kind {} is not served by the host backend",
+                req.mem_kind
+            )));
+        }
+        if req.world_size == 0 || req.world_size > MAX_WORLD_SIZE || req.rank >= req.world_size {
+            return Err(bad(format!(
+                "rank {} of world size {}: need rank < world size <= {MAX_WORLD_SIZE}",
+                req.rank, req.world_size
+            )));
+        }
+        if req.model_id == 0 {
+            return Err(bad("model id 0 is reserved"));
+        }
+        let layout = req.layout;
+        layout.validate(chunk_tokens).map_err(bad)?;
+        if regions.len() != layout.num_tensors() as usize || req.n_tensors as usize != regions.len()
+        {
+            return Err(bad(format!(
+                "{} tensor regions for a layout of {} tensors",
+                regions.len(),
+                layout.num_tensors()
+            )));
+        }
+        let fingerprint = layout.fingerprint(chunk_tokens);
+        let shared = layout.parts() == 1;
+        let gkey = (req.model_id, req.world_size);
+        if let Some(g) = self.groups.get(&gkey) {
+            if g.fingerprint != fingerprint || g.shared_objects != shared {
+                return Err(bad(
+                    "layout differs from the model's other registered ranks (layers, heads, head dim, element size)",
+                ));
+            }
+        }
+        let mut tensors = Vec::with_capacity(regions.len());
+        for (i, r) in regions.iter().enumerate() {
+            let fd = fds.get(r.fd_index as usize).ok_or_else(|| {
+                bad(format!(
+                    "tensor {i}: descriptor {} of {} sent",
+                    r.fd_index,
+                    fds.len()
+                ))
+            })?;
+            tensors.push(
+                map_region(fd, r.offset, layout.tensor_bytes())
+                    .map_err(|(s, t)| (s, format!("tensor {i}: {t}")))?,
+            );
+        }
+        self.next_id = self.next_id.wrapping_add(1).max(1);
+        while self.instances.contains_key(&self.next_id) {
+            self.next_id = self.next_id.wrapping_add(1).max(1);
+        }
+        let inst = Arc::new(Instance {
+            id: self.next_id,
+            owner_slot: slot,
+            owner_session: session,
+            model_id: req.model_id,
+            world_size: req.world_size,
+            rank: req.rank,
+            layout,
+            fingerprint,
+            tensors,
+        });
+        self.groups
+            .entry(gkey)
+            .or_insert(Group {
+                fingerprint,
+                shared_objects: shared,
+                members: 0,
+            })
+            .members += 1;
+        self.instances.insert(inst.id, inst.clone());
+        Ok(inst)
+    }
+
+    fn remove(&mut self, id: u32) {
+        let Some(inst) = self.instances.remove(&id) else {
+            return;
+        };
+        let gkey = (inst.model_id, inst.world_size);
+        if let Some(g) = self.groups.get_mut(&gkey) {
+            g.members -= 1;
+            if g.members == 0 {
+                self.groups.remove(&gkey);
+            }
+        }
+    }
+
+    /// Unregisters `id` if client `slot`/`session` registered it.
+    pub fn unregister(&mut self, slot: u32, session: u32, id: u32) -> bool {
+        match self.instances.get(&id) {
+            Some(i) if i.owner_slot == slot && i.owner_session == session => {
+                self.remove(id);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Drops every instance of client `slot`. Returns how many.
+    pub fn client_gone(&mut self, slot: u32) -> usize {
+        let ids: Vec<u32> = self
+            .instances
+            .values()
+            .filter(|i| i.owner_slot == slot)
+            .map(|i| i.id)
+            .collect();
+        for id in &ids {
+            self.remove(*id);
+        }
+        ids.len()
+    }
+
+    /// Instance `id` if client `slot`/`session` owns it.
+    pub fn get(&self, slot: u32, session: u32, id: u32) -> Option<Arc<Instance>> {
+        self.instances
+            .get(&id)
+            .filter(|i| i.owner_slot == slot && i.owner_session == session)
+            .cloned()
+    }
+
+    /// The group of (model, world size), if any instance of it is registered.
+    pub fn group(&self, model_id: u64, world_size: u32) -> Option<Group> {
+        self.groups.get(&(model_id, world_size)).copied()
+    }
+
+    pub fn len(&self) -> usize {
+        self.instances.len()
+    }
+}
