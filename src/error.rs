@@ -62,6 +62,8 @@ pub enum Error {
     Status(Status),
     #[error("bad configuration: {0}")]
     Config(String),
+    #[error("registration refused ({status}): {reason}")]
+    Registration { status: Status, reason: String },
     #[error("job table: {0}")]
     JobTable(#[from] crate::jobs::ReadError),
 }

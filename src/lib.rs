@@ -44,7 +44,7 @@ pub mod server;
 pub mod wait;
 
 #[cfg(not(loom))]
-pub use client::{Client, ClientOptions, Completion};
+pub use client::{Client, ClientOptions, Completion, HostKvCache, Instance, KvSpec};
 #[cfg(not(loom))]
 pub use error::{Error, Result};
 #[cfg(not(loom))]

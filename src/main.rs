@@ -63,6 +63,34 @@ enum Cmd {
         /// it yields and then parks (0 = park at once).
         #[arg(long, default_value_t = 50)]
         spin_us: u64,
+        /// Tokens per chunk object. Every engine's block size must divide it.
+        #[arg(long, env = "KVRING_CHUNK_TOKENS", default_value_t = kvring::kv::DEFAULT_CHUNK_TOKENS)]
+        chunk_tokens: u32,
+        /// Size of the host pool that holds chunk objects, allocated at
+        /// start (bytes; K, M, G, KiB, MiB, GiB suffixes accepted).
+        #[arg(long, env = "KVRING_POOL_BYTES", default_value = "2GiB", value_parser = parse_bytes)]
+        pool_bytes: u64,
+        /// Touch every pool page at start, so the first stores do not pay
+        /// page faults (start-up takes longer).
+        #[arg(long, env = "KVRING_PREFAULT")]
+        prefault: bool,
+        /// Threads that copy chunks between engines' caches and the pool
+        /// (default: half the CPUs, 1 to 8).
+        #[arg(long, env = "KVRING_COPY_THREADS")]
+        copy_threads: Option<u32>,
+        /// Largest request, all frames together (a LOOKUP of N chunks takes
+        /// 24 + 16 N bytes).
+        #[arg(long, default_value = "4MiB", value_parser = parse_bytes)]
+        max_request_bytes: u64,
+        /// Seconds a lookup's read leases last unless retrieved or freed.
+        #[arg(long, env = "KVRING_LEASE_TTL_S", default_value_t = 300)]
+        lease_ttl_s: u64,
+        /// Pool usage (percent) at which LRU eviction starts ...
+        #[arg(long, default_value_t = 90)]
+        evict_at_percent: u32,
+        /// ... and down to which it evicts.
+        #[arg(long, default_value_t = 80)]
+        evict_to_percent: u32,
     },
     /// Round-trip PING requests to a running server and print latency.
     Ping {
@@ -95,6 +123,28 @@ enum Cmd {
         #[arg(long)]
         keep: bool,
     },
+}
+
+/// Parses a byte count: a number with an optional K/M/G (powers of 1000)
+/// or KiB/MiB/GiB (powers of 1024) suffix.
+fn parse_bytes(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a byte count (e.g. 4096, 512MiB, 2GiB)"))?;
+    let mul: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "K" | "KB" => 1000,
+        "M" | "MB" => 1000_000,
+        "G" | "GB" => 1000_000_000,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        u => return Err(format!("unknown unit {u:?} (use K, M, G, KiB, MiB, GiB)")),
+    };
+    n.checked_mul(mul).ok_or_else(|| format!("{s:?} overflows"))
 }
 
 /// Prints a status the way the CLI shows it.
@@ -144,6 +194,14 @@ fn run(cli: Cli) -> kvring::Result<()> {
             max_frame_bytes,
             job_slots,
             spin_us,
+            chunk_tokens,
+            pool_bytes,
+            prefault,
+            copy_threads,
+            max_request_bytes,
+            lease_ttl_s,
+            evict_at_percent,
+            evict_to_percent,
         } => {
             let mut cfg = ServerConfig::new(&target.name);
             cfg.runtime_dir = target.dir();
@@ -155,15 +213,31 @@ fn run(cli: Cli) -> kvring::Result<()> {
                 job_slots,
             };
             cfg.ring_wait.spin = Duration::from_micros(spin_us);
+            cfg.kv.chunk_tokens = chunk_tokens;
+            cfg.kv.pool_bytes = pool_bytes;
+            cfg.kv.prefault = prefault;
+            if let Some(n) = copy_threads {
+                cfg.kv.copy_threads = n;
+            }
+            cfg.kv.max_request_bytes = u32::try_from(max_request_bytes).map_err(|_| {
+                kvring::Error::Config(format!(
+                    "max request of {max_request_bytes} bytes is too large"
+                ))
+            })?;
+            cfg.kv.lease_ttl = Duration::from_secs(lease_ttl_s);
+            cfg.kv.high_watermark = f64::from(evict_at_percent) / 100.0;
+            cfg.kv.low_watermark = f64::from(evict_to_percent) / 100.0;
             install_signal_handlers();
             let server = kvring::server::start(cfg)?;
             let p = server.paths();
             println!(
-                "kvring: serving {} (segment /dev/shm{}, socket {}, pid {})",
+                "kvring: serving {} (segment /dev/shm{}, socket {}, pid {}); pool {} MiB, chunk {} tokens",
                 p.name,
                 p.shm_name,
                 p.socket.display(),
-                std::process::id()
+                std::process::id(),
+                pool_bytes >> 20,
+                chunk_tokens
             );
             while !STOP.load(Ordering::Relaxed) && !server.stopping() {
                 std::thread::sleep(Duration::from_millis(20));

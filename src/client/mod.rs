@@ -12,7 +12,12 @@
 //! client's ring in order and answers every request it serves at once); the
 //! library checks this and treats anything else as a protocol error.
 
+mod host_cache;
 mod jobs;
+mod kv;
+
+pub use host_cache::HostKvCache;
+pub use kv::{Instance, KvSpec};
 
 use crate::bootstrap::Conn;
 use crate::error::{Error, Result};

@@ -1,8 +1,10 @@
 //! What engines and the server agree on about KV caches: paged layouts and
-//! chunk objects ([`layout`]), and keys ([`hash`]).
+//! chunk objects ([`layout`]), keys ([`hash`]), and deterministic test
+//! contents ([`pattern`]).
 
 pub mod hash;
 pub mod layout;
+pub mod pattern;
 
 pub use hash::{chunk_hashes, model_id, salt_id, ChunkHash};
 pub use layout::{KvLayout, KvLayoutKind};

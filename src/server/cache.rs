@@ -514,3 +514,135 @@ impl Cache {
         self.index.get(key).map(|&o| self.obj(o).holds)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    const LEN: u64 = 4096;
+
+    fn key(i: u8, rank: u32) -> ObjectKey {
+        ObjectKey {
+            model_id: 1,
+            salt: 0,
+            fingerprint: 9,
+            rank_tag: rank_tag(2, rank),
+            hash: [i; 16],
+        }
+    }
+
+    fn meta() -> LeaseMeta {
+        LeaseMeta {
+            model_id: 1,
+            world_size: 2,
+            salt: 0,
+            fingerprint: 9,
+        }
+    }
+
+    fn group() -> Group {
+        Group {
+            fingerprint: 9,
+            shared_objects: false,
+            members: 2,
+        }
+    }
+
+    /// Stores chunks `ids` for both ranks and commits them.
+    fn stored(c: &mut Cache, ids: &[u8]) {
+        for rank in 0..2 {
+            let keys: Vec<ObjectKey> = ids.iter().map(|&i| key(i, rank)).collect();
+            let plan = c.plan_store(&keys, LEN);
+            let objs: Vec<u32> = plan.write.iter().map(|p| p.obj).collect();
+            c.finish_store(&objs, true, LEN * objs.len() as u64);
+        }
+    }
+
+    fn lease(n: u64) -> JobId {
+        JobId::new(1, n as u32, 1)
+    }
+
+    #[test]
+    fn holds_move_from_lease_to_retrieve_and_end_once() {
+        let mut c = Cache::new(64 * LEN, 1.0, 1.0);
+        stored(&mut c, &[1, 2, 3]);
+        let now = Instant::now();
+        let ttl = Duration::from_secs(60);
+        let hashes = [[1u8; 16], [2; 16], [4; 16]];
+        assert_eq!(c.lookup(lease(1), 5, meta(), group(), &hashes, ttl, now), 2);
+        assert_eq!(c.holds_of(&key(1, 0)), Some(1));
+        assert_eq!(c.holds_of(&key(3, 0)), Some(0), "not part of the prefix");
+        let got = c
+            .take_for_retrieve(lease(1), |m| *m == meta(), 0, 0, 2)
+            .unwrap();
+        assert_eq!(got.len(), 2);
+        assert_eq!(c.holds_of(&key(1, 0)), Some(1), "now the retrieve's hold");
+        assert_eq!(
+            c.take_for_retrieve(lease(1), |_| true, 0, 0, 1),
+            Err(LeaseError::NotHeld),
+            "used once"
+        );
+        // Freeing the lease does not drop the retrieve's holds.
+        assert!(c.free_locks(lease(1), 0, u32::MAX));
+        assert_eq!(c.holds_of(&key(1, 0)), Some(1));
+        assert_eq!(c.holds_of(&key(1, 1)), Some(0));
+        let objs: Vec<u32> = got.iter().map(|g| g.0).collect();
+        c.finish_retrieve(&objs, true, 2 * LEN);
+        assert_eq!(c.holds_of(&key(1, 0)), Some(0));
+        assert_eq!(c.stats.leases, 0);
+        assert_eq!(
+            c.take_for_retrieve(lease(1), |_| true, 1, 0, 1),
+            Err(LeaseError::NoLease)
+        );
+    }
+
+    #[test]
+    fn held_and_unwritten_objects_survive_eviction_and_clear() {
+        let mut c = Cache::new(8 * LEN, 1.0, 1.0);
+        stored(&mut c, &[1, 2, 3]); // 6 objects
+        let now = Instant::now();
+        let ttl = Duration::from_secs(60);
+        assert_eq!(
+            c.lookup(lease(1), 5, meta(), group(), &[[1u8; 16]], ttl, now),
+            1
+        );
+        // Six more objects need space: only the four unheld ones give way.
+        let keys: Vec<ObjectKey> = (10..16).map(|i| key(i, 0)).collect();
+        let plan = c.plan_store(&keys, LEN);
+        assert_eq!((plan.write.len(), plan.no_space), (6, 0));
+        assert_eq!(c.holds_of(&key(1, 0)), Some(1));
+        assert_eq!(c.holds_of(&key(2, 0)), None, "evicted");
+        // Full of held and writing objects: a new store gets no space.
+        let more = c.plan_store(&[key(20, 0)], LEN);
+        assert_eq!((more.write.len(), more.no_space), (0, 1));
+        assert_eq!(c.clear(), (0, 0), "nothing clearable");
+        let objs: Vec<u32> = plan.write.iter().map(|p| p.obj).collect();
+        c.finish_store(&objs, true, 0);
+        assert_eq!(c.clear().0, 6);
+        // The owner goes: its leases end and the rest can go too.
+        assert_eq!(c.drop_leases(Some(5), now), 1);
+        assert_eq!(c.clear().0, 2);
+        assert_eq!(c.stats.pool_used_bytes, 0);
+    }
+
+    #[test]
+    fn leases_expire_at_their_ttl() {
+        let mut c = Cache::new(8 * LEN, 1.0, 1.0);
+        stored(&mut c, &[1]);
+        let now = Instant::now();
+        c.lookup(
+            lease(1),
+            5,
+            meta(),
+            group(),
+            &[[1u8; 16]],
+            Duration::from_secs(1),
+            now,
+        );
+        assert_eq!(c.drop_leases(None, now), 0);
+        assert_eq!(c.drop_leases(None, now + Duration::from_secs(2)), 1);
+        assert_eq!(c.stats.leases_expired, 1);
+        assert_eq!(c.holds_of(&key(1, 0)), Some(0));
+    }
+}

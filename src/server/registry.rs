@@ -84,7 +84,7 @@ pub fn rank_tag(world_size: u32, rank: u32) -> u32 {
 pub struct Group {
     pub fingerprint: u64,
     pub shared_objects: bool,
-    members: u32,
+    pub(crate) members: u32,
 }
 
 /// Every registered instance.
