@@ -137,8 +137,8 @@ fn parse_bytes(s: &str) -> Result<u64, String> {
     let mul: u64 = match unit.trim() {
         "" | "B" => 1,
         "K" | "KB" => 1000,
-        "M" | "MB" => 1000_000,
-        "G" | "GB" => 1000_000_000,
+        "M" | "MB" => 1_000_000,
+        "G" | "GB" => 1_000_000_000,
         "KiB" => 1 << 10,
         "MiB" => 1 << 20,
         "GiB" => 1 << 30,
