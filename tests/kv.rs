@@ -148,6 +148,94 @@ fn expect_status<T: std::fmt::Debug>(r: kvring::Result<T>, st: Status) {
     }
 }
 
+/// Child roles, run when this binary is re-executed by `Scope::child`.
+fn child_main() -> bool {
+    let Some((role, name, dir)) = child_role() else {
+        return false;
+    };
+    let mut c = Client::connect_in(&dir, &name).expect("child connect");
+    let hashes = chunk_hashes(&prompt(77, 4 * CHUNK as usize), CHUNK);
+    match role.as_str() {
+        "lease-holder" => {
+            let (lease, hits) = lookup(&mut c, 1, 0, &hashes);
+            assert_eq!(hits, 4);
+            tell_parent(&format!("holding {}", lease.key));
+        }
+        "mid-store" => {
+            // A store of many chunks, killed while it is copying.
+            let l = layout(KvLayoutKind::FlashAttn, 4, 4096);
+            let cache = HostKvCache::new(l, CHUNK).unwrap();
+            let inst = c
+                .register_host_cache(model_id(MODEL), 1, 0, &cache)
+                .unwrap();
+            let many = chunk_hashes(&prompt(78, 1000 * CHUNK as usize), CHUNK);
+            let blocks: Vec<u32> = (0..1000 * inst.blocks_per_chunk())
+                .map(|b| b % 4096)
+                .collect();
+            let id = c.store(&inst, 0, &many, &blocks).unwrap();
+            tell_parent(&format!("storing {}", id.key));
+        }
+        other => panic!("unknown role {other}"),
+    }
+    std::thread::sleep(Duration::from_secs(60));
+    true
+}
+
+#[test]
+fn a_client_that_dies_holding_leases_or_mid_store_is_reclaimed() {
+    if child_main() {
+        return;
+    }
+    let _w = watchdog(Duration::from_secs(60));
+    let s = Scope::new("death");
+    let _srv = s.server(&server_args());
+    let mut e = Engine::new(&s, layout(KvLayoutKind::FlashAttn, 4, 64), 1, 0);
+    let hashes = chunk_hashes(&prompt(77, 4 * CHUNK as usize), CHUNK);
+    let blocks = e.blocks(0, 4);
+    e.write(&hashes, &blocks);
+    e.store(0, &hashes, &blocks);
+    let test = "a_client_that_dies_holding_leases_or_mid_store_is_reclaimed";
+    let mut holder = s.child(test, "lease-holder");
+    holder.expect_line("holding");
+    assert_eq!(e.c.stats().unwrap().leases, 1);
+    assert_eq!(e.c.clear().unwrap().objects, 0, "leased objects stay");
+    let killed = Instant::now();
+    holder.kill();
+    let mut c = s.client();
+    let gone = eventually(Duration::from_secs(1), || c.stats().unwrap().leases == 0);
+    assert!(
+        gone.is_some(),
+        "leases of a dead client not dropped within 1 s"
+    );
+    eprintln!("leases dropped {:?} after the kill", killed.elapsed());
+    assert_eq!(c.clear().unwrap().objects, 4, "then they can go");
+
+    let mut writer = s.child(test, "mid-store");
+    writer.expect_line("storing");
+    assert_eq!(c.stats().unwrap().instances, 2);
+    writer.kill();
+    let gone = eventually(Duration::from_secs(2), || c.stats().unwrap().instances == 1);
+    assert!(gone.is_some(), "the dead writer's instance was not dropped");
+    // Nothing it was writing is left behind: once its copies stop, clearing
+    // empties the pool (an object still being written could not be cleared).
+    let empty = eventually(Duration::from_secs(5), || {
+        c.clear().unwrap();
+        let st = c.stats().unwrap();
+        st.objects == 0 && st.pool_used_bytes == 0
+    });
+    assert!(empty.is_some(), "{:?}", c.stats().unwrap());
+    // The survivor is served as before.
+    e.write(&hashes, &blocks);
+    assert_eq!(e.store(0, &hashes, &blocks).value, 4);
+    let (lease, hits) = lookup(&mut c, 1, 0, &hashes);
+    assert_eq!(hits, 4);
+    let mut f = Engine::new(&s, layout(KvLayoutKind::FlashAttn, 4, 64), 1, 0);
+    let dst = f.blocks(9, 4);
+    let id = f.c.retrieve(&f.inst, lease, 0, &dst, 0).unwrap();
+    done(&mut f.c, id);
+    f.verify(&hashes, &dst, 0, 0);
+}
+
 #[test]
 fn every_layout_and_element_size_round_trips_byte_for_byte() {
     let _w = watchdog(Duration::from_secs(120));
@@ -421,6 +509,11 @@ fn tensor_parallel_ranks_store_and_retrieve_concurrently_and_mla_shares() {
             }
         });
         assert_eq!(sched.stats().unwrap().leases, 0);
+        // The next layout is another geometry under the same model name:
+        // the server refuses that while ranks of the old one are registered.
+        for e in ranks.iter_mut().chain(fresh.iter_mut()) {
+            e.c.unregister_kv(&e.inst).unwrap();
+        }
     }
 }
 

@@ -365,6 +365,24 @@ impl JobTable {
         (failed, owners)
     }
 
+    /// Whether `id` is still pending or running (one seqlock read).
+    pub fn is_live(&self, id: JobId) -> bool {
+        let Ok(slot) = self.slot_of(id) else {
+            return false;
+        };
+        loop {
+            if let Some(s) = slot.try_read_status() {
+                return s.generation == id.generation()
+                    && matches!(
+                        JobState::from_u32(s.state),
+                        Some(JobState::Pending | JobState::Running)
+                    );
+            }
+            // Only server threads write, for a handful of stores.
+            std::hint::spin_loop();
+        }
+    }
+
     /// Jobs allocated and not released yet.
     pub fn live(&self) -> usize {
         let a = self.alloc();

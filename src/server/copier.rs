@@ -246,6 +246,16 @@ pub(super) fn run(shared: &Shared) {
             // copy is wasted but harmless, and the outcome is not published.
             let _ = shared.jobs.start(job.id, monotonic_ns());
         }
+        // A job that ended meanwhile (its client died, the server shuts
+        // down) copies nothing more: a dead engine's memory is neither read
+        // into the pool nor written.
+        if job.failed.load(Ordering::Relaxed) || !shared.jobs.is_live(job.id) {
+            job.failed.store(true, Ordering::Relaxed);
+            if job.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+                finish(shared, job);
+            }
+            continue;
+        }
         let c = ChunkCopy {
             layout: &job.inst.layout,
             inst: &job.inst,
@@ -300,8 +310,8 @@ fn finish(shared: &Shared, job: &JobRun) {
                 .map(|()| false)
         }
     };
-    // A whole copy is committed even if the job's client died meanwhile:
-    // the engine wrote those blocks before it asked for the store.
+    // A store commits only if every chunk was copied; otherwise (a copy
+    // failed, or the job ended early) its objects are dropped.
     let published = match job.dir {
         Dir::ToPool => {
             shared
