@@ -425,6 +425,12 @@ macro_rules! field_table {
 #[allow(clippy::type_complexity)]
 pub fn field_tables() -> Vec<(&'static str, Vec<(&'static str, usize, usize)>)> {
     use crate::jobs::{JobId, JobSlot};
+    use crate::kv::KvLayout;
+    use crate::proto::kv::{
+        AttachFds, ClearReply, ConfigReply, EndSessionRequest, FreeLocksRequest, LookupRequest,
+        RegisterKv, RegisterReply, RetrieveRequest, StatsReply, StoreRequest, TensorRegion,
+        UnregisterKv,
+    };
     use crate::proto::{DelayJobRequest, Goodbye, Hello, Welcome};
     use crate::ring::FrameHeader;
     vec![
@@ -517,6 +523,100 @@ pub fn field_tables() -> Vec<(&'static str, Vec<(&'static str, usize, usize)>)> 
             result_aux,
             fail_reason,
             _reserved,
+        }),
+        field_table!(KvLayout {
+            kind,
+            num_layers,
+            num_blocks,
+            block_tokens,
+            num_heads,
+            head_dim,
+            elem_bytes,
+            _reserved,
+        }),
+        field_table!(LookupRequest {
+            model_id,
+            salt,
+            world_size,
+            n_chunks
+        }),
+        field_table!(StoreRequest {
+            instance,
+            n_chunks,
+            salt
+        }),
+        field_table!(RetrieveRequest {
+            lease,
+            instance,
+            first_chunk,
+            n_chunks,
+            skip_tokens
+        }),
+        field_table!(FreeLocksRequest {
+            lease,
+            first_chunk,
+            n_chunks
+        }),
+        field_table!(EndSessionRequest { lease }),
+        field_table!(ClearReply { objects, bytes }),
+        field_table!(ConfigReply {
+            chunk_tokens,
+            copy_threads,
+            pool_bytes,
+            max_request_bytes,
+            lease_ttl_ms,
+            backend,
+            _reserved,
+        }),
+        field_table!(StatsReply {
+            pool_bytes,
+            pool_used_bytes,
+            objects,
+            leases,
+            instances,
+            lookups,
+            lookup_chunks,
+            lookup_hit_chunks,
+            stores,
+            stored_chunks,
+            stored_bytes,
+            store_no_space_chunks,
+            retrieves,
+            retrieved_chunks,
+            retrieved_bytes,
+            evicted_objects,
+            evicted_bytes,
+            leases_expired,
+        }),
+        field_table!(RegisterKv {
+            magic,
+            kind,
+            mem_kind,
+            model_id,
+            world_size,
+            rank,
+            layout,
+            n_tensors,
+            _reserved,
+        }),
+        field_table!(TensorRegion {
+            fd_index,
+            _reserved,
+            offset
+        }),
+        field_table!(AttachFds { magic, kind, count }),
+        field_table!(UnregisterKv {
+            magic,
+            kind,
+            instance
+        }),
+        field_table!(RegisterReply {
+            magic,
+            kind,
+            status,
+            instance,
+            chunk_tokens,
+            text,
         }),
         field_table!(FrameHeader {
             len,
