@@ -106,6 +106,22 @@ enum Cmd {
         #[arg(long, default_value_t = 1000)]
         timeout_ms: u64,
     },
+    /// The whole job end to end: start a server, two tensor-parallel engine
+    /// workers and a scheduler; store KV for prompts with shared prefixes,
+    /// look them up, retrieve them into fresh caches and verify every byte.
+    Demo {
+        /// Also print the results as one JSON object (the last line).
+        #[arg(long)]
+        json: bool,
+    },
+    /// (internal) One engine worker of `kvring demo`.
+    #[command(hide = true)]
+    DemoWorker {
+        #[command(flatten)]
+        target: Target,
+        #[arg(long)]
+        rank: u32,
+    },
     /// Run a delay job through the job table and print every state it is
     /// seen in (a health check of the job path): pending for --pending-ms,
     /// running for --running-ms, then done, or failed with --fail.
@@ -279,6 +295,8 @@ fn run(cli: Cli) -> kvring::Result<()> {
             );
             Ok(())
         }
+        Cmd::Demo { json } => kvring::demo::run(json),
+        Cmd::DemoWorker { target, rank } => kvring::demo::worker(&target.name, &target.dir(), rank),
         Cmd::DelayJob {
             target,
             pending_ms,

@@ -11,6 +11,7 @@
 //! The copy itself is the backend's ([`Backend`]): memcpy on the host.
 
 use super::registry::Instance;
+use super::stream_copy;
 use super::Shared;
 use crate::jobs::{FailReason, JobId, JobResult};
 use crate::kv::KvLayout;
@@ -60,7 +61,7 @@ impl Backend for HostBackend {
     fn copy_chunk(&self, c: &ChunkCopy<'_>) -> Result<u64, String> {
         let l = c.layout;
         let slab = l.slab_bytes() as usize;
-        let mut bytes = 0u64;
+        let mut pieces = Vec::with_capacity((l.parts() * l.num_layers) as usize * c.blocks.len());
         for part in 0..l.parts() {
             for layer in 0..l.num_layers {
                 for (j, &block) in c.blocks.iter().enumerate().skip(c.skip_blocks as usize) {
@@ -70,25 +71,35 @@ impl Backend for HostBackend {
                     debug_assert!(off + slab as u64 <= tensor.bytes());
                     // SAFETY: `block < num_blocks` was checked when the job
                     // was accepted, so the slab lies inside the tensor's
-                    // mapping (`slab_at` tiles the tensor exactly); the object
-                    // range lies inside the pool range the cache allocated for
-                    // `object_bytes`. The engine's memory may change under the
-                    // copy (its bytes are the engine's business), but it cannot
-                    // shrink (sealed), so the access never faults. Raw
-                    // pointers only: no reference to shared memory is formed.
-                    unsafe {
-                        let eng = tensor.ptr().add(off as usize);
-                        let obj = c.object.add(obj_off as usize);
-                        match c.dir {
-                            Dir::ToPool => std::ptr::copy_nonoverlapping(eng, obj, slab),
-                            Dir::FromPool => std::ptr::copy_nonoverlapping(obj, eng, slab),
-                        }
-                    }
-                    bytes += slab as u64;
+                    // mapping (`slab_at` tiles the tensor exactly); the
+                    // object range lies inside the pool range the cache
+                    // allocated for `object_bytes`. Only addresses here.
+                    let (eng, obj) = unsafe {
+                        (
+                            tensor.ptr().add(off as usize),
+                            c.object.add(obj_off as usize),
+                        )
+                    };
+                    pieces.push(match c.dir {
+                        Dir::ToPool => (obj, eng as *const u8),
+                        Dir::FromPool => (eng, obj as *const u8),
+                    });
                 }
             }
         }
-        Ok(bytes)
+        // SAFETY: every piece is a slab inside a live mapping (above); the
+        // destinations are distinct slabs of one object (store) or distinct
+        // blocks of the engine's cache (retrieve: block ids are distinct,
+        // checked at acceptance), so no two overlap, and a
+        // pool object never overlaps engine memory. The engine's memory may
+        // change under the copy (its bytes are the engine's business) but
+        // cannot shrink (sealed), so no access faults. Raw pointers only: no
+        // reference to shared memory is formed.
+        unsafe { stream_copy::copy_pieces(&pieces, slab) };
+        // The streaming stores land before the job's completion is published
+        // (a Release store after this returns).
+        stream_copy::fence();
+        Ok((pieces.len() * slab) as u64)
     }
 }
 

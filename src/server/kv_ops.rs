@@ -274,6 +274,13 @@ pub fn retrieve(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
         .ok_or(Status::UnknownInstance)?;
     let bpc = inst.layout.blocks_per_chunk(kv.chunk_tokens);
     let blocks = blocks_per_chunk(rest, h.n_chunks, bpc, inst.layout.num_blocks)?;
+    // Every destination block once: concurrent chunk copies never write the
+    // same engine memory.
+    let mut sorted: Vec<u32> = blocks.iter().flatten().copied().collect();
+    sorted.sort_unstable();
+    if sorted.windows(2).any(|w| w[0] == w[1]) {
+        return Err(Status::InvalidArgument);
+    }
     let bt = inst.layout.block_tokens;
     if h.skip_tokens % bt != 0
         || u64::from(h.skip_tokens) > u64::from(h.n_chunks) * u64::from(kv.chunk_tokens)

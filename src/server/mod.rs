@@ -19,6 +19,7 @@ mod kv_ops;
 mod pool;
 mod registry;
 mod ring_loop;
+mod stream_copy;
 
 pub use copier::{Backend, HostBackend};
 

@@ -124,9 +124,12 @@ fn map_region(fd: &OwnedFd, offset: u64, bytes: u64) -> Result<TensorMem, Refusa
     }
     let page = crate::layout::PAGE as u64;
     let start = offset / page * page;
+    // Populated: the page tables are built once here, not by faults in the
+    // first copies.
     let map = MmapOptions::new()
         .offset(start)
         .len((end - start) as usize)
+        .populate()
         .map_raw(fd)
         .map_err(|e| bad(format!("mmap: {e}")))?;
     // SAFETY: `offset - start` < one page, inside the mapping.

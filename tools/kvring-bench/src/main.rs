@@ -6,6 +6,7 @@
 //! forked child; the parent is single-threaded at every fork.
 
 mod jobs;
+mod kv;
 mod peers;
 mod stats;
 
@@ -58,6 +59,30 @@ enum Cmd {
         dir: std::path::PathBuf,
         #[arg(long)]
         spin_us: u64,
+        /// Pool size in MiB.
+        #[arg(long, default_value_t = 64)]
+        pool_mib: u64,
+        #[arg(long, default_value_t = 1)]
+        copy_threads: u32,
+        #[arg(long)]
+        prefault: bool,
+    },
+    /// KV data path on the host backend: store and retrieve GB/s against
+    /// memcpy with the same threads, and lookup latency.
+    Kv {
+        /// Print the JSON object (always the last line of stdout).
+        #[arg(long)]
+        json: bool,
+        /// Timed store and retrieve passes.
+        #[arg(long, default_value_t = 7)]
+        passes: usize,
+        /// Timed lookups.
+        #[arg(long, default_value_t = 20_000)]
+        lookups: usize,
+        /// Copy threads of the server (and of the memcpy ceiling); default:
+        /// all CPUs but the one the client runs on.
+        #[arg(long)]
+        copy_threads: Option<u32>,
     },
 }
 
@@ -70,7 +95,20 @@ fn main() {
             pipelined,
         } => ring(json, iters, pipelined),
         Cmd::Jobs { json, iters } => jobs::run(json, iters),
-        Cmd::ServeChild { name, dir, spin_us } => peers::serve_child(&name, &dir, spin_us),
+        Cmd::Kv {
+            json,
+            passes,
+            lookups,
+            copy_threads,
+        } => kv::run(json, passes, lookups, copy_threads),
+        Cmd::ServeChild {
+            name,
+            dir,
+            spin_us,
+            pool_mib,
+            copy_threads,
+            prefault,
+        } => peers::serve_child(&name, &dir, spin_us, pool_mib, copy_threads, prefault),
     }
 }
 

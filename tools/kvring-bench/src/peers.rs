@@ -143,6 +143,16 @@ fn bench_dir() -> std::path::PathBuf {
 /// Starts a kvring server in a fresh process (this binary re-executed with
 /// `serve-child`), pinned to the server CPU. Returns the child and its name.
 pub fn kvring_server(tag: &str, policy: WaitPolicy) -> (std::process::Child, String) {
+    kvring_server_with(tag, policy, &[], true)
+}
+
+/// `kvring_server` with extra `serve-child` arguments.
+pub fn kvring_server_with(
+    tag: &str,
+    policy: WaitPolicy,
+    extra: &[String],
+    pin_server: bool,
+) -> (std::process::Child, String) {
     use std::os::unix::process::CommandExt;
     let name = format!("bench-{}-{tag}", std::process::id());
     let spin_us = if policy.spin == Duration::MAX {
@@ -159,8 +169,9 @@ pub fn kvring_server(tag: &str, policy: WaitPolicy) -> (std::process::Child, Str
         &spin_us.to_string(),
         "--dir",
     ])
-    .arg(bench_dir());
-    let cpu = cpus().1;
+    .arg(bench_dir())
+    .args(extra);
+    let cpu = if pin_server { cpus().1 } else { None };
     // SAFETY: the hook only calls sched_setaffinity, which is async-signal-safe.
     unsafe {
         cmd.pre_exec(move || {
@@ -176,9 +187,19 @@ pub fn kvring_server(tag: &str, policy: WaitPolicy) -> (std::process::Child, Str
 }
 
 /// The body of `serve-child`: run a server until stdin closes.
-pub fn serve_child(name: &str, dir: &std::path::Path, spin_us: u64) {
+pub fn serve_child(
+    name: &str,
+    dir: &std::path::Path,
+    spin_us: u64,
+    pool_mib: u64,
+    copy_threads: u32,
+    prefault: bool,
+) {
     let mut cfg = kvring::ServerConfig::new(name);
     cfg.runtime_dir = dir.to_path_buf();
+    cfg.kv.pool_bytes = pool_mib << 20;
+    cfg.kv.copy_threads = copy_threads;
+    cfg.kv.prefault = prefault;
     cfg.ring_wait = if spin_us == u64::MAX {
         WaitPolicy::SPIN
     } else if spin_us == 0 {

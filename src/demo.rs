@@ -1,0 +1,508 @@
+//! `kvring demo`: the whole job end to end on one machine, with real
+//! processes. A server, two tensor-parallel engine workers and a scheduler
+//! client (this process):
+//!
+//! 1. each worker allocates a paged KV cache, registers it, "computes" KV for
+//!    a set of prompts that share a system prompt (deterministic contents
+//!    that depend on the whole prefix and the rank) and stores it;
+//! 2. the scheduler looks up the stored prompts, prompts that share only the
+//!    system prompt, and new prompts;
+//! 3. each worker retrieves every hit into a fresh, poisoned cache and checks
+//!    every byte.
+//!
+//! Workers are this binary again (`kvring demo-worker`), driven by lines on
+//! stdin and answering on stdout.
+
+use crate::jobs::{JobId, JobStatus};
+use crate::kv::{chunk_hashes, model_id, pattern, ChunkHash, KvLayout, KvLayoutKind};
+use crate::{Client, Error, HostKvCache, Result};
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const MODEL: &str = "demo-llama-8l";
+const WORLD: u32 = 2;
+const CHUNK: u32 = 256;
+const SYSTEM_TOKENS: usize = 1024;
+const OWN_TOKENS: usize = 1024;
+const PROMPTS: u32 = 8;
+/// Blocks per prompt in a worker's cache (its chunks, 16-token blocks).
+const PROMPT_BLOCKS: u32 = ((SYSTEM_TOKENS + OWN_TOKENS) / 16) as u32;
+const POISON: u8 = 0xa5;
+const WAIT: Duration = Duration::from_secs(60);
+
+/// The per-rank KV geometry of the demo model (a Llama-like slice: 8
+/// layers, 4 KV heads per rank, head dim 128, 2-byte elements, 16-token
+/// blocks).
+pub fn demo_layout(num_blocks: u32) -> KvLayout {
+    KvLayout {
+        kind: KvLayoutKind::FlashAttn as u32,
+        num_layers: 8,
+        num_blocks,
+        block_tokens: 16,
+        num_heads: 4,
+        head_dim: 128,
+        elem_bytes: 2,
+        _reserved: 0,
+    }
+}
+
+/// A prompt: a system prompt (shared by all prompts of one `system`) and
+/// the prompt's own text.
+fn tokens(system: u32, own: u32) -> Vec<u32> {
+    let gen = |seed: u32, n: usize| {
+        (0..n as u32).map(move |i| {
+            (i.wrapping_mul(2_654_435_761) ^ seed.wrapping_mul(40_503)).wrapping_add(seed) % 128_000
+        })
+    };
+    gen(system, SYSTEM_TOKENS)
+        .chain(gen(own.wrapping_add(1 << 20), OWN_TOKENS))
+        .collect()
+}
+
+fn hashes(system: u32, own: u32) -> Vec<ChunkHash> {
+    chunk_hashes(&tokens(system, own), CHUNK)
+}
+
+/// What `kvring demo` measured.
+#[derive(Debug, Default)]
+struct OpStats {
+    count: usize,
+    chunks: u64,
+    hits: u64,
+    bytes: u64,
+    lat_ns: Vec<u64>,
+    /// Wall time of the phase (ns), for GB/s.
+    wall_ns: u64,
+}
+
+impl OpStats {
+    fn pct(&self, p: f64) -> u64 {
+        let mut v = self.lat_ns.clone();
+        v.sort_unstable();
+        v.get(((v.len().max(1) - 1) as f64 * p).round() as usize)
+            .copied()
+            .unwrap_or(0)
+    }
+    fn gbps(&self) -> f64 {
+        if self.wall_ns == 0 {
+            0.0
+        } else {
+            self.bytes as f64 / self.wall_ns as f64
+        }
+    }
+    fn json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "count": self.count,
+            "chunks": self.chunks,
+            "hit_chunks": self.hits,
+            "bytes": self.bytes,
+            "gbps": self.gbps(),
+            "p50_us": self.pct(0.5) as f64 / 1e3,
+            "p99_us": self.pct(0.99) as f64 / 1e3,
+        })
+    }
+}
+
+fn fmt_us(ns: u64) -> String {
+    if ns >= 10_000_000 {
+        format!("{:.1} ms", ns as f64 / 1e6)
+    } else {
+        format!("{:.1} us", ns as f64 / 1e3)
+    }
+}
+
+struct Worker {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+}
+
+impl Worker {
+    fn send(&mut self, line: &str) -> Result<()> {
+        writeln!(self.stdin, "{line}").map_err(crate::error::io("write to a worker"))?;
+        self.stdin
+            .flush()
+            .map_err(crate::error::io("write to a worker"))
+    }
+
+    fn recv(&mut self) -> Result<Vec<String>> {
+        let mut line = String::new();
+        let n = self
+            .stdout
+            .read_line(&mut line)
+            .map_err(crate::error::io("read from a worker"))?;
+        if n == 0 {
+            return Err(Error::Protocol("a demo worker exited".into()));
+        }
+        let words: Vec<String> = line.split_whitespace().map(str::to_string).collect();
+        if words.first().map(String::as_str) == Some("error") {
+            return Err(Error::Protocol(format!("worker: {}", words[1..].join(" "))));
+        }
+        Ok(words)
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        let _ = self.send("quit");
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The demo's server process; stopped (SIGTERM) on drop.
+struct ServerChild(Child);
+
+impl Drop for ServerChild {
+    fn drop(&mut self) {
+        // SAFETY: signalling our own child process.
+        unsafe { libc::kill(self.0.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.0.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn wait_done(c: &mut Client, id: JobId) -> Result<crate::jobs::JobResult> {
+    match c.wait_job(id, Instant::now() + WAIT)? {
+        JobStatus::Done(r) => {
+            c.release_job(id)?;
+            Ok(r)
+        }
+        other => Err(Error::Protocol(format!("{id} ended {other:?}"))),
+    }
+}
+
+/// Runs the demo; prints the table (and with `json`, one JSON object as the
+/// last line). Fails unless every retrieved byte matched.
+pub fn run(json: bool) -> Result<()> {
+    let exe = std::env::current_exe().map_err(crate::error::io("find the kvring binary"))?;
+    let name = format!("demo-{}", std::process::id());
+    let dir = std::env::temp_dir().join(format!("kvring-demo-{}", std::process::id()));
+    crate::rundir::ensure_runtime_dir(&dir)?;
+    let _cleanup = DirGuard(dir.clone());
+    let server = Command::new(&exe)
+        .args([
+            "serve",
+            "--name",
+            &name,
+            "--pool-bytes",
+            "1GiB",
+            "--runtime-dir",
+        ])
+        .arg(&dir)
+        .stdout(Stdio::null())
+        .spawn()
+        .map_err(crate::error::io("start the server"))?;
+    let server = ServerChild(server);
+    let paths = crate::rundir::ServerPaths::in_dir(&name, &dir)?;
+    let opts = crate::ClientOptions {
+        connect_timeout: Duration::from_secs(20),
+        ..Default::default()
+    };
+    let mut sched = Client::connect_with(&paths, &opts)?;
+    let cfg = sched.server_config()?;
+    let mut workers = Vec::new();
+    for rank in 0..WORLD {
+        let mut child = Command::new(&exe)
+            .args([
+                "demo-worker",
+                "--name",
+                &name,
+                "--rank",
+                &rank.to_string(),
+                "--runtime-dir",
+            ])
+            .arg(&dir)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .map_err(crate::error::io("start a worker"))?;
+        let stdin = child.stdin.take().expect("piped");
+        let stdout = BufReader::new(child.stdout.take().expect("piped"));
+        let mut w = Worker {
+            child,
+            stdin,
+            stdout,
+        };
+        w.recv()?; // "ready"
+        workers.push(w);
+    }
+    let l = demo_layout(PROMPT_BLOCKS * PROMPTS);
+    println!(
+        "kvring demo: server pid {}, {WORLD} tensor-parallel workers and a scheduler; model {MODEL}: \
+         {} layers, {} KV heads per rank, head dim {}, {}-byte elements, {}-token blocks; \
+         chunk {} tokens = {} MiB per rank; {} copy threads",
+        server.0.id(),
+        l.num_layers,
+        l.num_heads,
+        l.head_dim,
+        l.elem_bytes,
+        l.block_tokens,
+        cfg.chunk_tokens,
+        l.object_bytes(CHUNK) >> 20,
+        cfg.copy_threads
+    );
+
+    // 1. Store: both ranks at once, one job per prompt.
+    //    GB/s: all bytes over the longest time one worker spent in its jobs
+    //    (they run side by side; producing the KV is not counted).
+    let mut store = OpStats::default();
+    for w in workers.iter_mut() {
+        w.send("store")?;
+    }
+    for w in workers.iter_mut() {
+        let words = w.recv()?; // stored <jobs> <chunks> <bytes> <busy> <lat...>
+        let num = |i: usize| {
+            words
+                .get(i)
+                .and_then(|s| s.parse::<u64>().ok())
+                .unwrap_or(0)
+        };
+        store.count += num(1) as usize;
+        store.chunks += num(2);
+        store.bytes += num(3);
+        store.wall_ns = store.wall_ns.max(num(4));
+        store
+            .lat_ns
+            .extend(words[5..].iter().filter_map(|s| s.parse::<u64>().ok()));
+    }
+    store.hits = store.chunks;
+
+    // 2. Lookup from the scheduler: stored prompts (all chunks hit), prompts
+    //    sharing only the system prompt (its chunks hit), new prompts (none).
+    let mut lookup = OpStats::default();
+    let mut leases = Vec::new();
+    let mid = model_id(MODEL);
+    let sys_chunks = (SYSTEM_TOKENS / CHUNK as usize) as u64;
+    let all_chunks = ((SYSTEM_TOKENS + OWN_TOKENS) / CHUNK as usize) as u64;
+    let mut expected_hits = 0;
+    for (system, own, expect) in (0..PROMPTS)
+        .map(|p| (1, p, all_chunks))
+        .chain((0..PROMPTS).map(|p| (1, 1000 + p, sys_chunks)))
+        .chain((0..PROMPTS).map(|p| (2, 2000 + p, 0)))
+    {
+        let hs = hashes(system, own);
+        let t = Instant::now();
+        let id = sched.lookup(mid, WORLD, 0, &hs)?;
+        let r = match sched.wait_job(id, Instant::now() + WAIT)? {
+            JobStatus::Done(r) => r,
+            other => return Err(Error::Protocol(format!("lookup ended {other:?}"))),
+        };
+        lookup.lat_ns.push(t.elapsed().as_nanos() as u64);
+        sched.release_job(id)?;
+        lookup.count += 1;
+        lookup.chunks += hs.len() as u64;
+        lookup.hits += r.value;
+        expected_hits += expect;
+        if r.value != expect {
+            return Err(Error::Protocol(format!(
+                "lookup of prompt ({system}, {own}) hit {} chunks, expected {expect}",
+                r.value
+            )));
+        }
+        if r.value > 0 {
+            leases.push((id, system, own, r.value));
+        }
+    }
+
+    // 3. Retrieve every hit into fresh caches on both ranks at once, and
+    //    check every byte.
+    let mut retrieve = OpStats::default();
+    let mut verified = 0u64;
+    for w in workers.iter_mut() {
+        let list: Vec<String> = leases
+            .iter()
+            .map(|(id, s, o, hits)| format!("{}:{}:{s}:{o}:{hits}", id.epoch, id.key))
+            .collect();
+        w.send(&format!("retrieve {}", list.join(" ")))?;
+    }
+    for w in workers.iter_mut() {
+        // retrieved <jobs> <chunks> <bytes> <verified> <busy> <lat...>
+        let words = w.recv()?;
+        let num = |i: usize| {
+            words
+                .get(i)
+                .and_then(|s| s.parse::<u64>().ok())
+                .unwrap_or(0)
+        };
+        retrieve.count += num(1) as usize;
+        retrieve.chunks += num(2);
+        retrieve.bytes += num(3);
+        verified += num(4);
+        retrieve.wall_ns = retrieve.wall_ns.max(num(5));
+        retrieve
+            .lat_ns
+            .extend(words[6..].iter().filter_map(|s| s.parse::<u64>().ok()));
+    }
+    retrieve.hits = retrieve.chunks;
+    let stats = sched.stats()?;
+    let ok = lookup.hits == expected_hits
+        && verified == retrieve.bytes
+        && retrieve.chunks == lookup.hits * u64::from(WORLD)
+        && stats.leases == 0;
+
+    println!(
+        "{:<9} {:>5} {:>7} {:>7} {:>10} {:>8} {:>10} {:>10}",
+        "op", "jobs", "chunks", "hits", "MiB", "GB/s", "p50", "p99"
+    );
+    for (name, s) in [
+        ("store", &store),
+        ("lookup", &lookup),
+        ("retrieve", &retrieve),
+    ] {
+        println!(
+            "{:<9} {:>5} {:>7} {:>7} {:>10.1} {:>8} {:>10} {:>10}",
+            name,
+            s.count,
+            s.chunks,
+            s.hits,
+            s.bytes as f64 / (1 << 20) as f64,
+            if s.wall_ns > 0 && s.bytes > 0 {
+                format!("{:.2}", s.gbps())
+            } else {
+                "-".into()
+            },
+            fmt_us(s.pct(0.5)),
+            fmt_us(s.pct(0.99))
+        );
+    }
+    println!(
+        "verified: {} ({} MiB retrieved into fresh caches, {} MiB compared byte for byte)",
+        ok,
+        retrieve.bytes >> 20,
+        verified >> 20
+    );
+    if json {
+        let out = serde_json::json!({
+            "demo": "kvring",
+            "model": MODEL,
+            "world_size": WORLD,
+            "chunk_tokens": CHUNK,
+            "store": store.json(),
+            "lookup": lookup.json(),
+            "retrieve": retrieve.json(),
+            "verified_bytes": verified,
+            "verified": ok,
+        });
+        println!("{out}");
+    }
+    drop(workers);
+    drop(sched);
+    drop(server);
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::Protocol("the demo's results did not verify".into()))
+    }
+}
+
+struct DirGuard(PathBuf);
+
+impl Drop for DirGuard {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// `kvring demo-worker`: one tensor-parallel rank of the demo engine.
+pub fn worker(name: &str, dir: &Path, rank: u32) -> Result<()> {
+    let r = worker_loop(name, dir, rank);
+    if let Err(e) = &r {
+        println!("error {e}");
+    }
+    r
+}
+
+fn worker_loop(name: &str, dir: &Path, rank: u32) -> Result<()> {
+    let mut c = Client::connect_in(dir, name)?;
+    let layout = demo_layout(PROMPT_BLOCKS * PROMPTS);
+    let cache = HostKvCache::new(layout, CHUNK)?;
+    let inst = c.register_host_cache(model_id(MODEL), WORLD, rank, &cache)?;
+    let bpc = inst.blocks_per_chunk();
+    println!("ready {}", inst.id);
+    let stdin = std::io::stdin();
+    for line in stdin.lock().lines() {
+        let line = line.map_err(crate::error::io("read a command"))?;
+        let mut words = line.split_whitespace();
+        match words.next() {
+            Some("store") => {
+                let (mut chunks, mut bytes, mut lat) = (0u64, 0u64, Vec::new());
+                for p in 0..PROMPTS {
+                    let hs = hashes(1, p);
+                    let blocks: Vec<u32> = (p * PROMPT_BLOCKS..(p + 1) * PROMPT_BLOCKS).collect();
+                    // The engine's forward pass, as far as the cache sees it.
+                    for (h, b) in hs.iter().zip(blocks.chunks(bpc as usize)) {
+                        pattern::write_chunk(&cache, rank, h, b);
+                    }
+                    let t = Instant::now();
+                    let id = c.store(&inst, 0, &hs, &blocks)?;
+                    let r = wait_done(&mut c, id)?;
+                    lat.push(t.elapsed().as_nanos() as u64);
+                    chunks += r.value;
+                    bytes += r.value * layout.object_bytes(CHUNK);
+                }
+                let busy: u64 = lat.iter().sum();
+                let lat: Vec<String> = lat.iter().map(u64::to_string).collect();
+                println!("stored {PROMPTS} {chunks} {bytes} {busy} {}", lat.join(" "));
+            }
+            Some("retrieve") => {
+                // A fresh cache, poisoned, registered for the retrieves.
+                let fresh = HostKvCache::new(demo_layout(2 * PROMPT_BLOCKS * PROMPTS), CHUNK)?;
+                fresh.fill(POISON);
+                let mut cursor = 0u32;
+                let finst = c.register_host_cache(model_id(MODEL), WORLD, rank, &fresh)?;
+                let (mut jobs, mut chunks, mut bytes, mut checked, mut lat) =
+                    (0, 0u64, 0u64, 0u64, Vec::new());
+                for spec in words {
+                    let f: Vec<u64> = spec.split(':').filter_map(|x| x.parse().ok()).collect();
+                    let [epoch, key, system, own, hits] = f[..] else {
+                        return Err(Error::Protocol(format!("bad lease spec {spec}")));
+                    };
+                    let lease = JobId { epoch, key };
+                    let hs = hashes(system as u32, own as u32);
+                    let n = hits as u32;
+                    // Each prompt lands in its own blocks of the fresh cache.
+                    let blocks: Vec<u32> = (cursor..cursor + n * bpc).collect();
+                    cursor += n * bpc;
+                    let t = Instant::now();
+                    let id = c.retrieve(&finst, lease, 0, &blocks, 0)?;
+                    let r = wait_done(&mut c, id)?;
+                    lat.push(t.elapsed().as_nanos() as u64);
+                    jobs += 1;
+                    chunks += r.value;
+                    bytes += r.aux;
+                    for (h, b) in hs[..n as usize].iter().zip(blocks.chunks(bpc as usize)) {
+                        checked += pattern::verify_chunk(&fresh, rank, h, b, 0, POISON)
+                            .map_err(|e| Error::Protocol(format!("rank {rank}: {e}")))?;
+                    }
+                }
+                c.unregister_kv(&finst)?;
+                let busy: u64 = lat.iter().sum();
+                let lat: Vec<String> = lat.iter().map(u64::to_string).collect();
+                println!(
+                    "retrieved {jobs} {chunks} {bytes} {checked} {busy} {}",
+                    lat.join(" ")
+                );
+            }
+            Some("quit") | None => break,
+            Some(other) => return Err(Error::Protocol(format!("unknown command {other}"))),
+        }
+    }
+    Ok(())
+}
