@@ -203,6 +203,7 @@ pub fn run(json: bool) -> Result<()> {
             &name,
             "--pool-bytes",
             "1GiB",
+            "--prefault",
             "--runtime-dir",
         ])
         .arg(&dir)
@@ -263,6 +264,12 @@ pub fn run(json: bool) -> Result<()> {
     //    GB/s: all bytes over the longest time one worker spent in its jobs
     //    (they run side by side; producing the KV is not counted).
     let mut store = OpStats::default();
+    for w in workers.iter_mut() {
+        w.send("compute")?;
+    }
+    for w in workers.iter_mut() {
+        w.recv()?;
+    }
     for w in workers.iter_mut() {
         w.send("store")?;
     }
@@ -441,15 +448,23 @@ fn worker_loop(name: &str, dir: &Path, rank: u32) -> Result<()> {
         let line = line.map_err(crate::error::io("read a command"))?;
         let mut words = line.split_whitespace();
         match words.next() {
+            Some("compute") => {
+                // The engine's forward passes, as far as the cache sees
+                // them: every prompt's KV in its own blocks.
+                for p in 0..PROMPTS {
+                    let hs = hashes(1, p);
+                    let blocks: Vec<u32> = (p * PROMPT_BLOCKS..(p + 1) * PROMPT_BLOCKS).collect();
+                    for (h, b) in hs.iter().zip(blocks.chunks(bpc as usize)) {
+                        pattern::write_chunk(&cache, rank, h, b);
+                    }
+                }
+                println!("computed");
+            }
             Some("store") => {
                 let (mut chunks, mut bytes, mut lat) = (0u64, 0u64, Vec::new());
                 for p in 0..PROMPTS {
                     let hs = hashes(1, p);
                     let blocks: Vec<u32> = (p * PROMPT_BLOCKS..(p + 1) * PROMPT_BLOCKS).collect();
-                    // The engine's forward pass, as far as the cache sees it.
-                    for (h, b) in hs.iter().zip(blocks.chunks(bpc as usize)) {
-                        pattern::write_chunk(&cache, rank, h, b);
-                    }
                     let t = Instant::now();
                     let id = c.store(&inst, 0, &hs, &blocks)?;
                     let r = wait_done(&mut c, id)?;
