@@ -50,10 +50,14 @@ struct Engine {
 
 impl Engine {
     fn new(s: &Scope, l: KvLayout, world: u32, rank: u32) -> Engine {
+        Self::of_model(s, MODEL, l, world, rank)
+    }
+
+    fn of_model(s: &Scope, model: &str, l: KvLayout, world: u32, rank: u32) -> Engine {
         let mut c = s.client();
         let cache = HostKvCache::new(l, CHUNK).unwrap();
         let inst = c
-            .register_host_cache(model_id(MODEL), world, rank, &cache)
+            .register_host_cache(model_id(model), world, rank, &cache)
             .unwrap();
         Engine {
             c,
@@ -642,4 +646,52 @@ fn bad_requests_get_clear_errors_and_the_server_keeps_serving() {
             ..
         })
     ));
+}
+
+#[test]
+fn a_large_job_of_one_client_does_not_hold_up_another_clients_small_one() {
+    let _w = watchdog(Duration::from_secs(60));
+    let s = Scope::new("fair");
+    // One copy worker: both clients' chunks queue for it.
+    let _srv = s.server(&[
+        "--chunk-tokens",
+        "64",
+        "--pool-bytes",
+        "256MiB",
+        "--copy-threads",
+        "1",
+    ]);
+    // 2 MiB chunk objects, 100 of them: 200 MiB to copy.
+    let big_layout = KvLayout {
+        num_layers: 8,
+        num_heads: 8,
+        head_dim: 128,
+        ..layout(KvLayoutKind::FlashAttn, 2, 4 * 100)
+    };
+    let mut big = Engine::of_model(&s, "big-model", big_layout, 1, 0);
+    let mut small = Engine::new(&s, layout(KvLayoutKind::FlashAttn, 2, 16), 1, 0);
+    let many = chunk_hashes(&prompt(40, 100 * CHUNK as usize), CHUNK);
+    let big_blocks: Vec<u32> = (0..100 * 4).collect();
+    let one = chunk_hashes(&prompt(41, CHUNK as usize), CHUNK);
+    let small_blocks = small.blocks(0, 1);
+    small.write(&one, &small_blocks);
+    // 100 chunks queued first, then one small chunk.
+    let big_job = big.c.store(&big.inst, 0, &many, &big_blocks).unwrap();
+    let small_job = small.c.store(&small.inst, 0, &one, &small_blocks).unwrap();
+    let st = small
+        .c
+        .wait_job(small_job, Instant::now() + Duration::from_secs(30))
+        .unwrap();
+    assert!(matches!(st, JobStatus::Done(_)), "{st:?}");
+    // The small job finished while the big one was still copying.
+    let big_now = big.c.job_status(big_job).unwrap();
+    assert!(
+        !big_now.is_terminal(),
+        "the big job ended first: {big_now:?}"
+    );
+    let st = big
+        .c
+        .wait_job(big_job, Instant::now() + Duration::from_secs(50))
+        .unwrap();
+    assert!(matches!(st, JobStatus::Done(_)), "{st:?}");
 }
