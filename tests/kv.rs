@@ -695,3 +695,26 @@ fn a_large_job_of_one_client_does_not_hold_up_another_clients_small_one() {
         .unwrap();
     assert!(matches!(st, JobStatus::Done(_)), "{st:?}");
 }
+
+#[test]
+fn a_request_over_the_servers_limit_is_refused_and_the_ring_goes_on() {
+    let _w = watchdog(Duration::from_secs(30));
+    let s = Scope::new("limit");
+    let _srv = s.server(&[
+        "--chunk-tokens",
+        "64",
+        "--pool-bytes",
+        "16MiB",
+        "--max-request-bytes",
+        "64KiB",
+    ]);
+    let mut c = s.client();
+    // 5000 hashes: 80 KB in six frames, over the 64 KiB limit.
+    let long = chunk_hashes(&prompt(9, 5000 * CHUNK as usize), CHUNK);
+    expect_status(c.lookup(model_id(MODEL), 1, 0, &long), Status::BadLength);
+    // Just under it works, and so does everything after.
+    let fits = &long[..4000];
+    let (_, hits) = lookup(&mut c, 1, 0, fits);
+    assert_eq!(hits, 0);
+    assert_eq!(c.ping(b"after", Duration::from_secs(5)).unwrap(), b"after");
+}
