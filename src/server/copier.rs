@@ -252,6 +252,8 @@ pub(super) fn run(shared: &Shared) {
     let chunk_tokens = shared.kv.chunk_tokens;
     while let Some(task) = copier.next() {
         let job = &task.job;
+        // Relaxed: only decides which worker marks the job running; the
+        // table's seqlock orders the state itself.
         if !job.started.swap(true, Ordering::Relaxed) {
             // The job may already have failed (its client died): then the
             // copy is wasted but harmless, and the outcome is not published.
@@ -260,6 +262,8 @@ pub(super) fn run(shared: &Shared) {
         // A job that ended meanwhile (its client died, the server shuts
         // down) copies nothing more: a dead engine's memory is neither read
         // into the pool nor written.
+        // `failed` and `bytes` are Relaxed: the last task's AcqRel decrement
+        // of `remaining` below orders every task's updates before `finish`.
         if job.failed.load(Ordering::Relaxed) || !shared.jobs.is_live(job.id) {
             job.failed.store(true, Ordering::Relaxed);
             if job.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
@@ -295,6 +299,8 @@ pub(super) fn run(shared: &Shared) {
 
 /// The last task of `job` is done: settle the cache, then publish.
 fn finish(shared: &Shared, job: &JobRun) {
+    // Relaxed: the caller's AcqRel decrement that reached zero happens
+    // after every task's Release half, so all their updates are visible.
     let ok = !job.failed.load(Ordering::Relaxed);
     let bytes = job.bytes.load(Ordering::Relaxed);
     let now = monotonic_ns();
