@@ -255,6 +255,7 @@ impl<'a> Acceptor<'a> {
         else {
             return false;
         };
+        // Relaxed: this thread is the field's only writer.
         let session = self
             .shared
             .seg
