@@ -7,6 +7,7 @@
 //! once before `layout_version` is published and never again.
 
 use crate::sync::{AtomicU32, AtomicU64};
+use std::sync::atomic::Ordering;
 use crossbeam_utils::CachePadded;
 use std::mem::{offset_of, size_of};
 
@@ -100,10 +101,93 @@ pub struct SegmentHeader {
     /// reply (`proto::kv::StatsReply`), each stored Relaxed after every
     /// cache operation (each word is current; they are not one snapshot).
     pub cache_stats: [AtomicU64; CACHE_STATS_WORDS],
+    pub _reserved2: [AtomicU64; 5],
+    /// Live: per operation (see [`OP_NAMES`]), its counters and latency
+    /// histogram.
+    pub op_stats: [OpStat; OPS],
 }
 
 /// Words of `SegmentHeader::cache_stats`.
 pub const CACHE_STATS_WORDS: usize = 18;
+
+/// Operations with a slot in `SegmentHeader::op_stats`, in order.
+pub const OP_NAMES: [&str; OPS] = [
+    "ping",
+    "delay_job",
+    "release_job",
+    "lookup",
+    "store",
+    "retrieve",
+    "free_lookup_locks",
+    "end_session",
+    "clear",
+    "stats",
+    "get_config",
+];
+/// Number of operations in `op_stats`.
+pub const OPS: usize = 11;
+/// Buckets of an `OpStat` histogram.
+pub const HIST_BUCKETS: usize = 32;
+
+/// One operation's counters, written by any server thread (Relaxed adds;
+/// observers read each word on its own).
+///
+/// `hist[i]` counts latencies in `[64 << i, 64 << (i + 1))` ns (bucket 0 also
+/// takes anything shorter, the last anything longer). The latency of a job
+/// operation is its job's submitted -> finished time; of any other, the
+/// server's time from reading the request to writing its completion. PING
+/// latencies are not recorded (it is the client's round trip).
+#[repr(C)]
+pub struct OpStat {
+    /// Requests served (including refused ones).
+    pub count: AtomicU64,
+    /// Requests answered with an error status, and jobs that failed.
+    pub errors: AtomicU64,
+    pub hist: [AtomicU64; HIST_BUCKETS],
+}
+
+const _: () = {
+    assert!(size_of::<OpStat>() == 272);
+    assert!(offset_of!(OpStat, errors) == 8);
+    assert!(offset_of!(OpStat, hist) == 16);
+};
+
+impl OpStat {
+    /// The bucket of a latency.
+    pub fn bucket(ns: u64) -> usize {
+        let units = (ns >> 6).max(1);
+        ((63 - units.leading_zeros()) as usize).min(HIST_BUCKETS - 1)
+    }
+
+    /// Counts one latency.
+    pub fn record(&self, ns: u64) {
+        // Observers only: Relaxed.
+        self.hist[Self::bucket(ns)].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Upper bound (ns) of bucket `i`.
+    pub fn bucket_limit(i: usize) -> u64 {
+        64u64 << (i + 1)
+    }
+}
+
+/// The `op_stats` index of an opcode.
+pub fn op_index(op: crate::proto::Opcode) -> usize {
+    use crate::proto::Opcode::*;
+    match op {
+        Ping => 0,
+        DelayJob => 1,
+        ReleaseJob => 2,
+        Lookup => 3,
+        Store => 4,
+        Retrieve => 5,
+        FreeLookupLocks => 6,
+        EndSession => 7,
+        Clear => 8,
+        Stats => 9,
+        GetConfig => 10,
+    }
+}
 
 const _: () = {
     assert!(offset_of!(SegmentHeader, magic) == 0);
@@ -140,6 +224,7 @@ const _: () = {
     assert!(offset_of!(SegmentHeader, jobs_released) == 568);
     assert!(offset_of!(SegmentHeader, jobs_refused) == 576);
     assert!(offset_of!(SegmentHeader, cache_stats) == 584);
+    assert!(offset_of!(SegmentHeader, op_stats) == 768);
     assert!(std::mem::size_of::<crate::proto::kv::StatsReply>() == CACHE_STATS_WORDS * 8);
     assert!(size_of::<SegmentHeader>() <= PAGE);
 };
@@ -206,7 +291,8 @@ pub struct ServerClientBlock {
     pub requests_rejected: AtomicU64,
     /// Why the last occupant was disconnected ([`DisconnectReason`]).
     pub disconnect_reason: AtomicU32,
-    pub _reserved0: AtomicU32,
+    /// KV caches the occupant has registered.
+    pub kv_instances: AtomicU32,
     /// Completions posted.
     pub completions_posted: AtomicU64,
     /// Request ring head: the server consumes requests.
@@ -228,6 +314,7 @@ const _: () = {
     assert!(offset_of!(ServerClientBlock, requests_served) == 32);
     assert!(offset_of!(ServerClientBlock, requests_rejected) == 40);
     assert!(offset_of!(ServerClientBlock, disconnect_reason) == 48);
+    assert!(offset_of!(ServerClientBlock, kv_instances) == 52);
     assert!(offset_of!(ServerClientBlock, completions_posted) == 56);
     assert!(offset_of!(ServerClientBlock, req_head) == 128);
     assert!(offset_of!(ServerClientBlock, cq_tail) == 256);
@@ -291,6 +378,11 @@ pub struct ClientBlock {
     pub client_sleeping: CachePadded<AtomicU32>,
     /// CLOCK_MONOTONIC ns of the client's last call into the library.
     pub heartbeat_ns: CachePadded<AtomicU64>,
+    /// Requests submitted and not yet completed (for observers).
+    pub in_flight: AtomicU32,
+    /// Completion-ring bytes not reserved by requests in flight (for
+    /// observers).
+    pub credits: AtomicU32,
 }
 
 const _: () = {
@@ -299,6 +391,8 @@ const _: () = {
     assert!(offset_of!(ClientBlock, cq_head) == 128);
     assert!(offset_of!(ClientBlock, client_sleeping) == 256);
     assert!(offset_of!(ClientBlock, heartbeat_ns) == 384);
+    assert!(offset_of!(ClientBlock, in_flight) == 512);
+    assert!(offset_of!(ClientBlock, credits) == 516);
     assert!(size_of::<ClientBlock>() <= PAGE);
 };
 
@@ -471,6 +565,8 @@ pub fn field_tables() -> Vec<(&'static str, Vec<(&'static str, usize, usize)>)> 
             jobs_released,
             jobs_refused,
             cache_stats,
+            _reserved2,
+            op_stats,
         }),
         field_table!(DoorbellPage { server_doorbell }),
         field_table!(ServerClientBlock {
@@ -483,7 +579,7 @@ pub fn field_tables() -> Vec<(&'static str, Vec<(&'static str, usize, usize)>)> 
             requests_served,
             requests_rejected,
             disconnect_reason,
-            _reserved0,
+            kv_instances,
             completions_posted,
             req_head,
             cq_tail,
@@ -493,7 +589,14 @@ pub fn field_tables() -> Vec<(&'static str, Vec<(&'static str, usize, usize)>)> 
             req_tail,
             cq_head,
             client_sleeping,
-            heartbeat_ns
+            heartbeat_ns,
+            in_flight,
+            credits
+        }),
+        field_table!(OpStat {
+            count,
+            errors,
+            hist
         }),
         field_table!(JobSlot {
             seq,

@@ -294,7 +294,18 @@ impl Client {
             user_data,
             reserved: bound,
         });
+        self.show_load();
         Ok(())
+    }
+
+    /// Publishes requests in flight and credit in this client's block, for
+    /// observers (two stores on a line only this client writes).
+    fn show_load(&self) {
+        let b = self.seg.block_rw();
+        // Observers only: Relaxed.
+        b.in_flight
+            .store(self.inflight.len() as u32, Ordering::Relaxed);
+        b.credits.store(self.credits as u32, Ordering::Relaxed);
     }
 
     /// Submits a frame exactly as given (opcode, flags, session tag), for
@@ -325,6 +336,7 @@ impl Client {
                 user_data: header.user_data,
                 reserved: bound,
             });
+            self.show_load();
         }
         self.flush();
         Ok(())
@@ -379,6 +391,7 @@ impl Client {
             ));
         };
         self.credits += f.reserved;
+        self.show_load();
         if f.user_data != h.user_data || h.session != self.session {
             return Err(Error::Protocol(format!(
                 "completion for {:#x} (session {}) where {:#x} (session {}) was next",

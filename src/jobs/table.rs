@@ -365,6 +365,23 @@ impl JobTable {
         (failed, owners)
     }
 
+    /// Kind, submitted and finished times (CLOCK_MONOTONIC ns) of `id`, if
+    /// the slot still holds it.
+    pub fn timing(&self, id: JobId) -> Option<(JobKind, u64, u64)> {
+        let slot = self.slot_of(id).ok()?;
+        let snap = loop {
+            if let Some(s) = slot.try_snapshot() {
+                break s;
+            }
+            // Only server threads write, for a handful of stores.
+            std::hint::spin_loop();
+        };
+        (snap.status.generation == id.generation())
+            .then_some(())
+            .and(JobKind::from_u32(snap.kind))
+            .map(|k| (k, snap.submitted_ns, snap.finished_ns))
+    }
+
     /// Whether `id` is still pending or running (one seqlock read).
     pub fn is_live(&self, id: JobId) -> bool {
         let Ok(slot) = self.slot_of(id) else {

@@ -124,6 +124,9 @@ impl<'a> Acceptor<'a> {
         cb.cq_head.store(0, r);
         cb.client_sleeping.store(0, r);
         cb.heartbeat_ns.store(liveness::monotonic_ns(), r);
+        cb.in_flight.store(0, r);
+        cb.credits.store(0, r);
+        sb.kv_instances.store(0, r);
         sb.req_head.store(0, r);
         sb.cq_tail.store(0, r);
         sb.requests_served.store(0, r);
@@ -202,6 +205,7 @@ impl<'a> Acceptor<'a> {
         // keep their instance's mappings until they finish).
         let kv = &self.shared.kv;
         kv.registry().client_gone(slot);
+        show_instances(self.shared, slot, 0);
         kv.with_cache(self.shared, |c| {
             c.drop_leases(Some(slot), std::time::Instant::now())
         });
@@ -318,7 +322,11 @@ impl<'a> Acceptor<'a> {
                     return true;
                 }
                 let u: UnregisterKv = bytemuck::pod_read_unaligned(msg);
-                if kv.registry().unregister(slot, session, u.instance) {
+                let mut reg = kv.registry();
+                let gone = reg.unregister(slot, session, u.instance);
+                show_instances(self.shared, slot, reg.count_of(slot));
+                drop(reg);
+                if gone {
                     reply(conn, Status::Ok, u.instance, "unregistered");
                 } else {
                     reply(
@@ -420,6 +428,17 @@ impl<'a> Acceptor<'a> {
             }
         }
     }
+}
+
+/// Publishes client `slot`'s registered instance count for observers.
+fn show_instances(shared: &Shared, slot: u32, n: usize) {
+    // Observers only: Relaxed.
+    shared
+        .seg
+        .mapping
+        .server_client(slot)
+        .kv_instances
+        .store(n as u32, Ordering::Relaxed);
 }
 
 pub(super) fn run(shared: &Shared, listener: Listener, tick: Duration) {

@@ -345,6 +345,6 @@ fn finish(shared: &Shared, job: &JobRun) {
         }
     };
     if let Ok(done) = published {
-        shared.job_ended(job.owner, done);
+        shared.job_ended(job.owner, job.id, done);
     }
 }

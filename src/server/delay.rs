@@ -157,7 +157,7 @@ impl DelayJobs {
                     table.finish(id, r, monotonic_ns()).map(|()| true)
                 };
                 if let Ok(done) = ended {
-                    shared.job_ended(owner, done);
+                    shared.job_ended(owner, id, done);
                 }
             }
         }

@@ -175,7 +175,7 @@ pub fn lookup(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
         aux: u64::from(h.n_chunks),
     };
     if shared.jobs.finish(id, result, monotonic_ns()).is_ok() {
-        shared.job_ended(who.slot, true);
+        shared.job_ended(who.slot, id, true);
     }
     id_reply(id)
 }
@@ -234,7 +234,7 @@ pub fn store(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
             .finish(id, JobResult { value, aux }, monotonic_ns())
             .is_ok()
         {
-            shared.job_ended(who.slot, true);
+            shared.job_ended(who.slot, id, true);
         }
         return id_reply(id);
     }

@@ -24,7 +24,8 @@ mod stream_copy;
 pub use copier::{Backend, HostBackend};
 
 use crate::error::{Error, Result};
-use crate::jobs::{FailReason, JobTable};
+use crate::jobs::{FailReason, JobId, JobKind, JobTable};
+use crate::proto::Opcode;
 use crate::layout::{DisconnectReason, Geometry, ServerState};
 use crate::rundir::{ensure_runtime_dir, ServerPaths};
 use crate::segment::ServerSegment;
@@ -207,15 +208,28 @@ impl Shared {
         });
     }
 
-    /// A job of client `owner` ended (`done`: Done, else Failed): count it
-    /// and wake the owner if it waits.
-    fn job_ended(&self, owner: u32, done: bool) {
+    /// Job `id` of client `owner` ended (`done`: Done, else Failed): count
+    /// it, record its latency, and wake the owner if it waits.
+    fn job_ended(&self, owner: u32, id: JobId, done: bool) {
         let h = self.seg.mapping.header();
         // Counters for observers only: Relaxed.
         if done {
             h.jobs_done.fetch_add(1, Ordering::Relaxed);
         } else {
             h.jobs_failed.fetch_add(1, Ordering::Relaxed);
+        }
+        if let Some((kind, submitted, finished)) = self.jobs.timing(id) {
+            let op = match kind {
+                JobKind::Delay => Opcode::DelayJob,
+                JobKind::Lookup => Opcode::Lookup,
+                JobKind::Store => Opcode::Store,
+                JobKind::Retrieve => Opcode::Retrieve,
+            };
+            let st = &h.op_stats[crate::layout::op_index(op)];
+            st.record(finished.saturating_sub(submitted));
+            if !done {
+                st.errors.fetch_add(1, Ordering::Relaxed);
+            }
         }
         self.wake_client(owner);
     }

@@ -282,4 +282,12 @@ impl Registry {
     pub fn len(&self) -> usize {
         self.instances.len()
     }
+
+    /// Instances client `slot` has registered.
+    pub fn count_of(&self, slot: u32) -> usize {
+        self.instances
+            .values()
+            .filter(|i| i.owner_slot == slot)
+            .count()
+    }
 }

@@ -235,6 +235,20 @@ fn serve(
         let mut whole = std::mem::take(&mut c.pending);
         let bad = std::mem::take(&mut c.pending_bad)
             || (gathered && (c.pending_op != h.opcode || whole.len() + last.len() > max_request));
+        // Service time of operations that are not jobs (a job's latency is
+        // recorded when it ends); PING is the client's round trip.
+        let timed = matches!(
+            op,
+            Some(
+                Opcode::ReleaseJob
+                    | Opcode::FreeLookupLocks
+                    | Opcode::EndSession
+                    | Opcode::Clear
+                    | Opcode::Stats
+                    | Opcode::GetConfig
+            )
+        );
+        let t0 = if timed { monotonic_ns() } else { 0 };
         let status = {
             let reply = if bad {
                 Reply::err(Status::BadLength)
@@ -261,6 +275,17 @@ fn serve(
             // Keep the buffer's capacity for the next large request.
             whole.clear();
             c.pending = whole;
+        }
+        if let Some(o) = op {
+            let st = &shared.seg.mapping.header().op_stats[crate::layout::op_index(o)];
+            // Counters for observers only: Relaxed.
+            st.count.fetch_add(1, Ordering::Relaxed);
+            if status != Status::Ok {
+                st.errors.fetch_add(1, Ordering::Relaxed);
+            }
+            if timed {
+                st.record(monotonic_ns().saturating_sub(t0));
+            }
         }
         posted += 1;
         if status == Status::Ok {
