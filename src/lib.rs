@@ -35,6 +35,8 @@ pub mod layout;
 #[cfg(not(loom))]
 pub mod liveness;
 #[cfg(not(loom))]
+pub mod observe;
+#[cfg(not(loom))]
 pub mod proto;
 #[cfg(not(loom))]
 pub mod rundir;

@@ -82,7 +82,7 @@ pub struct ConfigReply {
 
 /// Completion of STATS: the cache counters, as the segment header has them.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable, serde::Serialize)]
 pub struct StatsReply {
     pub pool_bytes: u64,
     pub pool_used_bytes: u64,

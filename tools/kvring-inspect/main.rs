@@ -1,0 +1,167 @@
+//! `kvring-inspect`: a read-only live and post-mortem view of every ring,
+//! client and job of a kvring segment. It maps the segment PROT_READ through
+//! a read-only descriptor, never writes, and never takes a lock the server
+//! could wait on, so it answers while the server is wedged and after it died.
+
+mod render;
+
+use clap::{Parser, Subcommand};
+use kvring::observe::{self, Snapshot, Thresholds};
+use kvring::segment::ReadOnlySegment;
+use std::process::ExitCode;
+use std::time::Duration;
+
+#[derive(Parser)]
+#[command(
+    name = "kvring-inspect",
+    version,
+    about = "Read-only view of kvring segments: servers, clients, rings, jobs, counters"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Every kvring segment of this user: server pid, alive or dead (proven
+    /// by its liveness lock), epoch, clients, age.
+    List {
+        #[arg(long)]
+        json: bool,
+    },
+    /// One segment in full: server, clients and their rings, jobs, per-
+    /// operation counters and latency, pool, anomalies.
+    Show {
+        name: String,
+        #[arg(long)]
+        json: bool,
+        /// Two readings this far apart show rings that stopped moving.
+        #[arg(long, default_value_t = 200)]
+        sample_ms: u64,
+        /// Flag jobs unfinished for longer than this.
+        #[arg(long, default_value_t = 10.0)]
+        job_age_s: f64,
+    },
+    /// The job table: one row per slot that holds a job.
+    Jobs {
+        name: String,
+        /// Only jobs in this state (pending, running, done, failed,
+        /// tombstoned). Without it, tombstones are left out.
+        #[arg(long)]
+        state: Option<String>,
+        /// Only jobs of this client slot.
+        #[arg(long)]
+        client: Option<u32>,
+        /// Include tombstones.
+        #[arg(long)]
+        all: bool,
+        #[arg(long)]
+        json: bool,
+    },
+    /// A live view refreshing several times a second, with rates and
+    /// anomalies highlighted; `q` quits.
+    Watch {
+        name: String,
+        #[arg(long, default_value_t = 250)]
+        interval_ms: u64,
+        #[arg(long, default_value_t = 10.0)]
+        job_age_s: f64,
+    },
+}
+
+fn open(name: &str) -> kvring::Result<ReadOnlySegment> {
+    ReadOnlySegment::open(name)
+}
+
+fn print_json(v: &impl serde::Serialize) {
+    println!("{}", serde_json::to_string(v).expect("serializable"));
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kvring-inspect: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn two_readings(seg: &ReadOnlySegment, th: Thresholds, gap: Duration) -> Snapshot {
+    let first = observe::snapshot(seg, th);
+    std::thread::sleep(gap);
+    let mut second = observe::snapshot(seg, th);
+    observe::compare(&first, &mut second);
+    second
+}
+
+fn run(cli: Cli) -> kvring::Result<()> {
+    match cli.cmd {
+        Cmd::List { json } => {
+            let entries = observe::list();
+            if json {
+                print_json(&serde_json::json!({ "segments": entries }));
+            } else {
+                render::list(&entries);
+            }
+        }
+        Cmd::Show {
+            name,
+            json,
+            sample_ms,
+            job_age_s,
+        } => {
+            let seg = open(&name)?;
+            let th = Thresholds { job_age_s };
+            let snap = two_readings(&seg, th, Duration::from_millis(sample_ms));
+            if json {
+                print_json(&snap);
+            } else {
+                print!("{}", render::show(&snap, None));
+            }
+        }
+        Cmd::Jobs {
+            name,
+            state,
+            client,
+            all,
+            json,
+        } => {
+            let seg = open(&name)?;
+            let snap = observe::snapshot(&seg, Thresholds::default());
+            let rows: Vec<&observe::JobRow> = snap
+                .rows
+                .iter()
+                .filter(|r| match &state {
+                    Some(s) => &r.state == s,
+                    None => all || r.state != "tombstoned",
+                })
+                .filter(|r| client.is_none_or(|c| r.owner_slot == c))
+                .collect();
+            if json {
+                print_json(&serde_json::json!({ "name": snap.name, "jobs": rows }));
+            } else {
+                print!("{}", render::jobs(&rows));
+            }
+        }
+        Cmd::Watch {
+            name,
+            interval_ms,
+            job_age_s,
+        } => {
+            let seg = open(&name)?;
+            render::watch(
+                &seg,
+                Thresholds { job_age_s },
+                Duration::from_millis(interval_ms.max(50)),
+            )
+            .map_err(|source| kvring::Error::Io {
+                context: "drive the terminal".into(),
+                source,
+            })?;
+        }
+    }
+    Ok(())
+}
