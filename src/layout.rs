@@ -7,9 +7,9 @@
 //! once before `layout_version` is published and never again.
 
 use crate::sync::{AtomicU32, AtomicU64};
-use std::sync::atomic::Ordering;
 use crossbeam_utils::CachePadded;
 use std::mem::{offset_of, size_of};
+use std::sync::atomic::Ordering;
 
 /// Page size the layout is built on; every region starts on a page boundary so
 /// that each can be mapped with its own protection.

@@ -308,8 +308,10 @@ pub fn snapshot(seg: &ReadOnlySegment, th: Thresholds) -> Snapshot {
         pid: info.server_pid,
         uid: info.server_uid,
         alive,
-        state: ServerState::from_u32(state)
-            .map_or_else(|| format!("state {state} (unknown)"), |s| format!("{s:?}").to_lowercase()),
+        state: ServerState::from_u32(state).map_or_else(
+            || format!("state {state} (unknown)"),
+            |s| format!("{s:?}").to_lowercase(),
+        ),
         epoch: info.epoch,
         layout_version: info.layout_version,
         age_s: unix_ns().saturating_sub(info.created_unix_ns) as f64 / 1e9,
@@ -380,7 +382,10 @@ pub fn snapshot(seg: &ReadOnlySegment, th: Thresholds) -> Snapshot {
             connected_age_s: unix_ns().saturating_sub(sb.connected_unix_ns.load(Relaxed)) as f64
                 / 1e9,
         };
-        for (name, r) in [("request", &v.request_ring), ("completion", &v.completion_ring)] {
+        for (name, r) in [
+            ("request", &v.request_ring),
+            ("completion", &v.completion_ring),
+        ] {
             if !r.consistent {
                 anomalies.push(Anomaly {
                     kind: "inconsistent",

@@ -306,15 +306,17 @@ impl<'a> Acceptor<'a> {
                     .chunks_exact(std::mem::size_of::<TensorRegion>())
                     .map(bytemuck::pod_read_unaligned)
                     .collect();
-                let r = kv
-                    .registry()
-                    .register(slot, session, chunk, &req, &regions, &all);
+                // Counts are published before the reply, so a client that
+                // sees its registration done sees them too.
+                let mut reg = kv.registry();
+                let r = reg.register(slot, session, chunk, &req, &regions, &all);
+                show_instances(self.shared, slot, reg.count_of(slot));
+                drop(reg);
+                kv.with_cache(self.shared, |_| ());
                 match r {
                     Ok(inst) => reply(conn, Status::Ok, inst.id, "registered"),
                     Err((status, text)) => reply(conn, status, 0, &text),
                 }
-                // Publish the instance count.
-                kv.with_cache(self.shared, |_| ());
             }
             k if k == BootKind::Unregister as u32 => {
                 if msg.len() != std::mem::size_of::<UnregisterKv>() {
@@ -326,6 +328,7 @@ impl<'a> Acceptor<'a> {
                 let gone = reg.unregister(slot, session, u.instance);
                 show_instances(self.shared, slot, reg.count_of(slot));
                 drop(reg);
+                kv.with_cache(self.shared, |_| ());
                 if gone {
                     reply(conn, Status::Ok, u.instance, "unregistered");
                 } else {
@@ -336,7 +339,6 @@ impl<'a> Acceptor<'a> {
                         "no such instance of this client",
                     );
                 }
-                kv.with_cache(self.shared, |_| ());
             }
             _ => return false,
         }

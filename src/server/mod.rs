@@ -25,8 +25,8 @@ pub use copier::{Backend, HostBackend};
 
 use crate::error::{Error, Result};
 use crate::jobs::{FailReason, JobId, JobKind, JobTable};
-use crate::proto::Opcode;
 use crate::layout::{DisconnectReason, Geometry, ServerState};
+use crate::proto::Opcode;
 use crate::rundir::{ensure_runtime_dir, ServerPaths};
 use crate::segment::ServerSegment;
 use crate::wait::{Parking, WaitPolicy};

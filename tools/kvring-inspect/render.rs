@@ -237,7 +237,11 @@ pub fn watch(seg: &ReadOnlySegment, th: Thresholds, every: Duration) -> std::io:
     impl Drop for Restore {
         fn drop(&mut self) {
             let _ = terminal::disable_raw_mode();
-            let _ = execute!(std::io::stdout(), cursor::Show, terminal::LeaveAlternateScreen);
+            let _ = execute!(
+                std::io::stdout(),
+                cursor::Show,
+                terminal::LeaveAlternateScreen
+            );
         }
     }
     terminal::enable_raw_mode()?;

@@ -1,0 +1,294 @@
+//! `kvring-inspect` against real processes: its JSON reflects a known state,
+//! it answers while the server is stopped (wedged) and after it was killed
+//! (post-mortem), it refuses what is not a kvring segment, and its live view
+//! renders in a terminal and quits on `q`.
+
+mod common;
+
+use common::*;
+use kvring::jobs::{FailReason, JobStatus};
+use kvring::kv::{model_id, KvLayout, KvLayoutKind};
+use kvring::proto::{DelayJobRequest, Opcode};
+use serde_json::Value;
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+fn inspect(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kvring-inspect"))
+        .args(args)
+        .output()
+        .expect("run kvring-inspect")
+}
+
+fn inspect_json(args: &[&str]) -> Value {
+    let out = inspect(args);
+    assert!(
+        out.status.success(),
+        "kvring-inspect {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    serde_json::from_str(text.lines().last().expect("output")).expect("JSON")
+}
+
+fn kinds(v: &Value) -> Vec<String> {
+    v["anomalies"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a["kind"].as_str().unwrap().to_string())
+        .collect()
+}
+
+fn delay(pending_ms: u64, running_ms: u64) -> DelayJobRequest {
+    DelayJobRequest {
+        pending_us: pending_ms * 1000,
+        running_us: running_ms * 1000,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn json_reflects_the_state_live_wedged_and_post_mortem() {
+    let _w = watchdog(Duration::from_secs(60));
+    let s = Scope::new("inspect");
+    let mut srv = s.server(&["--job-slots", "16", "--pool-bytes", "16MiB"]);
+    let mut a = s.client();
+    let mut b = s.client();
+    // Jobs in every state: pending, running, done, failed, tombstoned.
+    let pending = a.submit_delay_job(&delay(60_000, 1)).unwrap();
+    let running = a.submit_delay_job(&delay(0, 60_000)).unwrap();
+    let done = a.submit_delay_job(&delay(0, 0)).unwrap();
+    let failed = a
+        .submit_delay_job(&DelayJobRequest {
+            fail_reason: FailReason::Requested.code(),
+            ..delay(0, 0)
+        })
+        .unwrap();
+    let tomb = a.submit_delay_job(&delay(0, 0)).unwrap();
+    let far = Instant::now() + Duration::from_secs(5);
+    for id in [done, failed, tomb] {
+        assert!(a.wait_job(id, far).unwrap().is_terminal());
+    }
+    a.release_job(tomb).unwrap();
+    eventually(Duration::from_secs(2), || {
+        a.job_status(running).unwrap() == JobStatus::Running
+    })
+    .expect("running");
+    assert_eq!(a.job_status(pending).unwrap(), JobStatus::Pending);
+    // Client b registers a KV cache.
+    let layout = KvLayout {
+        kind: KvLayoutKind::FlashAttn as u32,
+        num_layers: 1,
+        num_blocks: 16,
+        block_tokens: 16,
+        num_heads: 1,
+        head_dim: 8,
+        elem_bytes: 2,
+        _reserved: 0,
+    };
+    let chunk = b.server_config().unwrap().chunk_tokens;
+    let cache = kvring::HostKvCache::new(layout, chunk).unwrap();
+    b.register_host_cache(model_id("m"), 1, 0, &cache).unwrap();
+
+    let v = inspect_json(&["show", &s.name, "--json", "--sample-ms", "100"]);
+    assert_eq!(v["name"], s.name.as_str());
+    assert_eq!(v["server"]["alive"], true);
+    assert_eq!(v["server"]["pid"], srv.pid());
+    let clients = v["clients"].as_array().unwrap();
+    assert_eq!(clients.len(), 2);
+    let cb = clients
+        .iter()
+        .find(|c| c["slot"] == b.slot())
+        .expect("client b");
+    assert_eq!(cb["kv_instances"], 1);
+    assert_eq!(cb["pid"], std::process::id());
+    assert_eq!(cb["alive"], true);
+    assert_eq!(cb["request_ring"]["used"], 0);
+    let by_state = &v["jobs"]["by_state"];
+    for (state, n) in [
+        ("pending", 1),
+        ("running", 1),
+        ("done", 1),
+        ("failed", 1),
+        ("tombstoned", 1),
+        ("free", 11),
+    ] {
+        assert_eq!(by_state[state], n, "{state}: {by_state}");
+    }
+    assert_eq!(v["jobs"]["oldest_unfinished"]["state"], "pending");
+    let delay_op = v["ops"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|o| o["name"] == "delay_job")
+        .unwrap();
+    assert_eq!(delay_op["count"], 5);
+    assert_eq!(delay_op["errors"], 1);
+    assert!(delay_op["p50_us"].as_f64().is_some());
+    assert!(kinds(&v).is_empty(), "{}", v["anomalies"]);
+
+    // The job table, filtered.
+    let j = inspect_json(&["jobs", &s.name, "--json", "--state", "running"]);
+    let rows = j["jobs"].as_array().unwrap();
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0]["index"], running.index());
+    assert_eq!(rows[0]["kind"], "delay");
+    let j = inspect_json(&["jobs", &s.name, "--json"]);
+    assert_eq!(
+        j["jobs"].as_array().unwrap().len(),
+        4,
+        "tombstones left out"
+    );
+    let j = inspect_json(&["jobs", &s.name, "--json", "--all"]);
+    assert_eq!(j["jobs"].as_array().unwrap().len(), 5);
+    let j = inspect_json(&["jobs", &s.name, "--json", "--client", &b.slot().to_string()]);
+    assert!(j["jobs"].as_array().unwrap().is_empty());
+    let text = inspect(&["show", &s.name]);
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(
+        text.contains("anomalies: none") && text.contains("delay_job"),
+        "{text}"
+    );
+
+    // Wedged: requests wait in a's ring, the server's heartbeat stops.
+    srv.pause();
+    for i in 0..3 {
+        a.submit(Opcode::Ping, b"wedged", i).unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(1100));
+    let t = Instant::now();
+    let v = inspect_json(&["show", &s.name, "--json", "--sample-ms", "200"]);
+    assert!(t.elapsed() < Duration::from_secs(5), "slow while wedged");
+    let ca = v["clients"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["slot"] == a.slot())
+        .unwrap()
+        .clone();
+    assert_eq!(ca["request_ring"]["used"], 3 * 32);
+    assert_eq!(ca["in_flight"], 3);
+    let k = kinds(&v);
+    assert!(k.contains(&"ring_stalled".to_string()), "{k:?}");
+    assert!(k.contains(&"heartbeat_stopped".to_string()), "{k:?}");
+    srv.signal(libc::SIGCONT);
+    for _ in 0..3 {
+        a.wait_completion(Instant::now() + Duration::from_secs(5))
+            .unwrap();
+    }
+
+    // Post-mortem: the segment of a killed server is still readable.
+    srv.kill();
+    let v = inspect_json(&["show", &s.name, "--json", "--sample-ms", "10"]);
+    assert_eq!(v["server"]["alive"], false);
+    assert!(kinds(&v).contains(&"server_dead".to_string()));
+    assert_eq!(v["jobs"]["by_state"]["running"], 1, "the table as it was");
+    let l = inspect_json(&["list", "--json"]);
+    let entry = l["segments"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["name"] == s.name.as_str())
+        .expect("listed")
+        .clone();
+    assert_eq!(entry["alive"], false);
+    assert_eq!(entry["server_pid"], v["server"]["pid"]);
+}
+
+#[test]
+fn what_is_not_a_kvring_segment_is_refused_clearly() {
+    let _w = watchdog(Duration::from_secs(30));
+    let s = Scope::new("bogus");
+    let path = format!("/dev/shm{}", s.shm_name());
+    std::fs::write(&path, vec![0x42u8; 8192]).unwrap();
+    let out = inspect(&["show", &s.name]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("not a kvring segment"), "{err}");
+    let l = inspect_json(&["list", "--json"]);
+    let e = l["segments"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["name"] == s.name.as_str())
+        .expect("listed")
+        .clone();
+    assert!(e["error"]
+        .as_str()
+        .unwrap()
+        .contains("not a kvring segment"));
+    // A kvring segment of a layout this build does not know.
+    let mut bytes = vec![0u8; 8192];
+    bytes[..8].copy_from_slice(&kvring::layout::MAGIC.to_le_bytes());
+    bytes[8..12].copy_from_slice(&99u32.to_le_bytes());
+    std::fs::write(&path, bytes).unwrap();
+    let out = inspect(&["show", &s.name]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("layout version 99"), "{err}");
+    let _ = std::fs::remove_file(&path);
+}
+
+#[test]
+fn the_watch_view_renders_in_a_terminal_and_quits_on_q() {
+    use std::io::{Read, Write};
+    let _w = watchdog(Duration::from_secs(30));
+    let s = Scope::new("watch");
+    let _srv = s.server(&[]);
+    let mut c = s.client();
+    c.ping(b"x", Duration::from_secs(5)).unwrap();
+    let size = nix::pty::Winsize {
+        ws_row: 50,
+        ws_col: 160,
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    };
+    let pty = nix::pty::openpty(Some(&size), None).unwrap();
+    let slave = std::fs::File::from(pty.slave);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvring-inspect"))
+        .args(["watch", &s.name, "--interval-ms", "100"])
+        .stdin(slave.try_clone().unwrap())
+        .stdout(slave.try_clone().unwrap())
+        .stderr(slave)
+        .spawn()
+        .unwrap();
+    let mut master = std::fs::File::from(pty.master);
+    // Read the screen until it shows the header and this client's row.
+    nix::fcntl::fcntl(
+        &master,
+        nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK),
+    )
+    .unwrap();
+    let mut screen = String::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let want = format!("kvring-inspect watch {}", s.name);
+    while !(screen.contains(&want) && screen.contains("server pid") && screen.contains("rates:")) {
+        assert!(
+            Instant::now() < deadline,
+            "the view never rendered: {screen:?}"
+        );
+        let mut buf = [0u8; 4096];
+        match master.read(&mut buf) {
+            Ok(n) => screen.push_str(&String::from_utf8_lossy(&buf[..n])),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(20))
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert!(screen.contains("active"), "the client's row: {screen:?}");
+    master.write_all(b"q").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        // Keep the terminal drained so the program never blocks on output.
+        let mut buf = [0u8; 4096];
+        let _ = master.read(&mut buf);
+        assert!(Instant::now() < deadline, "watch did not quit on q");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success());
+}
