@@ -64,6 +64,8 @@ pub enum Error {
     Config(String),
     #[error("registration refused ({status}): {reason}")]
     Registration { status: Status, reason: String },
+    #[error("CUDA: {0}")]
+    Cuda(String),
     #[error("job table: {0}")]
     JobTable(#[from] crate::jobs::ReadError),
 }

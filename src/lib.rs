@@ -23,6 +23,8 @@ pub mod bootstrap;
 #[cfg(not(loom))]
 pub mod client;
 #[cfg(not(loom))]
+pub mod cuda;
+#[cfg(not(loom))]
 pub mod demo;
 #[cfg(not(loom))]
 pub mod error;

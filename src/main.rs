@@ -85,6 +85,11 @@ enum Cmd {
         /// Seconds a lookup's read leases last unless retrieved or freed.
         #[arg(long, env = "KVRING_LEASE_TTL_S", default_value_t = 300)]
         lease_ttl_s: u64,
+        /// Copy backend: `cuda` (engines' KV caches in GPU memory; fails at
+        /// start, saying why, without a usable GPU), `host` (host memory
+        /// only), or `auto` (CUDA when the driver and a GPU are there).
+        #[arg(long, env = "KVRING_BACKEND", default_value = "auto")]
+        backend: kvring::server::BackendChoice,
         /// Pool usage (percent) at which LRU eviction starts ...
         #[arg(long, default_value_t = 90)]
         evict_at_percent: u32,
@@ -218,6 +223,7 @@ fn run(cli: Cli) -> kvring::Result<()> {
             lease_ttl_s,
             evict_at_percent,
             evict_to_percent,
+            backend,
         } => {
             let mut cfg = ServerConfig::new(&target.name);
             cfg.runtime_dir = target.dir();
@@ -243,6 +249,7 @@ fn run(cli: Cli) -> kvring::Result<()> {
             cfg.kv.lease_ttl = Duration::from_secs(lease_ttl_s);
             cfg.kv.high_watermark = f64::from(evict_at_percent) / 100.0;
             cfg.kv.low_watermark = f64::from(evict_to_percent) / 100.0;
+            cfg.kv.backend = backend;
             install_signal_handlers();
             let server = kvring::server::start(cfg)?;
             let p = server.paths();
@@ -255,6 +262,7 @@ fn run(cli: Cli) -> kvring::Result<()> {
                 pool_bytes >> 20,
                 chunk_tokens
             );
+            println!("kvring: copy backend {}", server.backend().1);
             while !STOP.load(Ordering::Relaxed) && !server.stopping() {
                 std::thread::sleep(Duration::from_millis(20));
             }

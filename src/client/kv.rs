@@ -12,7 +12,7 @@ use crate::kv::{ChunkHash, KvLayout};
 use crate::proto::kv::{
     ClearReply, ConfigReply, EndSessionRequest, FreeLocksRequest, LookupRequest, MemKind,
     RegisterKv, RegisterReply, RetrieveRequest, StatsReply, StoreRequest, TensorRegion,
-    UnregisterKv,
+    UnregisterKv, FLAG_EVENT,
 };
 use crate::proto::{BootKind, Opcode, Status, BOOT_MAGIC};
 use crate::ring::{FrameHeader, RingError, FLAG_MORE};
@@ -133,6 +133,68 @@ impl Client {
         regions: &[TensorRegion],
         fds: &[BorrowedFd<'_>],
     ) -> Result<Instance> {
+        self.register_memory(
+            spec,
+            MemKind::HostFd,
+            [0; 16],
+            bytemuck::cast_slice(regions),
+            regions.len(),
+            fds,
+        )
+    }
+
+    /// Registers a KV cache in device memory: `regions` (one per tensor)
+    /// name legacy IPC handles (`MemKind::CudaIpc`) or the VMM allocations
+    /// whose fds are `fds` (`MemKind::CudaVmmFd`), on the device `uuid`.
+    pub fn register_device_kv(
+        &mut self,
+        spec: &KvSpec,
+        kind: MemKind,
+        uuid: [u8; 16],
+        regions: &[crate::proto::kv::CudaRegion],
+        fds: &[BorrowedFd<'_>],
+    ) -> Result<Instance> {
+        self.register_memory(
+            spec,
+            kind,
+            uuid,
+            bytemuck::cast_slice(regions),
+            regions.len(),
+            fds,
+        )
+    }
+
+    /// Registers a `CudaKvCache` (see `kvring::cuda::engine_cache`).
+    pub fn register_cuda_cache(
+        &mut self,
+        model_id: u64,
+        world_size: u32,
+        rank: u32,
+        cache: &crate::cuda::engine_cache::CudaKvCache,
+    ) -> Result<Instance> {
+        let spec = KvSpec {
+            model_id,
+            world_size,
+            rank,
+            layout: *cache.layout(),
+        };
+        let fds: Vec<BorrowedFd<'_>> = cache.fd().into_iter().collect();
+        let kind = match cache.export() {
+            crate::cuda::engine_cache::Export::Ipc => MemKind::CudaIpc,
+            crate::cuda::engine_cache::Export::VmmFd => MemKind::CudaVmmFd,
+        };
+        self.register_device_kv(&spec, kind, cache.device_uuid(), &cache.regions(), &fds)
+    }
+
+    fn register_memory(
+        &mut self,
+        spec: &KvSpec,
+        mem_kind: MemKind,
+        device_uuid: [u8; 16],
+        regions: &[u8],
+        n_tensors: usize,
+        fds: &[BorrowedFd<'_>],
+    ) -> Result<Instance> {
         let chunk_tokens = self.server_config()?.chunk_tokens;
         spec.layout
             .validate(chunk_tokens)
@@ -152,15 +214,16 @@ impl Client {
         let req = RegisterKv {
             magic: BOOT_MAGIC,
             kind: BootKind::Register as u32,
-            mem_kind: MemKind::HostFd as u32,
+            mem_kind: mem_kind as u32,
             model_id: spec.model_id,
             world_size: spec.world_size,
             rank: spec.rank,
             layout: spec.layout,
-            n_tensors: regions.len() as u32,
+            n_tensors: n_tensors as u32,
             _reserved: 0,
+            device_uuid,
         };
-        let msg = payload(&req, &[bytemuck::cast_slice(regions)]);
+        let msg = payload(&req, &[regions]);
         self.conn
             .send(&msg, last)
             .map_err(crate::error::io("send registration"))?;
@@ -275,11 +338,27 @@ impl Client {
         hashes: &[ChunkHash],
         blocks: &[u32],
     ) -> Result<JobId> {
+        self.store_after(inst, salt, hashes, blocks, None)
+    }
+
+    /// STORE whose copies wait (on the device) for the CUDA IPC event
+    /// `event` that the engine recorded after writing the blocks.
+    pub fn store_after(
+        &mut self,
+        inst: &Instance,
+        salt: u64,
+        hashes: &[ChunkHash],
+        blocks: &[u32],
+        event: Option<[u8; 64]>,
+    ) -> Result<JobId> {
         check_blocks(inst, hashes.len(), blocks)?;
         let h = StoreRequest {
             instance: inst.id,
             n_chunks: hashes.len() as u32,
             salt,
+            flags: if event.is_some() { FLAG_EVENT } else { 0 },
+            _reserved: 0,
+            event: event.unwrap_or([0; 64]),
         };
         self.submit_job(
             Opcode::Store,
@@ -303,6 +382,20 @@ impl Client {
         blocks: &[u32],
         skip_tokens: u32,
     ) -> Result<JobId> {
+        self.retrieve_after(inst, lease, first_chunk, blocks, skip_tokens, None)
+    }
+
+    /// RETRIEVE whose copies wait (on the device) for the CUDA IPC event
+    /// `event` that the engine recorded once it stopped using the blocks.
+    pub fn retrieve_after(
+        &mut self,
+        inst: &Instance,
+        lease: JobId,
+        first_chunk: u32,
+        blocks: &[u32],
+        skip_tokens: u32,
+        event: Option<[u8; 64]>,
+    ) -> Result<JobId> {
         let bpc = inst.blocks_per_chunk() as usize;
         if blocks.is_empty() || blocks.len() % bpc != 0 {
             return Err(Error::Config(format!(
@@ -316,6 +409,9 @@ impl Client {
             first_chunk,
             n_chunks: (blocks.len() / bpc) as u32,
             skip_tokens,
+            flags: if event.is_some() { FLAG_EVENT } else { 0 },
+            _reserved: 0,
+            event: event.unwrap_or([0; 64]),
         };
         self.submit_job(
             Opcode::Retrieve,

@@ -20,24 +20,37 @@ pub struct LookupRequest {
 /// STORE: `n_chunks` chunk hashes (16 bytes each), then
 /// `n_chunks * blocks_per_chunk` block ids (u32) follow.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
 pub struct StoreRequest {
     pub instance: u32,
     pub n_chunks: u32,
     pub salt: u64,
+    /// Bit 0: `event` holds a CUDA IPC event the engine recorded after
+    /// writing the blocks; the server's copies wait for it on the device.
+    pub flags: u32,
+    pub _reserved: u32,
+    pub event: [u8; 64],
 }
+
+/// `StoreRequest::flags` / `RetrieveRequest::flags`: `event` is set.
+pub const FLAG_EVENT: u32 = 1;
 
 /// RETRIEVE: `n_chunks * blocks_per_chunk` block ids (u32) follow. Chunks
 /// `first_chunk ..` of the lookup `lease` are copied into them; the first
 /// `skip_tokens` tokens (a multiple of the block size) are left alone.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
 pub struct RetrieveRequest {
     pub lease: JobId,
     pub instance: u32,
     pub first_chunk: u32,
     pub n_chunks: u32,
     pub skip_tokens: u32,
+    /// Bit 0: `event` holds a CUDA IPC event the engine recorded after it
+    /// stopped using the blocks; the server's copies wait for it.
+    pub flags: u32,
+    pub _reserved: u32,
+    pub event: [u8; 64],
 }
 
 /// FREE_LOOKUP_LOCKS: ends the lease's holds on chunks
@@ -110,13 +123,33 @@ pub struct StatsReply {
 pub enum MemKind {
     /// Host memory: sealed memfds passed with the message (SCM_RIGHTS).
     HostFd = 1,
+    /// Device memory: a legacy CUDA IPC handle per tensor ([`CudaRegion`]).
+    CudaIpc = 2,
+    /// Device memory: a CUDA VMM allocation exported as a POSIX fd, passed
+    /// with the message ([`CudaRegion`]).
+    CudaVmmFd = 3,
+}
+
+/// Where one tensor of a device registration lives: `offset` bytes into an
+/// allocation of `alloc_bytes`, named by `ipc_handle` (kind 2) or by
+/// descriptor `fd_index` (kind 3). The server checks `offset + tensor bytes`
+/// against the size the driver reports (IPC) or maps exactly `alloc_bytes`
+/// (VMM, which fails if the allocation is smaller).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+pub struct CudaRegion {
+    pub ipc_handle: [u8; 64],
+    pub offset: u64,
+    pub alloc_bytes: u64,
+    pub fd_index: u32,
+    pub _reserved: u32,
 }
 
 /// Bootstrap message: register an engine instance's KV cache. Followed by
 /// `n_tensors` [`TensorRegion`]s; the memory's descriptors travel with this
 /// message and any [`AttachFds`] messages sent just before it.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
 pub struct RegisterKv {
     pub magic: u64,
     /// `BootKind::Register`.
@@ -129,6 +162,9 @@ pub struct RegisterKv {
     pub layout: KvLayout,
     pub n_tensors: u32,
     pub _reserved: u32,
+    /// Device memory: the device's UUID (memory kinds 2 and 3); zero for host
+    /// memory.
+    pub device_uuid: [u8; 16],
 }
 
 /// Where one tensor of a registration lives: `layout.tensor_bytes()` bytes
@@ -186,17 +222,20 @@ pub struct RegisterReply {
 const _: () = {
     assert!(size_of::<LookupRequest>() == 24);
     assert!(offset_of!(LookupRequest, world_size) == 16);
-    assert!(size_of::<StoreRequest>() == 16);
+    assert!(size_of::<StoreRequest>() == 88);
     assert!(offset_of!(StoreRequest, salt) == 8);
-    assert!(size_of::<RetrieveRequest>() == 32);
+    assert!(offset_of!(StoreRequest, event) == 24);
+    assert!(size_of::<RetrieveRequest>() == 104);
     assert!(offset_of!(RetrieveRequest, instance) == 16);
     assert!(offset_of!(RetrieveRequest, skip_tokens) == 28);
+    assert!(offset_of!(RetrieveRequest, event) == 40);
+    assert!(size_of::<CudaRegion>() == 88);
     assert!(size_of::<FreeLocksRequest>() == 24);
     assert!(size_of::<EndSessionRequest>() == 16);
     assert!(size_of::<ClearReply>() == 16);
     assert!(size_of::<ConfigReply>() == 32);
     assert!(size_of::<StatsReply>() == 18 * 8);
-    assert!(size_of::<RegisterKv>() == 72);
+    assert!(size_of::<RegisterKv>() == 88);
     assert!(offset_of!(RegisterKv, layout) == 32);
     assert!(offset_of!(RegisterKv, n_tensors) == 64);
     assert!(size_of::<TensorRegion>() == 16);

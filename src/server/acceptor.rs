@@ -13,7 +13,7 @@ use crate::bootstrap::{Conn, Listener};
 use crate::jobs::FailReason;
 use crate::layout::{DisconnectReason, SlotState, LAYOUT_VERSION};
 use crate::liveness::{self, PidFd};
-use crate::proto::kv::{split_header, RegisterKv, RegisterReply, TensorRegion, UnregisterKv};
+use crate::proto::kv::{split_header, RegisterKv, RegisterReply, UnregisterKv};
 use crate::proto::{BootKind, Hello, Status, Welcome, BOOT_MAGIC, PROTOCOL_VERSION};
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::Ordering;
@@ -292,24 +292,18 @@ impl<'a> Acceptor<'a> {
                     reply(conn, Status::Malformed, 0, "registration message too short");
                     return true;
                 };
-                let n = req.n_tensors as usize;
-                if rest.len() != n * std::mem::size_of::<TensorRegion>() {
-                    reply(
-                        conn,
-                        Status::Malformed,
-                        0,
-                        "tensor table length differs from n_tensors",
-                    );
-                    return true;
-                }
-                let regions: Vec<TensorRegion> = rest
-                    .chunks_exact(std::mem::size_of::<TensorRegion>())
-                    .map(bytemuck::pod_read_unaligned)
-                    .collect();
                 // Counts are published before the reply, so a client that
                 // sees its registration done sees them too.
                 let mut reg = kv.registry();
-                let r = reg.register(slot, session, chunk, &req, &regions, &all);
+                let r = reg.register(
+                    slot,
+                    session,
+                    chunk,
+                    &req,
+                    rest,
+                    &all,
+                    kv.copier.backend.as_ref(),
+                );
                 show_instances(self.shared, slot, reg.count_of(slot));
                 drop(reg);
                 kv.with_cache(self.shared, |_| ());

@@ -114,8 +114,10 @@ pub struct LeaseMeta {
 impl Cache {
     /// A cache over a pool of `capacity` bytes that evicts down to
     /// `low_water` once usage passes `high_water` (fractions of capacity).
-    pub fn new(capacity: u64, high: f64, low: f64) -> Cache {
-        let pool = PoolAlloc::new(capacity);
+    /// No object spans a multiple of `segment` bytes (pool registrations
+    /// of the CUDA backend); `u64::MAX`: no such boundary.
+    pub fn new(capacity: u64, high: f64, low: f64, segment: u64) -> Cache {
+        let pool = PoolAlloc::with_segments(capacity, segment);
         let cap = pool.capacity() as f64;
         Cache {
             stats: StatsReply {
@@ -565,7 +567,7 @@ mod tests {
 
     #[test]
     fn holds_move_from_lease_to_retrieve_and_end_once() {
-        let mut c = Cache::new(64 * LEN, 1.0, 1.0);
+        let mut c = Cache::new(64 * LEN, 1.0, 1.0, u64::MAX);
         stored(&mut c, &[1, 2, 3]);
         let now = Instant::now();
         let ttl = Duration::from_secs(60);
@@ -599,7 +601,7 @@ mod tests {
 
     #[test]
     fn held_and_unwritten_objects_survive_eviction_and_clear() {
-        let mut c = Cache::new(8 * LEN, 1.0, 1.0);
+        let mut c = Cache::new(8 * LEN, 1.0, 1.0, u64::MAX);
         stored(&mut c, &[1, 2, 3]); // 6 objects
         let now = Instant::now();
         let ttl = Duration::from_secs(60);
@@ -628,7 +630,7 @@ mod tests {
 
     #[test]
     fn leases_expire_at_their_ttl() {
-        let mut c = Cache::new(8 * LEN, 1.0, 1.0);
+        let mut c = Cache::new(8 * LEN, 1.0, 1.0, u64::MAX);
         stored(&mut c, &[1]);
         let now = Instant::now();
         c.lookup(

@@ -40,17 +40,64 @@ pub struct ChunkCopy<'a> {
     pub skip_blocks: u32,
     pub object: *mut u8,
     pub dir: Dir,
+    /// A CUDA IPC event of the engine the copy must wait for.
+    pub event: Option<[u8; 64]>,
 }
 
-/// What moves the bytes.
+/// What moves the bytes: it gives each copy worker its own engine, and
+/// opens engines' device memory at registration.
 pub trait Backend: Send + Sync {
     fn name(&self) -> &'static str;
-    /// Copies one chunk; returns the bytes moved.
-    fn copy_chunk(&self, c: &ChunkCopy<'_>) -> Result<u64, String>;
+    /// `ConfigReply::backend`: 1 host, 2 CUDA.
+    fn code(&self) -> u32 {
+        1
+    }
+    /// A copy engine for one worker thread (its streams, staging buffers).
+    fn engine(&self) -> Result<Box<dyn Engine>, String>;
+    /// Opens the device memory of a registration (memory kinds other than
+    /// host).
+    fn open_device(
+        &self,
+        _slot: u32,
+        _req: &crate::proto::kv::RegisterKv,
+        _regions: &[crate::proto::kv::CudaRegion],
+        _fds: &[std::os::fd::OwnedFd],
+    ) -> Result<
+        (
+            Vec<super::registry::Tensor>,
+            super::cuda_backend::InstanceDevice,
+        ),
+        super::registry::Refusal,
+    > {
+        Err((
+            crate::proto::Status::InvalidArgument,
+            format!(
+                "device memory needs the CUDA backend; this server copies with the {} backend (kvring serve --backend cuda)",
+                self.name()
+            ),
+        ))
+    }
 }
 
-/// The host backend: slab-by-slab memcpy between mapped engine memory and
-/// the pool.
+/// One worker's copy engine. A copy may finish after `submit` returns (on
+/// a GPU stream); finished copies are collected with `poll`, which never
+/// runs a callback: the worker polls, so no lock is ever taken on a
+/// driver's thread.
+pub trait Engine {
+    /// Most copies this engine keeps in flight.
+    fn depth(&self) -> usize;
+    /// Starts copying one chunk; `token` comes back from `poll`. The
+    /// instance and the pool object stay valid until then (the worker holds
+    /// the task).
+    fn submit(&mut self, c: &ChunkCopy<'_>, token: usize) -> Result<(), String>;
+    /// Appends finished copies (token, bytes moved or why not) to `out`;
+    /// with `wait`, returns only once at least one finished (or none is in
+    /// flight).
+    fn poll(&mut self, wait: bool, out: &mut Vec<(usize, Result<u64, String>)>);
+}
+
+/// The host backend: slab-by-slab copies between mapped engine memory and
+/// the pool, done in `submit`.
 pub struct HostBackend;
 
 impl Backend for HostBackend {
@@ -58,49 +105,75 @@ impl Backend for HostBackend {
         "host"
     }
 
-    fn copy_chunk(&self, c: &ChunkCopy<'_>) -> Result<u64, String> {
-        let l = c.layout;
-        let slab = l.slab_bytes() as usize;
-        let mut pieces = Vec::with_capacity((l.parts() * l.num_layers) as usize * c.blocks.len());
-        for part in 0..l.parts() {
-            for layer in 0..l.num_layers {
-                for (j, &block) in c.blocks.iter().enumerate().skip(c.skip_blocks as usize) {
-                    let (t, off) = l.slab_at(layer, part, block);
-                    let tensor = &c.inst.tensors[t as usize];
-                    let obj_off = l.object_offset(c.chunk_tokens, layer, part, j as u32);
-                    debug_assert!(off + slab as u64 <= tensor.bytes());
-                    // SAFETY: `block < num_blocks` was checked when the job
-                    // was accepted, so the slab lies inside the tensor's
-                    // mapping (`slab_at` tiles the tensor exactly); the
-                    // object range lies inside the pool range the cache
-                    // allocated for `object_bytes`. Only addresses here.
-                    let (eng, obj) = unsafe {
-                        (
-                            tensor.ptr().add(off as usize),
-                            c.object.add(obj_off as usize),
-                        )
-                    };
-                    pieces.push(match c.dir {
-                        Dir::ToPool => (obj, eng as *const u8),
-                        Dir::FromPool => (eng, obj as *const u8),
-                    });
-                }
+    fn engine(&self) -> Result<Box<dyn Engine>, String> {
+        Ok(Box::new(HostEngine { done: Vec::new() }))
+    }
+}
+
+struct HostEngine {
+    done: Vec<(usize, Result<u64, String>)>,
+}
+
+impl Engine for HostEngine {
+    fn depth(&self) -> usize {
+        1
+    }
+
+    fn submit(&mut self, c: &ChunkCopy<'_>, token: usize) -> Result<(), String> {
+        let r = host_copy(c);
+        self.done.push((token, r));
+        Ok(())
+    }
+
+    fn poll(&mut self, _wait: bool, out: &mut Vec<(usize, Result<u64, String>)>) {
+        out.append(&mut self.done);
+    }
+}
+
+fn host_copy(c: &ChunkCopy<'_>) -> Result<u64, String> {
+    let l = c.layout;
+    let slab = l.slab_bytes() as usize;
+    let mut pieces = Vec::with_capacity((l.parts() * l.num_layers) as usize * c.blocks.len());
+    for part in 0..l.parts() {
+        for layer in 0..l.num_layers {
+            for (j, &block) in c.blocks.iter().enumerate().skip(c.skip_blocks as usize) {
+                let (t, off) = l.slab_at(layer, part, block);
+                let tensor = c.inst.tensors[t as usize]
+                    .host()
+                    .ok_or("host copy of device memory")?;
+                let obj_off = l.object_offset(c.chunk_tokens, layer, part, j as u32);
+                debug_assert!(off + slab as u64 <= tensor.bytes());
+                // SAFETY: `block < num_blocks` was checked when the job
+                // was accepted, so the slab lies inside the tensor's
+                // mapping (`slab_at` tiles the tensor exactly); the
+                // object range lies inside the pool range the cache
+                // allocated for `object_bytes`. Only addresses here.
+                let (eng, obj) = unsafe {
+                    (
+                        tensor.ptr().add(off as usize),
+                        c.object.add(obj_off as usize),
+                    )
+                };
+                pieces.push(match c.dir {
+                    Dir::ToPool => (obj, eng as *const u8),
+                    Dir::FromPool => (eng, obj as *const u8),
+                });
             }
         }
-        // SAFETY: every piece is a slab inside a live mapping (above); the
-        // destinations are distinct slabs of one object (store) or distinct
-        // blocks of the engine's cache (retrieve: block ids are distinct,
-        // checked at acceptance), so no two overlap, and a
-        // pool object never overlaps engine memory. The engine's memory may
-        // change under the copy (its bytes are the engine's business) but
-        // cannot shrink (sealed), so no access faults. Raw pointers only: no
-        // reference to shared memory is formed.
-        unsafe { stream_copy::copy_pieces(&pieces, slab) };
-        // The streaming stores land before the job's completion is published
-        // (a Release store after this returns).
-        stream_copy::fence();
-        Ok((pieces.len() * slab) as u64)
     }
+    // SAFETY: every piece is a slab inside a live mapping (above); the
+    // destinations are distinct slabs of one object (store) or distinct
+    // blocks of the engine's cache (retrieve: block ids are distinct,
+    // checked at acceptance), so no two overlap, and a
+    // pool object never overlaps engine memory. The engine's memory may
+    // change under the copy (its bytes are the engine's business) but
+    // cannot shrink (sealed), so no access faults. Raw pointers only: no
+    // reference to shared memory is formed.
+    unsafe { stream_copy::copy_pieces(&pieces, slab) };
+    // The streaming stores land before the job's completion is published
+    // (a Release store after this returns).
+    stream_copy::fence();
+    Ok((pieces.len() * slab) as u64)
 }
 
 /// A STORE or RETRIEVE job in flight.
@@ -115,6 +188,8 @@ pub struct JobRun {
     /// retrieve: chunk count; bytes are added as the copies finish).
     pub value: u64,
     pub aux: u64,
+    /// The engine's CUDA IPC event every chunk copy waits for.
+    pub event: Option<[u8; 64]>,
     remaining: AtomicU32,
     started: AtomicBool,
     failed: AtomicBool,
@@ -132,6 +207,7 @@ impl JobRun {
         value: u64,
         aux: u64,
         tasks: u32,
+        event: Option<[u8; 64]>,
     ) -> Arc<JobRun> {
         Arc::new(JobRun {
             id,
@@ -141,6 +217,7 @@ impl JobRun {
             objs,
             value,
             aux,
+            event,
             remaining: AtomicU32::new(tasks),
             started: AtomicBool::new(false),
             failed: AtomicBool::new(false),
@@ -246,53 +323,126 @@ impl Copier {
     }
 }
 
-/// A copy worker's body.
+impl Copier {
+    /// The next task if one is queued now.
+    fn try_next(&self) -> Option<Task> {
+        let mut q = self.lock();
+        if q.stop {
+            return None;
+        }
+        while let Some(c) = q.turn.pop_front() {
+            let queue = &mut q.per_client[c as usize];
+            let t = queue.pop_front();
+            if !queue.is_empty() {
+                q.turn.push_back(c);
+            }
+            if t.is_some() {
+                return t;
+            }
+        }
+        None
+    }
+}
+
+/// Accounts one finished (or skipped) chunk of `job`; the last one ends it.
+fn chunk_done(shared: &Shared, job: &JobRun, r: Result<u64, String>) {
+    // `failed` and `bytes` are Relaxed: the AcqRel decrement of `remaining`
+    // below orders every chunk's updates before the last one's `finish`.
+    match r {
+        Ok(b) => {
+            job.bytes.fetch_add(b, Ordering::Relaxed);
+        }
+        Err(e) => {
+            if !e.is_empty() {
+                eprintln!("kvring: copy for {} failed: {e}", job.id);
+            }
+            job.failed.store(true, Ordering::Relaxed);
+        }
+    }
+    if job.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+        finish(shared, job);
+    }
+}
+
+/// A copy worker's body: keeps its engine's pipeline full with tasks taken
+/// round robin, and settles each chunk as its copy finishes.
 pub(super) fn run(shared: &Shared) {
     let copier = &shared.kv.copier;
     let chunk_tokens = shared.kv.chunk_tokens;
-    while let Some(task) = copier.next() {
-        let job = &task.job;
-        // Relaxed: only decides which worker marks the job running; the
-        // table's seqlock orders the state itself.
-        if !job.started.swap(true, Ordering::Relaxed) {
-            // The job may already have failed (its client died): then the
-            // copy is wasted but harmless, and the outcome is not published.
-            let _ = shared.jobs.start(job.id, monotonic_ns());
+    let mut engine = match copier.backend.engine() {
+        Ok(e) => e,
+        Err(e) => {
+            eprintln!("kvring: a copy worker could not start its engine: {e}");
+            return;
         }
-        // A job that ended meanwhile (its client died, the server shuts
-        // down) copies nothing more: a dead engine's memory is neither read
-        // into the pool nor written.
-        // `failed` and `bytes` are Relaxed: the last task's AcqRel decrement
-        // of `remaining` below orders every task's updates before `finish`.
-        if job.failed.load(Ordering::Relaxed) || !shared.jobs.is_live(job.id) {
-            job.failed.store(true, Ordering::Relaxed);
-            if job.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
-                finish(shared, job);
-            }
-            continue;
-        }
-        let c = ChunkCopy {
-            layout: &job.inst.layout,
-            inst: &job.inst,
-            chunk_tokens,
-            blocks: &task.blocks,
-            skip_blocks: task.skip_blocks,
-            object: shared.kv.pool.at(task.pool_off),
-            dir: job.dir,
-        };
-        match copier.backend.copy_chunk(&c) {
-            Ok(b) => {
-                job.bytes.fetch_add(b, Ordering::Relaxed);
-            }
-            Err(e) => {
-                eprintln!("kvring: copy for {} failed: {e}", job.id);
-                job.failed.store(true, Ordering::Relaxed);
+    };
+    let depth = engine.depth().max(1);
+    let mut inflight: Vec<Option<Task>> = (0..depth).map(|_| None).collect();
+    let mut busy = 0usize;
+    let mut done = Vec::new();
+    loop {
+        engine.poll(false, &mut done);
+        for (token, r) in done.drain(..) {
+            if let Some(t) = inflight.get_mut(token).and_then(Option::take) {
+                busy -= 1;
+                chunk_done(shared, &t.job, r);
             }
         }
-        // AcqRel: the last task's worker sees every other task's byte count
-        // and failure flag (each task's Release half of this RMW).
-        if job.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
-            finish(shared, job);
+        if busy < depth {
+            let task = if busy == 0 {
+                match copier.next() {
+                    Some(t) => Some(t),
+                    None => break,
+                }
+            } else {
+                copier.try_next()
+            };
+            if let Some(task) = task {
+                let job = task.job.clone();
+                // Relaxed: only decides which worker marks the job running;
+                // the table's seqlock orders the state itself.
+                if !job.started.swap(true, Ordering::Relaxed) {
+                    let _ = shared.jobs.start(job.id, monotonic_ns());
+                }
+                // A job that ended meanwhile (its client died, the server
+                // shuts down) copies nothing more: a dead engine's memory is
+                // neither read into the pool nor written.
+                if job.failed.load(Ordering::Relaxed) || !shared.jobs.is_live(job.id) {
+                    chunk_done(shared, &job, Err(String::new()));
+                    continue;
+                }
+                let token = inflight
+                    .iter()
+                    .position(Option::is_none)
+                    .expect("a free slot");
+                let c = ChunkCopy {
+                    layout: &job.inst.layout,
+                    inst: &job.inst,
+                    chunk_tokens,
+                    blocks: &task.blocks,
+                    skip_blocks: task.skip_blocks,
+                    object: shared.kv.pool.at(task.pool_off),
+                    dir: job.dir,
+                    event: job.event,
+                };
+                match engine.submit(&c, token) {
+                    Ok(()) => {
+                        inflight[token] = Some(task);
+                        busy += 1;
+                    }
+                    Err(e) => chunk_done(shared, &job, Err(e)),
+                }
+                continue;
+            }
+        }
+        if busy > 0 {
+            engine.poll(true, &mut done);
+            for (token, r) in done.drain(..) {
+                if let Some(t) = inflight.get_mut(token).and_then(Option::take) {
+                    busy -= 1;
+                    chunk_done(shared, &t.job, r);
+                }
+            }
         }
     }
 }

@@ -21,6 +21,8 @@ use std::time::{Duration, Instant};
 
 /// The cache server's KV state.
 pub struct KvState {
+    /// Why this backend (e.g. why CUDA is not used), for the start-up line.
+    pub backend_note: String,
     pub chunk_tokens: u32,
     pub lease_ttl: Duration,
     pub max_request_bytes: u32,
@@ -35,13 +37,33 @@ pub struct KvState {
 pub type Outcome = Result<Vec<u8>, Status>;
 
 impl KvState {
-    pub fn new(
-        cfg: &super::KvConfig,
-        max_clients: u32,
-        backend: Box<dyn super::copier::Backend>,
-    ) -> std::io::Result<KvState> {
-        let pool = PoolMemory::new(cfg.pool_bytes, cfg.prefault)?;
+    pub fn new(cfg: &super::KvConfig, max_clients: u32) -> crate::Result<KvState> {
+        use super::BackendChoice;
+        let pool = PoolMemory::new(cfg.pool_bytes, cfg.prefault).map_err(crate::error::io(
+            format!("allocate a pool of {} bytes", cfg.pool_bytes),
+        ))?;
+        let (backend, backend_note, segment): (Box<dyn super::copier::Backend>, String, u64) =
+            match cfg.backend {
+                BackendChoice::Host => (
+                    Box::new(super::HostBackend),
+                    "host (chosen)".into(),
+                    u64::MAX,
+                ),
+                choice => match super::cuda_backend::CudaBackend::new(&pool) {
+                    Ok(b) => {
+                        let note = format!("cuda: {}", b.summary);
+                        (Box::new(b), note, super::cuda_backend::PIN_SEGMENT)
+                    }
+                    Err(e) if choice == BackendChoice::Auto => (
+                        Box::new(super::HostBackend),
+                        format!("host (CUDA not used: {e})"),
+                        u64::MAX,
+                    ),
+                    Err(e) => return Err(crate::Error::Cuda(format!("--backend cuda: {e}"))),
+                },
+            };
         Ok(KvState {
+            backend_note,
             chunk_tokens: cfg.chunk_tokens,
             lease_ttl: cfg.lease_ttl,
             max_request_bytes: cfg.max_request_bytes,
@@ -51,6 +73,7 @@ impl KvState {
                 pool.len(),
                 cfg.high_watermark,
                 cfg.low_watermark,
+                segment,
             )),
             pool,
             copier: Copier::new(max_clients, backend),
@@ -180,6 +203,21 @@ pub fn lookup(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
     id_reply(id)
 }
 
+/// The request's engine event, if it names one the backend can wait for.
+fn request_event(kv: &KvState, flags: u32, event: [u8; 64]) -> Result<Option<[u8; 64]>, Status> {
+    if flags & !crate::proto::kv::FLAG_EVENT != 0 {
+        return Err(Status::InvalidArgument);
+    }
+    if flags & crate::proto::kv::FLAG_EVENT == 0 {
+        return Ok(None);
+    }
+    // Host memory has no device stream to order against.
+    if kv.copier.backend.code() != 2 {
+        return Err(Status::InvalidArgument);
+    }
+    Ok(Some(event))
+}
+
 /// Checks block ids against the instance's cache; splits them per chunk.
 fn blocks_per_chunk(
     bytes: &[u8],
@@ -201,6 +239,7 @@ fn blocks_per_chunk(
 pub fn store(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
     let kv = &shared.kv;
     let (h, rest) = split_header::<StoreRequest>(req).ok_or(Status::BadLength)?;
+    let event = request_event(kv, h.flags, h.event)?;
     let inst = kv
         .registry()
         .get(who.slot, who.session, h.instance)
@@ -248,6 +287,7 @@ pub fn store(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
         value,
         aux,
         plan.write.len() as u32,
+        event,
     );
     let tasks = plan
         .write
@@ -268,6 +308,7 @@ pub fn store(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
 pub fn retrieve(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
     let kv = &shared.kv;
     let (h, rest) = split_header::<RetrieveRequest>(req).ok_or(Status::BadLength)?;
+    let event = request_event(kv, h.flags, h.event)?;
     let inst = kv
         .registry()
         .get(who.slot, who.session, h.instance)
@@ -325,6 +366,7 @@ pub fn retrieve(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
         u64::from(h.n_chunks),
         0,
         objs.len() as u32,
+        event,
     );
     for (i, &(_, off)) in objs.iter().enumerate() {
         let skip = skip_blocks.min(bpc);
@@ -393,7 +435,7 @@ pub fn config(shared: &Shared, req: &[u8]) -> Outcome {
         pool_bytes: kv.pool.len(),
         max_request_bytes: kv.max_request_bytes,
         lease_ttl_ms: kv.lease_ttl.as_millis().min(u128::from(u32::MAX)) as u32,
-        backend: 1,
+        backend: kv.copier.backend.code(),
         _reserved: 0,
     })
     .to_vec())

@@ -14,6 +14,7 @@
 mod acceptor;
 mod cache;
 mod copier;
+mod cuda_backend;
 mod delay;
 mod kv_ops;
 mod pool;
@@ -54,6 +55,29 @@ pub struct ServerConfig {
     pub kv: KvConfig,
 }
 
+/// Which copy backend a server uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackendChoice {
+    /// CUDA when the driver and a device are there, else host (saying why).
+    Auto,
+    /// Host memory only (memcpy by the copy workers).
+    Host,
+    /// CUDA; start-up fails, saying why, when it is not usable.
+    Cuda,
+}
+
+impl std::str::FromStr for BackendChoice {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "auto" => Ok(BackendChoice::Auto),
+            "host" => Ok(BackendChoice::Host),
+            "cuda" => Ok(BackendChoice::Cuda),
+            o => Err(format!("unknown backend {o:?} (auto, host or cuda)")),
+        }
+    }
+}
+
 /// The cache's settings.
 #[derive(Clone, Debug)]
 pub struct KvConfig {
@@ -69,6 +93,8 @@ pub struct KvConfig {
     pub max_request_bytes: u32,
     /// How long a lookup's leases last unless used or freed.
     pub lease_ttl: Duration,
+    /// Which copy backend: host memcpy, CUDA, or CUDA when usable.
+    pub backend: BackendChoice,
     /// Pool usage (fraction) past which eviction starts ...
     pub high_watermark: f64,
     /// ... and down to which it evicts.
@@ -85,6 +111,7 @@ impl Default for KvConfig {
             copy_threads: (cores / 2).clamp(1, 8),
             max_request_bytes: 4 << 20,
             lease_ttl: Duration::from_secs(300),
+            backend: BackendChoice::Auto,
             high_watermark: 0.9,
             low_watermark: 0.8,
         }
@@ -246,6 +273,14 @@ pub struct ServerHandle {
 }
 
 impl ServerHandle {
+    /// The copy backend in use ("host" or "cuda") and what it found.
+    pub fn backend(&self) -> (&'static str, String) {
+        (
+            self.shared.kv.copier.backend.name(),
+            self.shared.kv.backend_note.clone(),
+        )
+    }
+
     /// The segment's epoch.
     pub fn epoch(&self) -> u64 {
         self.shared.seg.mapping.info().epoch
@@ -332,10 +367,7 @@ pub fn start(cfg: ServerConfig) -> Result<ServerHandle> {
         });
     }
     cfg.kv.validate().map_err(Error::Config)?;
-    let kv =
-        kv_ops::KvState::new(&cfg.kv, cfg.geometry.max_clients, Box::new(HostBackend)).map_err(
-            crate::error::io(format!("allocate a pool of {} bytes", cfg.kv.pool_bytes)),
-        )?;
+    let kv = kv_ops::KvState::new(&cfg.kv, cfg.geometry.max_clients)?;
     let seg = ServerSegment::create(&paths.shm_name, cfg.geometry)?;
     let slots = seg.mapping.job_slots();
     // SAFETY: the slots lie in the segment's mapping, which `Shared` owns

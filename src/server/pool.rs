@@ -55,6 +55,8 @@ impl PoolMemory {
 /// Best-fit allocator of `POOL_ALIGN`-aligned ranges of `[0, capacity)`.
 pub struct PoolAlloc {
     capacity: u64,
+    /// Ranges never cross a multiple of this (`u64::MAX`: none).
+    segment: u64,
     /// Free ranges by start.
     by_start: BTreeMap<u64, u64>,
     /// Free ranges by (length, start), for best fit.
@@ -63,18 +65,34 @@ pub struct PoolAlloc {
 }
 
 impl PoolAlloc {
-    pub fn new(capacity: u64) -> PoolAlloc {
+    /// An allocator whose ranges never cross a multiple of `segment` (a
+    /// multiple of `POOL_ALIGN`, or `u64::MAX`).
+    pub fn with_segments(capacity: u64, segment: u64) -> PoolAlloc {
         let capacity = capacity / POOL_ALIGN * POOL_ALIGN;
+        let segment = if segment == u64::MAX {
+            segment
+        } else {
+            (segment / POOL_ALIGN * POOL_ALIGN).max(POOL_ALIGN)
+        };
         let mut a = PoolAlloc {
             capacity,
+            segment,
             by_start: BTreeMap::new(),
             by_len: BTreeSet::new(),
             free_bytes: 0,
         };
-        if capacity > 0 {
-            a.insert(0, capacity);
+        let mut start = 0;
+        while start < capacity {
+            let len = (capacity - start).min(segment);
+            a.insert(start, len);
+            start += len;
         }
         a
+    }
+
+    /// Whether `at` is a segment boundary (ranges are never merged there).
+    fn boundary(&self, at: u64) -> bool {
+        self.segment != u64::MAX && at % self.segment == 0
     }
 
     /// Bytes a request of `len` takes.
@@ -125,15 +143,17 @@ impl PoolAlloc {
         debug_assert!(start + len <= self.capacity);
         if let Some((&ps, &pl)) = self.by_start.range(..start).next_back() {
             debug_assert!(ps + pl <= start, "double free");
-            if ps + pl == start {
+            if ps + pl == start && !self.boundary(start) {
                 self.remove(ps, pl);
                 start = ps;
                 len += pl;
             }
         }
         if let Some(&nl) = self.by_start.get(&(start + len)) {
-            self.remove(start + len, nl);
-            len += nl;
+            if !self.boundary(start + len) {
+                self.remove(start + len, nl);
+                len += nl;
+            }
         }
         self.insert(start, len);
     }
@@ -148,8 +168,9 @@ mod tests {
         /// Allocated ranges never overlap and stay in bounds; freeing all
         /// coalesces back to one range.
         #[test]
-        fn ranges_never_overlap_and_coalesce(ops in proptest::collection::vec((1u64..50_000, any::<bool>()), 1..300)) {
-            let mut a = PoolAlloc::new(1 << 20);
+        fn ranges_never_overlap_and_coalesce(ops in proptest::collection::vec((1u64..50_000, any::<bool>()), 1..300), segmented in any::<bool>()) {
+            let seg = if segmented { 1 << 18 } else { u64::MAX };
+            let mut a = PoolAlloc::with_segments(1 << 20, seg);
             let mut live: Vec<(u64, u64)> = Vec::new();
             for (len, free) in ops {
                 if free && !live.is_empty() {
@@ -158,6 +179,9 @@ mod tests {
                 } else if let Some(s) = a.alloc(len) {
                     let r = PoolAlloc::rounded(len);
                     prop_assert!(s % POOL_ALIGN == 0 && s + r <= a.capacity());
+                    if segmented {
+                        prop_assert_eq!(s / seg, (s + r - 1) / seg, "crosses a segment");
+                    }
                     for &(t, m) in &live {
                         let m = PoolAlloc::rounded(m);
                         prop_assert!(s + r <= t || t + m <= s, "overlap");
@@ -173,7 +197,7 @@ mod tests {
             for (s, l) in live {
                 a.free(s, l);
             }
-            prop_assert_eq!(a.by_start.len(), 1);
+            prop_assert_eq!(a.by_start.len(), if segmented { 4 } else { 1 });
             prop_assert_eq!(a.used(), 0);
         }
     }

@@ -26,6 +26,24 @@ pub struct TensorMem {
     bytes: u64,
 }
 
+/// Where one registered tensor lives, as the server reaches it.
+pub enum Tensor {
+    /// Host memory mapped into the server.
+    Host(TensorMem),
+    /// Device memory opened in the server's context of that device.
+    Device(#[allow(dead_code)] crate::cuda::DeviceTensor),
+}
+
+impl Tensor {
+    /// The host mapping, if this is host memory.
+    pub fn host(&self) -> Option<&TensorMem> {
+        match self {
+            Tensor::Host(t) => Some(t),
+            Tensor::Device(_) => None,
+        }
+    }
+}
+
 // SAFETY: the mapping is owned here and only accessed through raw pointers
 // by copy code that stays in bounds (`bytes`).
 unsafe impl Send for TensorMem {}
@@ -51,7 +69,9 @@ pub struct Instance {
     pub rank: u32,
     pub layout: KvLayout,
     pub fingerprint: u64,
-    pub tensors: Vec<TensorMem>,
+    pub tensors: Vec<Tensor>,
+    /// For device memory: the device and the tensor address table there.
+    pub device: Option<super::cuda_backend::InstanceDevice>,
 }
 
 impl Instance {
@@ -143,20 +163,33 @@ fn map_region(fd: &OwnedFd, offset: u64, bytes: u64) -> Result<TensorMem, Refusa
 
 impl Registry {
     /// Registers an instance for client `slot`/`session`.
+    #[allow(clippy::too_many_arguments)]
     pub fn register(
         &mut self,
         slot: u32,
         session: u32,
         chunk_tokens: u32,
         req: &RegisterKv,
-        regions: &[TensorRegion],
+        table: &[u8],
         fds: &[OwnedFd],
+        backend: &dyn super::copier::Backend,
     ) -> Result<Arc<Instance>, Refusal> {
-        if req.mem_kind != MemKind::HostFd as u32 {
-            return Err(bad(format!(
-                "memory kind {} is not served by the host backend",
-                req.mem_kind
-            )));
+        let host = req.mem_kind == MemKind::HostFd as u32;
+        let device =
+            req.mem_kind == MemKind::CudaIpc as u32 || req.mem_kind == MemKind::CudaVmmFd as u32;
+        if !host && !device {
+            return Err(bad(format!("unknown memory kind {}", req.mem_kind)));
+        }
+        let region_bytes = if host {
+            std::mem::size_of::<TensorRegion>()
+        } else {
+            std::mem::size_of::<crate::proto::kv::CudaRegion>()
+        };
+        if table.len() != req.n_tensors as usize * region_bytes {
+            return Err((
+                crate::proto::Status::Malformed,
+                "tensor table length differs from n_tensors".into(),
+            ));
         }
         if req.world_size == 0 || req.world_size > MAX_WORLD_SIZE || req.rank >= req.world_size {
             return Err(bad(format!(
@@ -169,11 +202,10 @@ impl Registry {
         }
         let layout = req.layout;
         layout.validate(chunk_tokens).map_err(bad)?;
-        if regions.len() != layout.num_tensors() as usize || req.n_tensors as usize != regions.len()
-        {
+        if req.n_tensors != layout.num_tensors() {
             return Err(bad(format!(
                 "{} tensor regions for a layout of {} tensors",
-                regions.len(),
+                req.n_tensors,
                 layout.num_tensors()
             )));
         }
@@ -187,20 +219,31 @@ impl Registry {
                 ));
             }
         }
-        let mut tensors = Vec::with_capacity(regions.len());
-        for (i, r) in regions.iter().enumerate() {
-            let fd = fds.get(r.fd_index as usize).ok_or_else(|| {
-                bad(format!(
-                    "tensor {i}: descriptor {} of {} sent",
-                    r.fd_index,
-                    fds.len()
-                ))
-            })?;
-            tensors.push(
-                map_region(fd, r.offset, layout.tensor_bytes())
-                    .map_err(|(s, t)| (s, format!("tensor {i}: {t}")))?,
-            );
-        }
+        let (tensors, dev) = if host {
+            let mut tensors = Vec::with_capacity(req.n_tensors as usize);
+            for (i, c) in table.chunks_exact(region_bytes).enumerate() {
+                let r: TensorRegion = bytemuck::pod_read_unaligned(c);
+                let fd = fds.get(r.fd_index as usize).ok_or_else(|| {
+                    bad(format!(
+                        "tensor {i}: descriptor {} of {} sent",
+                        r.fd_index,
+                        fds.len()
+                    ))
+                })?;
+                tensors.push(Tensor::Host(
+                    map_region(fd, r.offset, layout.tensor_bytes())
+                        .map_err(|(s, t)| (s, format!("tensor {i}: {t}")))?,
+                ));
+            }
+            (tensors, None)
+        } else {
+            let regions: Vec<crate::proto::kv::CudaRegion> = table
+                .chunks_exact(region_bytes)
+                .map(bytemuck::pod_read_unaligned)
+                .collect();
+            let (t, d) = backend.open_device(slot, req, &regions, fds)?;
+            (t, Some(d))
+        };
         self.next_id = self.next_id.wrapping_add(1).max(1);
         while self.instances.contains_key(&self.next_id) {
             self.next_id = self.next_id.wrapping_add(1).max(1);
@@ -215,6 +258,7 @@ impl Registry {
             layout,
             fingerprint,
             tensors,
+            device: dev,
         });
         self.groups
             .entry(gkey)

@@ -1,0 +1,176 @@
+//! The KV copy kernels (`kernels/kv_copy.cu`), compiled by NVRTC for the
+//! device's architecture at first use and cached on disk, so later server
+//! starts only load the PTX.
+
+use super::{ck, sys, Context};
+use std::ffi::{c_void, CString};
+use std::path::PathBuf;
+
+/// The kernels' source, embedded in the binary.
+pub const KV_COPY_SRC: &str = include_str!("../../kernels/kv_copy.cu");
+
+/// `KvCopyArgs` of the kernel, passed by value.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct KvCopyArgs {
+    pub kind: u32,
+    pub num_layers: u32,
+    pub parts: u32,
+    pub num_blocks: u32,
+    pub blocks_per_chunk: u32,
+    pub skip_blocks: u32,
+    pub slab_bytes: u64,
+    pub to_engine: u32,
+    pub _pad: u32,
+}
+
+/// A loaded module and its `kv_copy` function, in one context.
+pub struct Kernels {
+    ctx: std::sync::Arc<Context>,
+    module: sys::CUmodule,
+    pub kv_copy: sys::CUfunction,
+    /// Where the PTX came from ("compiled in N ms" or "cached at PATH").
+    pub origin: String,
+}
+
+// SAFETY: module and function handles are usable from any thread with the
+// context current.
+unsafe impl Send for Kernels {}
+// SAFETY: as above.
+unsafe impl Sync for Kernels {}
+
+/// Where compiled PTX is kept: `$KVRING_CACHE_DIR`, else
+/// `$XDG_CACHE_HOME/kvring`, else `~/.cache/kvring`, else the temp dir.
+pub fn cache_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("KVRING_CACHE_DIR") {
+        return PathBuf::from(d);
+    }
+    if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
+        return PathBuf::from(d).join("kvring");
+    }
+    if let Some(h) = std::env::var_os("HOME") {
+        return PathBuf::from(h).join(".cache").join("kvring");
+    }
+    std::env::temp_dir().join("kvring-cache")
+}
+
+/// PTX of the kernels for `sm_XY`, from the disk cache or NVRTC.
+pub fn ptx_for(major: i32, minor: i32) -> Result<(String, String), String> {
+    let arch = format!("sm_{major}{minor}");
+    let key = blake3::hash(format!("{arch}\n{KV_COPY_SRC}").as_bytes());
+    let path = cache_dir().join(format!("kv_copy-{arch}-{}.ptx", &key.to_hex()[..16]));
+    if let Ok(p) = std::fs::read_to_string(&path) {
+        return Ok((p, format!("cached at {}", path.display())));
+    }
+    // SAFETY: only tries to load the library.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(format!(
+            "libnvrtc is not installed and {} holds no compiled kernels",
+            path.display()
+        ));
+    }
+    let t = std::time::Instant::now();
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(
+        KV_COPY_SRC,
+        cudarc::nvrtc::CompileOptions {
+            options: vec![format!("--gpu-architecture={arch}"), "-O3".into()],
+            name: Some("kv_copy.cu".into()),
+            ..Default::default()
+        },
+    )
+    .map_err(|e| format!("NVRTC: {e:?}"))?
+    .to_src();
+    let origin = format!("compiled for {arch} in {} ms", t.elapsed().as_millis());
+    // A failed cache write only costs the next start a compile.
+    if std::fs::create_dir_all(path.parent().expect("a parent")).is_ok() {
+        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+        if std::fs::write(&tmp, &ptx).is_ok() {
+            let _ = std::fs::rename(&tmp, &path);
+        }
+    }
+    Ok((ptx, origin))
+}
+
+impl Kernels {
+    /// Loads the kernels into `ctx` (compiling them if needed).
+    pub fn load(ctx: &std::sync::Arc<Context>) -> Result<Kernels, String> {
+        let (major, minor) = ctx.info.compute_capability;
+        let (ptx, origin) = ptx_for(major, minor)?;
+        ctx.bind()?;
+        let src = CString::new(ptx).map_err(|_| "PTX with a NUL byte".to_string())?;
+        // SAFETY: a NUL-terminated PTX image; out-pointers valid.
+        unsafe {
+            let mut module = std::ptr::null_mut();
+            ck(
+                sys::cuModuleLoadData(&mut module, src.as_ptr() as *const c_void),
+                "cuModuleLoadData",
+            )?;
+            let mut f = std::ptr::null_mut();
+            ck(
+                sys::cuModuleGetFunction(&mut f, module, c"kv_copy".as_ptr()),
+                "cuModuleGetFunction kv_copy",
+            )?;
+            Ok(Kernels {
+                ctx: ctx.clone(),
+                module,
+                kv_copy: f,
+                origin,
+            })
+        }
+    }
+
+    /// Launches `kv_copy` for one chunk on `stream`: one CTA per slab.
+    ///
+    /// # Safety
+    /// `bases` must hold the instance's tensor addresses and `blocks`
+    /// `blocks_per_chunk` block ids (both in device memory of this context,
+    /// valid until the launch completes); `object` must address
+    /// `parts * num_layers * blocks_per_chunk * slab_bytes` bytes the device
+    /// can access.
+    pub unsafe fn launch(
+        &self,
+        stream: sys::CUstream,
+        bases: u64,
+        blocks: u64,
+        object: u64,
+        args: KvCopyArgs,
+    ) -> Result<(), String> {
+        let ctas = args.parts * args.num_layers * args.blocks_per_chunk;
+        let (mut b, mut k, mut o, mut a) = (bases, blocks, object, args);
+        let mut params = [
+            &mut b as *mut u64 as *mut c_void,
+            &mut k as *mut u64 as *mut c_void,
+            &mut o as *mut u64 as *mut c_void,
+            &mut a as *mut KvCopyArgs as *mut c_void,
+        ];
+        // SAFETY: the caller's contract; parameters match the kernel's.
+        ck(
+            unsafe {
+                sys::cuLaunchKernel(
+                    self.kv_copy,
+                    ctas,
+                    1,
+                    1,
+                    256,
+                    1,
+                    1,
+                    0,
+                    stream,
+                    params.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
+            },
+            "cuLaunchKernel kv_copy",
+        )
+    }
+}
+
+impl Drop for Kernels {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind();
+        // SAFETY: unloads the module loaded in `load`, in its context.
+        unsafe {
+            let _ = sys::cuModuleUnload(self.module);
+        }
+    }
+}
