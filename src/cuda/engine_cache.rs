@@ -255,6 +255,12 @@ impl CudaKvCache {
     pub fn bytes(&self) -> u64 {
         self.size
     }
+
+    /// Device address of the first tensor (tensor `i` is at `i * stride`,
+    /// the stride being `tensor_bytes` rounded up to 64 KiB).
+    pub fn device_base(&self) -> u64 {
+        self.base
+    }
 }
 
 impl Drop for CudaKvCache {
@@ -272,6 +278,134 @@ impl Drop for CudaKvCache {
                     let _ = sys::cuMemRelease(*handle);
                 }
             }
+        }
+    }
+}
+
+/// A stream of the engine's own, for asynchronous work the server must be
+/// ordered after (through an [`IpcEvent`]).
+pub struct EngineStream {
+    ctx: Arc<Context>,
+    stream: sys::CUstream,
+}
+
+// SAFETY: a stream handle, used with its context bound.
+unsafe impl Send for EngineStream {}
+
+impl EngineStream {
+    pub fn new(cache: &CudaKvCache) -> crate::Result<EngineStream> {
+        cache.ctx.bind().map_err(crate::Error::Cuda)?;
+        let mut stream = std::ptr::null_mut();
+        // SAFETY: valid out-pointer.
+        ck(
+            unsafe {
+                sys::cuStreamCreate(
+                    &mut stream,
+                    sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
+                )
+            },
+            "cuStreamCreate",
+        )
+        .map_err(crate::Error::Cuda)?;
+        Ok(EngineStream {
+            ctx: cache.ctx.clone(),
+            stream,
+        })
+    }
+
+    /// Queues setting every byte of `cache` to `byte`.
+    pub fn fill_async(&self, cache: &CudaKvCache, byte: u8) -> crate::Result<()> {
+        self.ctx.bind().map_err(crate::Error::Cuda)?;
+        // SAFETY: the whole allocation of a live cache.
+        ck(
+            unsafe { sys::cuMemsetD8Async(cache.base, byte, cache.size as usize, self.stream) },
+            "cuMemsetD8Async",
+        )
+        .map_err(crate::Error::Cuda)
+    }
+
+    /// Waits for everything queued.
+    pub fn synchronize(&self) -> crate::Result<()> {
+        self.ctx.bind().map_err(crate::Error::Cuda)?;
+        // SAFETY: a live stream.
+        ck(
+            unsafe { sys::cuStreamSynchronize(self.stream) },
+            "cuStreamSynchronize",
+        )
+        .map_err(crate::Error::Cuda)
+    }
+}
+
+impl Drop for EngineStream {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind();
+        // SAFETY: destroys the stream created in `new`.
+        unsafe {
+            let _ = sys::cuStreamSynchronize(self.stream);
+            let _ = sys::cuStreamDestroy_v2(self.stream);
+        }
+    }
+}
+
+/// An interprocess event: the engine records it after its writes, sends
+/// its handle with a STORE (or RETRIEVE), and the server's copies wait for it
+/// on the device.
+pub struct IpcEvent {
+    ctx: Arc<Context>,
+    event: sys::CUevent,
+    handle: [u8; 64],
+}
+
+// SAFETY: an event handle, used with its context bound.
+unsafe impl Send for IpcEvent {}
+
+impl IpcEvent {
+    pub fn new(cache: &CudaKvCache) -> crate::Result<IpcEvent> {
+        cache.ctx.bind().map_err(crate::Error::Cuda)?;
+        // SAFETY: valid out-pointers.
+        unsafe {
+            let mut event = std::ptr::null_mut();
+            let flags = sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32
+                | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+            ck(sys::cuEventCreate(&mut event, flags), "cuEventCreate")
+                .map_err(crate::Error::Cuda)?;
+            let mut h: sys::CUipcEventHandle = std::mem::zeroed();
+            ck(
+                sys::cuIpcGetEventHandle(&mut h, event),
+                "cuIpcGetEventHandle",
+            )
+            .map_err(crate::Error::Cuda)?;
+            Ok(IpcEvent {
+                ctx: cache.ctx.clone(),
+                event,
+                handle: h.reserved.map(|b| b as u8),
+            })
+        }
+    }
+
+    /// Records the event on `stream` (after what is queued there).
+    pub fn record(&self, stream: &EngineStream) -> crate::Result<()> {
+        self.ctx.bind().map_err(crate::Error::Cuda)?;
+        // SAFETY: live event and stream of this context.
+        ck(
+            unsafe { sys::cuEventRecord(self.event, stream.stream) },
+            "cuEventRecord",
+        )
+        .map_err(crate::Error::Cuda)
+    }
+
+    /// The handle to send to the server.
+    pub fn handle(&self) -> [u8; 64] {
+        self.handle
+    }
+}
+
+impl Drop for IpcEvent {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind();
+        // SAFETY: destroys the event created in `new`.
+        unsafe {
+            let _ = sys::cuEventDestroy_v2(self.event);
         }
     }
 }

@@ -4,8 +4,41 @@
 //! block's place in its chunk. A retrieve that lands a wrong chunk, block,
 //! layer, part or rank fails byte for byte.
 
-use super::ChunkHash;
+use super::{ChunkHash, KvLayout};
 use crate::client::HostKvCache;
+
+/// A paged KV cache whose slabs can be written and read (host or device).
+pub trait Slabs {
+    fn slab_layout(&self) -> &KvLayout;
+    fn put_slab(&self, layer: u32, part: u32, block: u32, bytes: &[u8]);
+    fn get_slab(&self, layer: u32, part: u32, block: u32, out: &mut [u8]);
+}
+
+impl Slabs for HostKvCache {
+    fn slab_layout(&self) -> &KvLayout {
+        self.layout()
+    }
+    fn put_slab(&self, layer: u32, part: u32, block: u32, bytes: &[u8]) {
+        self.write_slab(layer, part, block, bytes)
+    }
+    fn get_slab(&self, layer: u32, part: u32, block: u32, out: &mut [u8]) {
+        self.read_slab(layer, part, block, out)
+    }
+}
+
+impl Slabs for crate::cuda::engine_cache::CudaKvCache {
+    fn slab_layout(&self) -> &KvLayout {
+        self.layout()
+    }
+    fn put_slab(&self, layer: u32, part: u32, block: u32, bytes: &[u8]) {
+        self.write_slab(layer, part, block, bytes)
+            .expect("write a slab to the device")
+    }
+    fn get_slab(&self, layer: u32, part: u32, block: u32, out: &mut [u8]) {
+        self.read_slab(layer, part, block, out)
+            .expect("read a slab from the device")
+    }
+}
 
 fn splitmix(x: &mut u64) -> u64 {
     *x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
@@ -41,14 +74,14 @@ pub fn fill(seed: u64, out: &mut [u8]) {
 }
 
 /// Writes one chunk's contents into `blocks` of `cache`.
-pub fn write_chunk(cache: &HostKvCache, content: u32, hash: &ChunkHash, blocks: &[u32]) {
-    let l = *cache.layout();
+pub fn write_chunk(cache: &impl Slabs, content: u32, hash: &ChunkHash, blocks: &[u32]) {
+    let l = *cache.slab_layout();
     let mut slab = vec![0u8; l.slab_bytes() as usize];
     for layer in 0..l.num_layers {
         for part in 0..l.parts() {
             for (j, &b) in blocks.iter().enumerate() {
                 fill(slab_seed(content, hash, layer, part, j as u32), &mut slab);
-                cache.write_slab(layer, part, b, &slab);
+                cache.put_slab(layer, part, b, &slab);
             }
         }
     }
@@ -58,14 +91,14 @@ pub fn write_chunk(cache: &HostKvCache, content: u32, hash: &ChunkHash, blocks: 
 /// `skip_blocks` must still hold `poison` bytes, the rest the chunk's bytes.
 /// Returns the bytes checked, or where the first difference is.
 pub fn verify_chunk(
-    cache: &HostKvCache,
+    cache: &impl Slabs,
     content: u32,
     hash: &ChunkHash,
     blocks: &[u32],
     skip_blocks: u32,
     poison: u8,
 ) -> Result<u64, String> {
-    let l = *cache.layout();
+    let l = *cache.slab_layout();
     let n = l.slab_bytes() as usize;
     let (mut want, mut got) = (vec![0u8; n], vec![0u8; n]);
     let mut checked = 0u64;
@@ -77,7 +110,7 @@ pub fn verify_chunk(
                 } else {
                     fill(slab_seed(content, hash, layer, part, j as u32), &mut want);
                 }
-                cache.read_slab(layer, part, b, &mut got);
+                cache.get_slab(layer, part, b, &mut got);
                 if want != got {
                     let at = want.iter().zip(&got).position(|(a, b)| a != b).unwrap_or(0);
                     return Err(format!(

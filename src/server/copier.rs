@@ -130,7 +130,8 @@ impl Engine for HostEngine {
     }
 }
 
-fn host_copy(c: &ChunkCopy<'_>) -> Result<u64, String> {
+/// The host copy of one chunk (slab pieces, four at a time, streaming).
+pub(super) fn host_copy(c: &ChunkCopy<'_>) -> Result<u64, String> {
     let l = c.layout;
     let slab = l.slab_bytes() as usize;
     let mut pieces = Vec::with_capacity((l.parts() * l.num_layers) as usize * c.blocks.len());

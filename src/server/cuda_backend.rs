@@ -242,6 +242,7 @@ impl Backend for CudaBackend {
             per_dev: HashMap::new(),
             slots: Vec::new(),
             events: HashMap::new(),
+            host_done: Vec::new(),
         }))
     }
 
@@ -354,6 +355,8 @@ struct CudaEngine {
     slots: Vec<(i32, usize)>,
     /// Engines' IPC events opened by this worker.
     events: HashMap<[u8; 64], sys::CUevent>,
+    /// Copies of host-memory engines, done in `submit`.
+    host_done: Vec<(usize, Result<u64, String>)>,
 }
 
 impl CudaEngine {
@@ -423,11 +426,12 @@ impl Engine for CudaEngine {
     }
 
     fn submit(&mut self, c: &ChunkCopy<'_>, token: usize) -> Result<(), String> {
-        let dev = c
-            .inst
-            .device
-            .as_ref()
-            .ok_or("host memory on the CUDA backend")?;
+        let Some(dev) = c.inst.device.as_ref() else {
+            // An engine in host memory: the host copy, done now.
+            let r = super::copier::host_copy(c);
+            self.host_done.push((token, r));
+            return Ok(());
+        };
         let l = c.layout;
         let obj_bytes = l.object_bytes(c.chunk_tokens);
         let pool_off = (c.object as usize - self.be().pool_base) as u64;
@@ -538,6 +542,7 @@ impl Engine for CudaEngine {
     }
 
     fn poll(&mut self, wait: bool, out: &mut Vec<(usize, Result<u64, String>)>) {
+        out.append(&mut self.host_done);
         let mut spins = 0u32;
         loop {
             let mut any_busy = false;

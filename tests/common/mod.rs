@@ -10,6 +10,14 @@ use std::time::{Duration, Instant};
 
 static COUNTER: AtomicU32 = AtomicU32::new(0);
 
+/// The `kvring` binary: `$KVRING_BIN` when set (test binaries copied to
+/// another machine), else the one Cargo built.
+pub fn kvring_bin() -> PathBuf {
+    std::env::var_os("KVRING_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_kvring")))
+}
+
 /// Aborts the whole test process if the calling test runs past `limit`.
 pub struct Watchdog(std::sync::mpsc::Sender<()>);
 
@@ -48,7 +56,7 @@ impl Scope {
 
     /// Starts the real server binary for this scope.
     pub fn server(&self, extra: &[&str]) -> ServerProc {
-        let child = Command::new(env!("CARGO_BIN_EXE_kvring"))
+        let child = Command::new(kvring_bin())
             .args(["serve", "--name", &self.name, "--runtime-dir"])
             .arg(&self.dir)
             .args(extra)
@@ -64,7 +72,7 @@ impl Scope {
     /// Runs `kvring serve` for this scope to completion (for start-up
     /// failures) and returns its output.
     pub fn serve_output(&self) -> std::process::Output {
-        Command::new(env!("CARGO_BIN_EXE_kvring"))
+        Command::new(kvring_bin())
             .args(["serve", "--name", &self.name, "--runtime-dir"])
             .arg(&self.dir)
             .output()

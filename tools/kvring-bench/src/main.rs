@@ -7,6 +7,7 @@
 
 mod jobs;
 mod kv;
+mod kv_cuda;
 mod peers;
 mod stats;
 
@@ -66,6 +67,8 @@ enum Cmd {
         copy_threads: u32,
         #[arg(long)]
         prefault: bool,
+        #[arg(long, default_value = "host")]
+        backend: String,
     },
     /// KV data path on the host backend: store and retrieve GB/s against
     /// memcpy with the same threads, and lookup latency.
@@ -83,6 +86,10 @@ enum Cmd {
         /// all CPUs but the one the client runs on.
         #[arg(long)]
         copy_threads: Option<u32>,
+        /// `host` (engine caches in host memory) or `cuda` (in GPU memory;
+        /// the ceiling is then one large pinned cuMemcpy each way).
+        #[arg(long, default_value = "host")]
+        backend: String,
     },
 }
 
@@ -100,7 +107,15 @@ fn main() {
             passes,
             lookups,
             copy_threads,
-        } => kv::run(json, passes, lookups, copy_threads),
+            backend,
+        } => match backend.as_str() {
+            "host" => kv::run(json, passes, lookups, copy_threads),
+            "cuda" => kv_cuda::run(json, passes, copy_threads),
+            other => {
+                eprintln!("unknown backend {other} (host or cuda)");
+                std::process::exit(2);
+            }
+        },
         Cmd::ServeChild {
             name,
             dir,
@@ -108,7 +123,16 @@ fn main() {
             pool_mib,
             copy_threads,
             prefault,
-        } => peers::serve_child(&name, &dir, spin_us, pool_mib, copy_threads, prefault),
+            backend,
+        } => peers::serve_child(
+            &name,
+            &dir,
+            spin_us,
+            pool_mib,
+            copy_threads,
+            prefault,
+            &backend,
+        ),
     }
 }
 

@@ -194,8 +194,10 @@ pub fn serve_child(
     pool_mib: u64,
     copy_threads: u32,
     prefault: bool,
+    backend: &str,
 ) {
     let mut cfg = kvring::ServerConfig::new(name);
+    cfg.kv.backend = backend.parse().expect("backend");
     cfg.runtime_dir = dir.to_path_buf();
     cfg.kv.pool_bytes = pool_mib << 20;
     cfg.kv.copy_threads = copy_threads;

@@ -1,0 +1,293 @@
+//! The CUDA data plane with real processes: this test process is the engine
+//! (its KV cache in GPU memory, exported by IPC handle or VMM fd), the
+//! `kvring` binary serves with `--backend cuda`. Every layout and element
+//! size both ways on random contents with poisoned destinations; the
+//! engine's IPC event orders a store after the engine's own writes;
+//! transfers run next to a stream of telemetry (STATS and the inspector)
+//! under a watchdog.
+//!
+//! Without a usable GPU (CI) every test prints why and returns.
+
+mod common;
+
+use common::*;
+use kvring::cuda::engine_cache::{CudaKvCache, EngineStream, Export, IpcEvent};
+use kvring::jobs::{JobId, JobResult, JobStatus};
+use kvring::kv::pattern::{self, Slabs};
+use kvring::kv::{chunk_hashes, model_id, ChunkHash, KvLayout, KvLayoutKind};
+use kvring::{Client, Instance};
+use std::time::{Duration, Instant};
+
+const CHUNK: u32 = 64;
+
+fn gpu() -> bool {
+    match kvring::cuda::probe() {
+        Ok(d) => {
+            eprintln!("GPU: {} ({} devices)", d[0].name, d.len());
+            true
+        }
+        Err(e) => {
+            eprintln!("skipped: no usable GPU: {e}");
+            false
+        }
+    }
+}
+
+fn server(s: &Scope) -> ServerProc {
+    s.server(&[
+        "--backend",
+        "cuda",
+        "--chunk-tokens",
+        "64",
+        "--pool-bytes",
+        "512MiB",
+    ])
+}
+
+fn layout(kind: KvLayoutKind, elem: u32, blocks: u32) -> KvLayout {
+    KvLayout {
+        kind: kind as u32,
+        num_layers: 3,
+        num_blocks: blocks,
+        block_tokens: 16,
+        num_heads: if kind == KvLayoutKind::Mla { 1 } else { 2 },
+        // 40 * 2 heads * 1 byte = 80-byte rows: not a multiple of 16, so the
+        // bytewise path runs too.
+        head_dim: 40,
+        elem_bytes: elem,
+        _reserved: 0,
+    }
+}
+
+fn done(c: &mut Client, id: JobId) -> JobResult {
+    match c
+        .wait_job(id, Instant::now() + Duration::from_secs(30))
+        .unwrap()
+    {
+        JobStatus::Done(r) => {
+            c.release_job(id).unwrap();
+            r
+        }
+        other => panic!("{id}: {other:?}"),
+    }
+}
+
+fn prompt(seed: u32, n: usize) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| i.wrapping_mul(2_654_435_761) ^ seed)
+        .collect()
+}
+
+fn blocks(first: u32, n: u32, nb: u32) -> Vec<u32> {
+    (0..n).map(|k| (first + k * 5) % nb).collect()
+}
+
+fn verify(cache: &impl Slabs, hashes: &[ChunkHash], b: &[u32], bpc: usize, skip: u32, poison: u8) {
+    let mut left = skip;
+    for (i, (h, bl)) in hashes.iter().zip(b.chunks(bpc)).enumerate() {
+        let s = left.min(bpc as u32);
+        left -= s;
+        if let Err(e) = pattern::verify_chunk(cache, 0, h, bl, s, poison) {
+            panic!("chunk {i}: {e}");
+        }
+    }
+}
+
+fn round_trip(s: &Scope, sched: &mut Client, l: KvLayout, export: Export, seed: u32) {
+    let mut c = s.client();
+    let src = CudaKvCache::new(l, CHUNK, 0, export).unwrap();
+    src.fill(0x3c).unwrap();
+    let inst: Instance = c.register_cuda_cache(model_id("gpu"), 1, 0, &src).unwrap();
+    let bpc = inst.blocks_per_chunk() as usize;
+    let hashes = chunk_hashes(&prompt(seed, 4 * CHUNK as usize), CHUNK);
+    let sb = blocks(1, 4 * bpc as u32, l.num_blocks);
+    for (h, b) in hashes.iter().zip(sb.chunks(bpc)) {
+        pattern::write_chunk(&src, 0, h, b);
+    }
+    let r = {
+        let id = c.store(&inst, 0, &hashes, &sb).unwrap();
+        done(&mut c, id)
+    };
+    assert_eq!((r.value, r.aux), (4, 0), "{l:?}");
+    let lease = sched.lookup(model_id("gpu"), 1, 0, &hashes).unwrap();
+    assert!(matches!(
+        sched
+            .wait_job(lease, Instant::now() + Duration::from_secs(5))
+            .unwrap(),
+        JobStatus::Done(JobResult { value: 4, .. })
+    ));
+    // Into a fresh, poisoned cache of another registration; skip the first
+    // block of the first chunk.
+    let dst = CudaKvCache::new(l, CHUNK, 0, export).unwrap();
+    dst.fill(0xa5).unwrap();
+    let dinst = c.register_cuda_cache(model_id("gpu"), 1, 0, &dst).unwrap();
+    let db = blocks(7, 4 * bpc as u32, l.num_blocks);
+    let r = {
+        let id = c.retrieve(&dinst, lease, 0, &db, 16).unwrap();
+        done(&mut c, id)
+    };
+    assert_eq!(r.value, 4);
+    verify(&dst, &hashes, &db, bpc, 1, 0xa5);
+    c.unregister_kv(&inst).unwrap();
+    c.unregister_kv(&dinst).unwrap();
+}
+
+#[test]
+fn every_layout_and_element_size_round_trips_through_the_gpu_path() {
+    if !gpu() {
+        return;
+    }
+    let _w = watchdog(Duration::from_secs(300));
+    let s = Scope::new("cuda-layouts");
+    let _srv = server(&s);
+    let mut sched = s.client();
+    assert_eq!(sched.server_config().unwrap().backend, 2, "a CUDA server");
+    let mut seed = 0;
+    for kind in KvLayoutKind::ALL {
+        for elem in [1, 2, 4] {
+            seed += 1;
+            round_trip(&s, &mut sched, layout(kind, elem, 40), Export::Ipc, seed);
+        }
+    }
+    // A VMM allocation exported as a POSIX fd, and realistic rows (uint4
+    // path).
+    let mut big = layout(KvLayoutKind::FlashAttn, 2, 64);
+    big.head_dim = 128;
+    round_trip(&s, &mut sched, big, Export::VmmFd, 100);
+    round_trip(&s, &mut sched, big, Export::Ipc, 101);
+    let st = sched.stats().unwrap();
+    assert_eq!(st.leases, 0);
+    assert_eq!(st.instances, 0);
+}
+
+#[test]
+fn a_store_waits_for_the_engines_event() {
+    if !gpu() {
+        return;
+    }
+    let _w = watchdog(Duration::from_secs(120));
+    let s = Scope::new("cuda-event");
+    let _srv = server(&s);
+    let mut c = s.client();
+    let mut l = layout(KvLayoutKind::FlashAttn, 2, 64);
+    l.head_dim = 128;
+    let cache = CudaKvCache::new(l, CHUNK, 0, Export::Ipc).unwrap();
+    cache.fill(0).unwrap();
+    let inst = c.register_cuda_cache(model_id("ev"), 1, 0, &cache).unwrap();
+    let bpc = inst.blocks_per_chunk();
+    // The engine's stream first does a long fill of a large scratch cache,
+    // then fills the KV cache with 0x77, then records the event.
+    let mut scratch_l = l;
+    scratch_l.num_blocks = 1 << 14;
+    let scratch = CudaKvCache::new(scratch_l, CHUNK, 0, Export::Ipc).unwrap();
+    let stream = EngineStream::new(&cache).unwrap();
+    let ev = IpcEvent::new(&cache).unwrap();
+    for _ in 0..8 {
+        stream.fill_async(&scratch, 1).unwrap();
+    }
+    stream.fill_async(&cache, 0x77).unwrap();
+    ev.record(&stream).unwrap();
+    let hashes = chunk_hashes(&prompt(5, CHUNK as usize), CHUNK);
+    let b: Vec<u32> = (0..bpc).collect();
+    let id = c
+        .store_after(&inst, 0, &hashes, &b, Some(ev.handle()))
+        .unwrap();
+    done(&mut c, id);
+    stream.synchronize().unwrap();
+    // Retrieve into a zeroed cache: every byte is 0x77, the value written
+    // after the long fill, so the store's copy ran after the event.
+    let dst = CudaKvCache::new(l, CHUNK, 0, Export::Ipc).unwrap();
+    dst.fill(0).unwrap();
+    let dinst = c.register_cuda_cache(model_id("ev"), 1, 0, &dst).unwrap();
+    let lease = c.lookup(model_id("ev"), 1, 0, &hashes).unwrap();
+    done(&mut c, lease);
+    let id = c.retrieve(&dinst, lease, 0, &b, 0).unwrap();
+    done(&mut c, id);
+    let mut slab = vec![0u8; l.slab_bytes() as usize];
+    for layer in 0..l.num_layers {
+        for part in 0..2 {
+            for &blk in &b {
+                dst.get_slab(layer, part, blk, &mut slab);
+                assert!(
+                    slab.iter().all(|&x| x == 0x77),
+                    "layer {layer} part {part} block {blk}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn transfers_and_telemetry_run_together_without_a_hang() {
+    if !gpu() {
+        return;
+    }
+    let _w = watchdog(Duration::from_secs(120));
+    let s = Scope::new("cuda-telemetry");
+    let _srv = server(&s);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // Telemetry: STATS over the ring and the inspector reading the segment,
+    // as fast as they go.
+    let telemetry = {
+        let (dir, name, stop) = (s.dir.clone(), s.name.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut c = Client::connect_in(&dir, &name).unwrap();
+            let mut n = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                c.stats().unwrap();
+                if n % 50 == 0 {
+                    let inspect = std::env::var_os("KVRING_INSPECT_BIN")
+                        .unwrap_or_else(|| env!("CARGO_BIN_EXE_kvring-inspect").into());
+                    let out = std::process::Command::new(inspect)
+                        .args(["show", &name, "--json", "--sample-ms", "1"])
+                        .output()
+                        .unwrap();
+                    assert!(out.status.success());
+                }
+                n += 1;
+            }
+            n
+        })
+    };
+    let mut l = layout(KvLayoutKind::FlashAttn, 2, 256);
+    l.head_dim = 128;
+    let engines: Vec<_> = (0..3u32)
+        .map(|e| {
+            let (dir, name) = (s.dir.clone(), s.name.clone());
+            std::thread::spawn(move || {
+                let mut c = Client::connect_in(&dir, &name).unwrap();
+                let cache = CudaKvCache::new(l, CHUNK, 0, Export::Ipc).unwrap();
+                let inst = c.register_cuda_cache(model_id("t"), 1, 0, &cache).unwrap();
+                let bpc = inst.blocks_per_chunk();
+                for round in 0..20u32 {
+                    let hashes =
+                        chunk_hashes(&prompt(e * 1000 + round, 16 * CHUNK as usize), CHUNK);
+                    let b: Vec<u32> = (0..16 * bpc).map(|k| (k * 3 + round) % 256).collect();
+                    let b: Vec<u32> = {
+                        let mut seen = std::collections::HashSet::new();
+                        b.into_iter().filter(|x| seen.insert(*x)).collect()
+                    };
+                    let n = b.len() / bpc as usize;
+                    let id = c
+                        .store(&inst, 0, &hashes[..n], &b[..n * bpc as usize])
+                        .unwrap();
+                    let r = done(&mut c, id);
+                    assert_eq!(r.value, n as u64);
+                    let lease = c.lookup(model_id("t"), 1, 0, &hashes[..n]).unwrap();
+                    done(&mut c, lease);
+                    let id = c
+                        .retrieve(&inst, lease, 0, &b[..n * bpc as usize], 0)
+                        .unwrap();
+                    done(&mut c, id);
+                }
+            })
+        })
+        .collect();
+    for e in engines {
+        e.join().unwrap();
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let n = telemetry.join().unwrap();
+    eprintln!("{n} STATS requests alongside 60 store/retrieve rounds");
+    assert!(n > 0);
+}
