@@ -1,10 +1,13 @@
 // kvring KV copy kernels: between an engine's paged KV cache (any layout
 // kvring knows) and a contiguous chunk object, [part][layer][token][H*D].
 //
-// One CTA copies one slab: the `block_tokens` tokens of one block, for one
-// layer and one part (K or V; MLA has one part). Slab bytes are contiguous
-// in every layout, so a slab is one straight copy, in 16-byte words when
-// both ends and the size allow, else bytewise.
+// A CTA copies one slab at a time: the `block_tokens` tokens of one block,
+// for one layer and one part (K or V; MLA has one part), striding over the
+// chunk's slabs by the grid size. Slab bytes are contiguous in every layout,
+// so a slab is one straight copy, in 16-byte words when both ends and the
+// size allow, else bytewise. With one CTA per slab (the staged path) each
+// CTA copies one slab; a bounded grid (the zero-copy path, where `object` is
+// pinned host memory) copies many each.
 //
 // Layout kinds (kvring::kv::KvLayoutKind), slab (layer l, part p, block b):
 //   1 flash-attn  [2, NB, BS, H, D] per layer: tensor l, offset (p*NB + b)*S
@@ -47,10 +50,12 @@ extern "C" __global__ void kv_copy(const unsigned long long* __restrict__ tensor
                                    unsigned char* __restrict__ object,
                                    KvCopyArgs a) {
     unsigned int bpc = a.blocks_per_chunk;
-    unsigned int j = blockIdx.x % bpc;
-    unsigned int row = blockIdx.x / bpc;  // part * num_layers + layer
+    unsigned int total = a.parts * a.num_layers * bpc;
+    for (unsigned int slab = blockIdx.x; slab < total; slab += gridDim.x) {
+    unsigned int j = slab % bpc;
+    unsigned int row = slab / bpc;  // part * num_layers + layer
     if (j < a.skip_blocks) {
-        return;
+        continue;
     }
     unsigned int part = row / a.num_layers;
     unsigned int layer = row % a.num_layers;
@@ -74,5 +79,6 @@ extern "C" __global__ void kv_copy(const unsigned long long* __restrict__ tensor
         copy_slab(engine, obj, s);
     } else {
         copy_slab(obj, engine, s);
+    }
     }
 }

@@ -219,6 +219,7 @@ pub fn run(json: bool) -> Result<()> {
     let mut sched = Client::connect_with(&paths, &opts)?;
     let cfg = sched.server_config()?;
     let mut workers = Vec::new();
+    let mut on_gpu = false;
     for rank in 0..WORLD {
         let mut child = Command::new(&exe)
             .args([
@@ -241,14 +242,15 @@ pub fn run(json: bool) -> Result<()> {
             stdin,
             stdout,
         };
-        w.recv()?; // "ready"
+        let ready = w.recv()?; // "ready <instance> gpu|host"
+        on_gpu = ready.get(2).map(String::as_str) == Some("gpu");
         workers.push(w);
     }
     let l = demo_layout(PROMPT_BLOCKS * PROMPTS);
     println!(
         "kvring demo: server pid {}, {WORLD} tensor-parallel workers and a scheduler; model {MODEL}: \
          {} layers, {} KV heads per rank, head dim {}, {}-byte elements, {}-token blocks; \
-         chunk {} tokens = {} MiB per rank; {} copy threads",
+         chunk {} tokens = {} MiB per rank; {} copy threads; KV caches in {}",
         server.0.id(),
         l.num_layers,
         l.num_heads,
@@ -257,7 +259,12 @@ pub fn run(json: bool) -> Result<()> {
         l.block_tokens,
         cfg.chunk_tokens,
         l.object_bytes(CHUNK) >> 20,
-        cfg.copy_threads
+        cfg.copy_threads,
+        if on_gpu {
+            "GPU memory (CUDA backend)"
+        } else {
+            "host memory (host backend)"
+        }
     );
 
     // 1. Store: both ranks at once, one job per prompt.
@@ -401,6 +408,7 @@ pub fn run(json: bool) -> Result<()> {
             "model": MODEL,
             "world_size": WORLD,
             "chunk_tokens": CHUNK,
+            "backend": if on_gpu { "cuda" } else { "host" },
             "store": store.json(),
             "lookup": lookup.json(),
             "retrieve": retrieve.json(),
@@ -436,13 +444,60 @@ pub fn worker(name: &str, dir: &Path, rank: u32) -> Result<()> {
     r
 }
 
+/// A worker's KV cache: in GPU memory when the machine has one, else host.
+enum EngineCache {
+    Host(HostKvCache),
+    Cuda(crate::cuda::engine_cache::CudaKvCache),
+}
+
+impl EngineCache {
+    fn new(layout: KvLayout, gpu: bool) -> Result<EngineCache> {
+        Ok(if gpu {
+            EngineCache::Cuda(crate::cuda::engine_cache::CudaKvCache::new(
+                layout,
+                CHUNK,
+                0,
+                crate::cuda::engine_cache::Export::Ipc,
+            )?)
+        } else {
+            EngineCache::Host(HostKvCache::new(layout, CHUNK)?)
+        })
+    }
+
+    fn register(&self, c: &mut Client, rank: u32) -> Result<crate::Instance> {
+        match self {
+            EngineCache::Host(h) => c.register_host_cache(model_id(MODEL), WORLD, rank, h),
+            EngineCache::Cuda(d) => c.register_cuda_cache(model_id(MODEL), WORLD, rank, d),
+        }
+    }
+
+    fn fill(&self, byte: u8) -> Result<()> {
+        match self {
+            EngineCache::Host(h) => {
+                h.fill(byte);
+                Ok(())
+            }
+            EngineCache::Cuda(d) => d.fill(byte),
+        }
+    }
+
+    fn slabs(&self) -> &dyn pattern::Slabs {
+        match self {
+            EngineCache::Host(h) => h,
+            EngineCache::Cuda(d) => d,
+        }
+    }
+}
+
 fn worker_loop(name: &str, dir: &Path, rank: u32) -> Result<()> {
     let mut c = Client::connect_in(dir, name)?;
     let layout = demo_layout(PROMPT_BLOCKS * PROMPTS);
-    let cache = HostKvCache::new(layout, CHUNK)?;
-    let inst = c.register_host_cache(model_id(MODEL), WORLD, rank, &cache)?;
+    // Engines on the GPU when the server copies with CUDA.
+    let gpu = c.server_config()?.backend == 2;
+    let cache = EngineCache::new(layout, gpu)?;
+    let inst = cache.register(&mut c, rank)?;
     let bpc = inst.blocks_per_chunk();
-    println!("ready {}", inst.id);
+    println!("ready {} {}", inst.id, if gpu { "gpu" } else { "host" });
     let stdin = std::io::stdin();
     for line in stdin.lock().lines() {
         let line = line.map_err(crate::error::io("read a command"))?;
@@ -455,7 +510,7 @@ fn worker_loop(name: &str, dir: &Path, rank: u32) -> Result<()> {
                     let hs = hashes(1, p);
                     let blocks: Vec<u32> = (p * PROMPT_BLOCKS..(p + 1) * PROMPT_BLOCKS).collect();
                     for (h, b) in hs.iter().zip(blocks.chunks(bpc as usize)) {
-                        pattern::write_chunk(&cache, rank, h, b);
+                        pattern::write_chunk(cache.slabs(), rank, h, b);
                     }
                 }
                 println!("computed");
@@ -478,10 +533,10 @@ fn worker_loop(name: &str, dir: &Path, rank: u32) -> Result<()> {
             }
             Some("retrieve") => {
                 // A fresh cache, poisoned, registered for the retrieves.
-                let fresh = HostKvCache::new(demo_layout(2 * PROMPT_BLOCKS * PROMPTS), CHUNK)?;
-                fresh.fill(POISON);
+                let fresh = EngineCache::new(demo_layout(2 * PROMPT_BLOCKS * PROMPTS), gpu)?;
+                fresh.fill(POISON)?;
                 let mut cursor = 0u32;
-                let finst = c.register_host_cache(model_id(MODEL), WORLD, rank, &fresh)?;
+                let finst = fresh.register(&mut c, rank)?;
                 let (mut jobs, mut chunks, mut bytes, mut checked, mut lat) =
                     (0, 0u64, 0u64, 0u64, Vec::new());
                 for spec in words {
@@ -503,7 +558,7 @@ fn worker_loop(name: &str, dir: &Path, rank: u32) -> Result<()> {
                     chunks += r.value;
                     bytes += r.aux;
                     for (h, b) in hs[..n as usize].iter().zip(blocks.chunks(bpc as usize)) {
-                        checked += pattern::verify_chunk(&fresh, rank, h, b, 0, POISON)
+                        checked += pattern::verify_chunk(fresh.slabs(), rank, h, b, 0, POISON)
                             .map_err(|e| Error::Protocol(format!("rank {rank}: {e}")))?;
                     }
                 }

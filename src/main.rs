@@ -90,6 +90,12 @@ enum Cmd {
         /// only), or `auto` (CUDA when the driver and a GPU are there).
         #[arg(long, env = "KVRING_BACKEND", default_value = "auto")]
         backend: kvring::server::BackendChoice,
+        /// CUDA transfer path: 0 (default) gathers into a device staging
+        /// buffer and moves it with the copy engine, leaving the engine's SMs
+        /// alone; N > 0 uses zero-copy kernels between GPU memory and the
+        /// pinned pool with at most N CTAs.
+        #[arg(long, default_value_t = 0)]
+        cuda_zero_copy_ctas: u32,
         /// Pool usage (percent) at which LRU eviction starts ...
         #[arg(long, default_value_t = 90)]
         evict_at_percent: u32,
@@ -224,6 +230,7 @@ fn run(cli: Cli) -> kvring::Result<()> {
             evict_at_percent,
             evict_to_percent,
             backend,
+            cuda_zero_copy_ctas,
         } => {
             let mut cfg = ServerConfig::new(&target.name);
             cfg.runtime_dir = target.dir();
@@ -250,6 +257,7 @@ fn run(cli: Cli) -> kvring::Result<()> {
             cfg.kv.high_watermark = f64::from(evict_at_percent) / 100.0;
             cfg.kv.low_watermark = f64::from(evict_to_percent) / 100.0;
             cfg.kv.backend = backend;
+            cfg.kv.cuda_zero_copy_ctas = cuda_zero_copy_ctas;
             install_signal_handlers();
             let server = kvring::server::start(cfg)?;
             let p = server.paths();

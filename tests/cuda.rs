@@ -78,8 +78,10 @@ fn prompt(seed: u32, n: usize) -> Vec<u32> {
         .collect()
 }
 
+/// `n` distinct blocks of `nb`, scattered (3 is prime to every `nb` used).
 fn blocks(first: u32, n: u32, nb: u32) -> Vec<u32> {
-    (0..n).map(|k| (first + k * 5) % nb).collect()
+    assert!(n <= nb && nb % 3 != 0);
+    (0..n).map(|k| (first + k * 3) % nb).collect()
 }
 
 fn verify(cache: &impl Slabs, hashes: &[ChunkHash], b: &[u32], bpc: usize, skip: u32, poison: u8) {
@@ -290,4 +292,34 @@ fn transfers_and_telemetry_run_together_without_a_hang() {
     let n = telemetry.join().unwrap();
     eprintln!("{n} STATS requests alongside 60 store/retrieve rounds");
     assert!(n > 0);
+}
+
+#[test]
+fn the_zero_copy_path_round_trips_every_layout_too() {
+    if !gpu() {
+        return;
+    }
+    let _w = watchdog(Duration::from_secs(300));
+    let s = Scope::new("cuda-zero-copy");
+    let _srv = s.server(&[
+        "--backend",
+        "cuda",
+        "--chunk-tokens",
+        "64",
+        "--pool-bytes",
+        "512MiB",
+        "--cuda-zero-copy-ctas",
+        "8",
+    ]);
+    let mut sched = s.client();
+    let mut seed = 500;
+    for kind in KvLayoutKind::ALL {
+        for elem in [1, 2] {
+            seed += 1;
+            round_trip(&s, &mut sched, layout(kind, elem, 40), Export::Ipc, seed);
+        }
+    }
+    let mut big = layout(KvLayoutKind::FlashAttn, 2, 64);
+    big.head_dim = 128;
+    round_trip(&s, &mut sched, big, Export::VmmFd, 600);
 }

@@ -73,7 +73,7 @@ pub fn ptx_for(major: i32, minor: i32) -> Result<(String, String), String> {
     let ptx = cudarc::nvrtc::compile_ptx_with_opts(
         KV_COPY_SRC,
         cudarc::nvrtc::CompileOptions {
-            options: vec![format!("--gpu-architecture={arch}"), "-O3".into()],
+            options: vec![format!("--gpu-architecture={arch}")],
             name: Some("kv_copy.cu".into()),
             ..Default::default()
         },
@@ -119,7 +119,8 @@ impl Kernels {
         }
     }
 
-    /// Launches `kv_copy` for one chunk on `stream`: one CTA per slab.
+    /// Launches `kv_copy` for one chunk on `stream`: one CTA per slab, or at
+    /// most `max_ctas` (each then striding over several).
     ///
     /// # Safety
     /// `bases` must hold the instance's tensor addresses and `blocks`
@@ -134,8 +135,15 @@ impl Kernels {
         blocks: u64,
         object: u64,
         args: KvCopyArgs,
+        max_ctas: u32,
     ) -> Result<(), String> {
-        let ctas = args.parts * args.num_layers * args.blocks_per_chunk;
+        let slabs = args.parts * args.num_layers * args.blocks_per_chunk;
+        let ctas = if max_ctas == 0 {
+            slabs
+        } else {
+            slabs.min(max_ctas)
+        }
+        .max(1);
         let (mut b, mut k, mut o, mut a) = (bases, blocks, object, args);
         let mut params = [
             &mut b as *mut u64 as *mut c_void,

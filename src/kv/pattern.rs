@@ -74,7 +74,7 @@ pub fn fill(seed: u64, out: &mut [u8]) {
 }
 
 /// Writes one chunk's contents into `blocks` of `cache`.
-pub fn write_chunk(cache: &impl Slabs, content: u32, hash: &ChunkHash, blocks: &[u32]) {
+pub fn write_chunk(cache: &(impl Slabs + ?Sized), content: u32, hash: &ChunkHash, blocks: &[u32]) {
     let l = *cache.slab_layout();
     let mut slab = vec![0u8; l.slab_bytes() as usize];
     for layer in 0..l.num_layers {
@@ -91,7 +91,7 @@ pub fn write_chunk(cache: &impl Slabs, content: u32, hash: &ChunkHash, blocks: &
 /// `skip_blocks` must still hold `poison` bytes, the rest the chunk's bytes.
 /// Returns the bytes checked, or where the first difference is.
 pub fn verify_chunk(
-    cache: &impl Slabs,
+    cache: &(impl Slabs + ?Sized),
     content: u32,
     hash: &ChunkHash,
     blocks: &[u32],

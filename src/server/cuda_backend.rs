@@ -40,8 +40,17 @@ use std::time::{Duration, Instant};
 
 /// Bytes per pool registration (a copy never spans two).
 pub const PIN_SEGMENT: u64 = 1 << 30;
-/// Chunks one worker keeps in flight per device.
-const DEPTH: usize = 2;
+/// Chunks one worker keeps in flight per device, unless
+/// `KVRING_CUDA_DEPTH` says otherwise (1..=8).
+const DEPTH: usize = 3;
+
+fn depth() -> usize {
+    std::env::var("KVRING_CUDA_DEPTH")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|d| (1..=8).contains(d))
+        .unwrap_or(DEPTH)
+}
 /// Longest a chunk copy may take on the device before it is reported failed.
 const COPY_DEADLINE: Duration = Duration::from_secs(60);
 
@@ -116,12 +125,16 @@ pub struct CudaBackend {
     pool_len: u64,
     /// Devices present at start (for messages).
     pub summary: String,
+    /// 0: the staged path (kernel + copy engine); N: the zero-copy path,
+    /// kernels reading or writing the pinned pool directly with at most N
+    /// CTAs.
+    zero_copy_ctas: u32,
 }
 
 impl CudaBackend {
     /// Checks CUDA is usable, loads the kernels on every device, and starts
     /// pinning the pool in the background.
-    pub fn new(pool: &PoolMemory) -> Result<CudaBackend, String> {
+    pub fn new(pool: &PoolMemory, zero_copy_ctas: u32) -> Result<CudaBackend, String> {
         let devs = crate::cuda::probe()?;
         let mut devices = HashMap::new();
         let mut summary = Vec::new();
@@ -154,7 +167,16 @@ impl CudaBackend {
             pinning,
             pool_base: base,
             pool_len: len,
-            summary: summary.join("; "),
+            summary: format!(
+                "{}; {}",
+                summary.join("; "),
+                if zero_copy_ctas == 0 {
+                    "staged copies (kernel + copy engine)".to_string()
+                } else {
+                    format!("zero-copy kernels, at most {zero_copy_ctas} CTAs")
+                }
+            ),
+            zero_copy_ctas,
         })
     }
 
@@ -207,7 +229,7 @@ fn pin_pool(ctx: &Context, base: usize, len: u64, p: &Pinning) {
                     sys::cuMemHostRegister_v2(
                         (base + off as usize) as *mut c_void,
                         n as usize,
-                        sys::CU_MEMHOSTREGISTER_PORTABLE,
+                        sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP,
                     )
                 },
                 "cuMemHostRegister",
@@ -239,6 +261,7 @@ impl Backend for CudaBackend {
     fn engine(&self) -> Result<Box<dyn Engine>, String> {
         Ok(Box::new(CudaEngine {
             be: self as *const CudaBackend,
+            depth: depth(),
             per_dev: HashMap::new(),
             slots: Vec::new(),
             events: HashMap::new(),
@@ -350,6 +373,7 @@ struct DevEngine {
 /// One worker's CUDA engine: a stream and two staging slots per device.
 struct CudaEngine {
     be: *const CudaBackend,
+    depth: usize,
     per_dev: HashMap<i32, DevEngine>,
     /// token -> (device ordinal, slot index)
     slots: Vec<(i32, usize)>,
@@ -383,7 +407,7 @@ impl CudaEngine {
                 )?;
             }
             let mut slots = Vec::new();
-            for _ in 0..DEPTH {
+            for _ in 0..self.depth {
                 let mut event = std::ptr::null_mut();
                 let mut host = std::ptr::null_mut();
                 let cap = 4096usize;
@@ -422,7 +446,7 @@ impl CudaEngine {
 
 impl Engine for CudaEngine {
     fn depth(&self) -> usize {
-        DEPTH
+        self.depth
     }
 
     fn submit(&mut self, c: &ChunkCopy<'_>, token: usize) -> Result<(), String> {
@@ -444,8 +468,9 @@ impl Engine for CudaEngine {
             None => None,
         };
         let bases = dev.bases.ptr;
+        dev.dev.ctx.bind()?;
+        let zero_copy = self.be().zero_copy_ctas;
         let de = self.dev_engine(&dev.dev)?;
-        de.res.ctx.bind()?;
         let k = de
             .slots
             .iter()
@@ -453,10 +478,11 @@ impl Engine for CudaEngine {
             .ok_or("no free staging slot")?;
         let stream = de.stream;
         let slot = &mut de.slots[k];
-        if slot
-            .staging
-            .as_ref()
-            .is_none_or(|s| (s.bytes as u64) < obj_bytes)
+        if zero_copy == 0
+            && slot
+                .staging
+                .as_ref()
+                .is_none_or(|s| (s.bytes as u64) < obj_bytes)
         {
             slot.staging = None;
             slot.staging = Some(DevBuf::new(&de.res.ctx, obj_bytes as usize)?);
@@ -468,7 +494,7 @@ impl Engine for CudaEngine {
         // SAFETY: `ids_host` holds `ids_cap` u32s and the previous transfer
         // from it finished (the slot is free: its event completed).
         unsafe { std::ptr::copy_nonoverlapping(c.blocks.as_ptr(), slot.ids_host, n) };
-        let staging = slot.staging.as_ref().expect("allocated").ptr;
+        let staging = slot.staging.as_ref().map_or(0, |s| s.ptr);
         let args = KvCopyArgs {
             kind: l.kind,
             num_layers: l.num_layers,
@@ -498,10 +524,23 @@ impl Engine for CudaEngine {
                 "cuMemcpyHtoDAsync ids",
             )?;
             match c.dir {
+                // Zero-copy: the kernel reads or writes the pinned pool
+                // object itself (registered device-mapped; with unified
+                // addressing its device address is its host address).
+                _ if zero_copy > 0 => {
+                    de.res.kernels.launch(
+                        stream,
+                        bases,
+                        slot.ids_dev.ptr,
+                        c.object as u64,
+                        args,
+                        zero_copy,
+                    )?;
+                }
                 Dir::ToPool => {
                     de.res
                         .kernels
-                        .launch(stream, bases, slot.ids_dev.ptr, staging, args)?;
+                        .launch(stream, bases, slot.ids_dev.ptr, staging, args, 0)?;
                     ck(
                         sys::cuMemcpyDtoHAsync_v2(
                             c.object as *mut c_void,
@@ -524,7 +563,7 @@ impl Engine for CudaEngine {
                     )?;
                     de.res
                         .kernels
-                        .launch(stream, bases, slot.ids_dev.ptr, staging, args)?;
+                        .launch(stream, bases, slot.ids_dev.ptr, staging, args, 0)?;
                 }
             }
             ck(sys::cuEventRecord(slot.event, stream), "cuEventRecord")?;
@@ -580,10 +619,10 @@ impl Engine for CudaEngine {
             // Spin briefly (a chunk takes ~0.1-1 ms), then sleep in short
             // steps: the worker has nothing else to do.
             spins += 1;
-            if spins < 200 {
+            if spins < 2000 {
                 std::hint::spin_loop();
             } else {
-                std::thread::sleep(Duration::from_micros(20));
+                std::thread::sleep(Duration::from_micros(5));
             }
         }
     }

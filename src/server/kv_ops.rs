@@ -49,18 +49,20 @@ impl KvState {
                     "host (chosen)".into(),
                     u64::MAX,
                 ),
-                choice => match super::cuda_backend::CudaBackend::new(&pool) {
-                    Ok(b) => {
-                        let note = format!("cuda: {}", b.summary);
-                        (Box::new(b), note, super::cuda_backend::PIN_SEGMENT)
+                choice => {
+                    match super::cuda_backend::CudaBackend::new(&pool, cfg.cuda_zero_copy_ctas) {
+                        Ok(b) => {
+                            let note = format!("cuda: {}", b.summary);
+                            (Box::new(b), note, super::cuda_backend::PIN_SEGMENT)
+                        }
+                        Err(e) if choice == BackendChoice::Auto => (
+                            Box::new(super::HostBackend),
+                            format!("host (CUDA not used: {e})"),
+                            u64::MAX,
+                        ),
+                        Err(e) => return Err(crate::Error::Cuda(format!("--backend cuda: {e}"))),
                     }
-                    Err(e) if choice == BackendChoice::Auto => (
-                        Box::new(super::HostBackend),
-                        format!("host (CUDA not used: {e})"),
-                        u64::MAX,
-                    ),
-                    Err(e) => return Err(crate::Error::Cuda(format!("--backend cuda: {e}"))),
-                },
+                }
             };
         Ok(KvState {
             backend_note,

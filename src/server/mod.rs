@@ -95,6 +95,11 @@ pub struct KvConfig {
     pub lease_ttl: Duration,
     /// Which copy backend: host memcpy, CUDA, or CUDA when usable.
     pub backend: BackendChoice,
+    /// CUDA: 0 for the staged path (gather/scatter kernel + one copy-engine
+    /// transfer per chunk, the default); N > 0 for zero-copy kernels that
+    /// move the bytes between GPU memory and the pinned pool themselves,
+    /// with at most N CTAs.
+    pub cuda_zero_copy_ctas: u32,
     /// Pool usage (fraction) past which eviction starts ...
     pub high_watermark: f64,
     /// ... and down to which it evicts.
@@ -112,6 +117,7 @@ impl Default for KvConfig {
             max_request_bytes: 4 << 20,
             lease_ttl: Duration::from_secs(300),
             backend: BackendChoice::Auto,
+            cuda_zero_copy_ctas: 0,
             high_watermark: 0.9,
             low_watermark: 0.8,
         }

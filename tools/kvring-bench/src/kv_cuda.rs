@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 
 const CHUNK: u32 = 256;
 const BLOCKS: u32 = 1024;
+const ZERO_COPY_CTAS: u32 = 32;
 
 fn llama(num_blocks: u32) -> KvLayout {
     KvLayout {
@@ -132,22 +133,6 @@ pub fn run(json_out: bool, passes: usize, copy_threads: Option<u32>) {
         obj >> 20,
         bytes >> 30
     );
-    let extra: Vec<String> = vec![
-        "--pool-mib".into(),
-        pool_mib.to_string(),
-        "--copy-threads".into(),
-        threads.to_string(),
-        "--prefault".into(),
-        "--backend".into(),
-        "cuda".into(),
-    ];
-    let (child, name) = kvring_server_with("kvcuda", WaitPolicy::default(), &extra, false);
-    let mut c = kvring_client(&name);
-    let cache = CudaKvCache::new(l, CHUNK, 0, Export::Ipc).unwrap();
-    cache.fill(0x11).unwrap();
-    let inst = c
-        .register_cuda_cache(model_id("bench-llama-3-8b"), 1, 0, &cache)
-        .unwrap();
     let tokens: Vec<u32> = (0..chunks * CHUNK)
         .map(|i| i.wrapping_mul(7919) ^ 3)
         .collect();
@@ -155,50 +140,24 @@ pub fn run(json_out: bool, passes: usize, copy_threads: Option<u32>) {
     let perm = shuffled(l.num_blocks, 7);
     let n = BLOCKS as usize;
     let (src, dst) = (perm[..n].to_vec(), perm[n..2 * n].to_vec());
-    let bpc = inst.blocks_per_chunk() as usize;
+    let cache = CudaKvCache::new(l, CHUNK, 0, Export::Ipc).unwrap();
+    cache.fill(0x11).unwrap();
+    let bpc = (CHUNK / l.block_tokens) as usize;
     for (h, b) in hashes.iter().zip(src.chunks(bpc)) {
         pattern::write_chunk(&cache, 0, h, b);
     }
-    let far = || Instant::now() + Duration::from_secs(120);
-    let (mut store, mut retrieve) = (Vec::new(), Vec::new());
-    for pass in 0..=passes {
-        c.clear().unwrap();
-        let t = Instant::now();
-        let id = c.store(&inst, 0, &hashes, &src).unwrap();
-        let r = c.wait_job(id, far()).unwrap();
-        let st = t.elapsed();
-        assert!(
-            matches!(r, JobStatus::Done(r) if r.value == u64::from(chunks) && r.aux == 0),
-            "{r:?}"
-        );
-        c.release_job(id).unwrap();
-        let lease = c
-            .lookup(model_id("bench-llama-3-8b"), 1, 0, &hashes)
-            .unwrap();
-        c.wait_job(lease, far()).unwrap();
-        c.release_job(lease).unwrap();
-        let t = Instant::now();
-        let id = c.retrieve(&inst, lease, 0, &dst, 0).unwrap();
-        let r = c.wait_job(id, far()).unwrap();
-        let rt = t.elapsed();
-        assert!(matches!(r, JobStatus::Done(r) if r.aux == bytes), "{r:?}");
-        c.release_job(id).unwrap();
-        eprintln!(
-            "pass {pass}: store {:.2} GB/s, retrieve {:.2} GB/s",
-            bytes as f64 / st.as_nanos() as f64,
-            bytes as f64 / rt.as_nanos() as f64
-        );
-        if pass > 0 {
-            store.push(bytes as f64 / st.as_nanos() as f64);
-            retrieve.push(bytes as f64 / rt.as_nanos() as f64);
-        }
-    }
-    for (h, b) in hashes.iter().zip(dst.chunks(bpc)) {
-        pattern::verify_chunk(&cache, 0, h, b, 0, 0x11).expect("retrieved bytes differ");
-    }
-    drop(c);
-    stop_server(child);
-
+    // The default staged path, then the zero-copy kernels (32 CTAs).
+    let (store, retrieve) = measure(&cache, &hashes, &src, &dst, threads, pool_mib, passes, 0);
+    let (zc_store, zc_retrieve) = measure(
+        &cache,
+        &hashes,
+        &src,
+        &dst,
+        threads,
+        pool_mib,
+        passes,
+        ZERO_COPY_CTAS,
+    );
     // Ceilings, in this process, on the same device.
     let ctx = Context::by_ordinal(0).unwrap();
     ctx.bind().unwrap();
@@ -261,7 +220,7 @@ pub fn run(json_out: bool, passes: usize, copy_threads: Option<u32>) {
         }
     });
     let pinned = d2h.min(h2d);
-    let (store_gbps, retrieve_gbps) = (median(store), median(retrieve));
+    let (store_gbps, retrieve_gbps) = (store, retrieve);
     eprintln!(
         "store {store_gbps:.2} GB/s, retrieve {retrieve_gbps:.2} GB/s; pinned memcpy D2H {d2h:.2}, H2D {h2d:.2}; per-block memcpy {per_block:.2} GB/s"
     );
@@ -279,6 +238,7 @@ pub fn run(json_out: bool, passes: usize, copy_threads: Option<u32>) {
         "retrieve_gbps": retrieve_gbps,
         "pinned_memcpy_gbps": { "d2h": d2h, "h2d": h2d },
         "per_block_memcpy_gbps": per_block,
+        "zero_copy": { "ctas": ZERO_COPY_CTAS, "store_gbps": zc_store, "retrieve_gbps": zc_retrieve },
         "ratios": {
             "store_over_pinned_d2h": store_gbps / d2h,
             "retrieve_over_pinned_h2d": retrieve_gbps / h2d,
@@ -301,4 +261,87 @@ pub fn run(json_out: bool, passes: usize, copy_threads: Option<u32>) {
 
 fn cache_base(c: &CudaKvCache) -> u64 {
     c.device_base()
+}
+
+/// Median store and retrieve GB/s of one server configuration; every
+/// retrieved byte checked after the last pass.
+#[allow(clippy::too_many_arguments)]
+fn measure(
+    cache: &CudaKvCache,
+    hashes: &[kvring::kv::ChunkHash],
+    src: &[u32],
+    dst: &[u32],
+    threads: u32,
+    pool_mib: u64,
+    passes: usize,
+    zero_copy_ctas: u32,
+) -> (f64, f64) {
+    let l = *cache.layout();
+    let bytes = hashes.len() as u64 * l.object_bytes(CHUNK);
+    let extra: Vec<String> = vec![
+        "--pool-mib".into(),
+        pool_mib.to_string(),
+        "--copy-threads".into(),
+        threads.to_string(),
+        "--prefault".into(),
+        "--backend".into(),
+        "cuda".into(),
+        "--cuda-zero-copy-ctas".into(),
+        zero_copy_ctas.to_string(),
+    ];
+    let (child, name) = kvring_server_with("kvcuda", WaitPolicy::default(), &extra, false);
+    let mut c = kvring_client(&name);
+    let inst = c
+        .register_cuda_cache(model_id("bench-llama-3-8b"), 1, 0, cache)
+        .unwrap();
+    let bpc = inst.blocks_per_chunk() as usize;
+    let far = || Instant::now() + Duration::from_secs(120);
+    let (mut store, mut retrieve) = (Vec::new(), Vec::new());
+    for pass in 0..=passes {
+        c.clear().unwrap();
+        cache.fill(0x11).unwrap();
+        for (h, b) in hashes.iter().zip(src.chunks(bpc)) {
+            pattern::write_chunk(cache, 0, h, b);
+        }
+        let t = Instant::now();
+        let id = c.store(&inst, 0, hashes, src).unwrap();
+        let r = c.wait_job(id, far()).unwrap();
+        let st = t.elapsed();
+        assert!(
+            matches!(r, JobStatus::Done(r) if r.value == hashes.len() as u64 && r.aux == 0),
+            "{r:?}"
+        );
+        c.release_job(id).unwrap();
+        let lease = c
+            .lookup(model_id("bench-llama-3-8b"), 1, 0, hashes)
+            .unwrap();
+        c.wait_job(lease, far()).unwrap();
+        c.release_job(lease).unwrap();
+        let t = Instant::now();
+        let id = c.retrieve(&inst, lease, 0, dst, 0).unwrap();
+        let r = c.wait_job(id, far()).unwrap();
+        let rt = t.elapsed();
+        assert!(matches!(r, JobStatus::Done(r) if r.aux == bytes), "{r:?}");
+        c.release_job(id).unwrap();
+        eprintln!(
+            "{} pass {pass}: store {:.2} GB/s, retrieve {:.2} GB/s",
+            if zero_copy_ctas == 0 {
+                "staged"
+            } else {
+                "zero-copy"
+            },
+            bytes as f64 / st.as_nanos() as f64,
+            bytes as f64 / rt.as_nanos() as f64
+        );
+        if pass > 0 {
+            store.push(bytes as f64 / st.as_nanos() as f64);
+            retrieve.push(bytes as f64 / rt.as_nanos() as f64);
+        }
+    }
+    for (h, b) in hashes.iter().zip(dst.chunks(bpc)) {
+        pattern::verify_chunk(cache, 0, h, b, 0, 0x11).expect("retrieved bytes differ");
+    }
+    drop(c);
+    stop_server(child);
+    (median(store), median(retrieve))
 }

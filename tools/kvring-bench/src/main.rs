@@ -69,6 +69,8 @@ enum Cmd {
         prefault: bool,
         #[arg(long, default_value = "host")]
         backend: String,
+        #[arg(long, default_value_t = 0)]
+        cuda_zero_copy_ctas: u32,
     },
     /// KV data path on the host backend: store and retrieve GB/s against
     /// memcpy with the same threads, and lookup latency.
@@ -124,6 +126,7 @@ fn main() {
             copy_threads,
             prefault,
             backend,
+            cuda_zero_copy_ctas,
         } => peers::serve_child(
             &name,
             &dir,
@@ -132,6 +135,7 @@ fn main() {
             copy_threads,
             prefault,
             &backend,
+            cuda_zero_copy_ctas,
         ),
     }
 }

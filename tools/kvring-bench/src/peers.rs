@@ -187,6 +187,7 @@ pub fn kvring_server_with(
 }
 
 /// The body of `serve-child`: run a server until stdin closes.
+#[allow(clippy::too_many_arguments)]
 pub fn serve_child(
     name: &str,
     dir: &std::path::Path,
@@ -195,9 +196,11 @@ pub fn serve_child(
     copy_threads: u32,
     prefault: bool,
     backend: &str,
+    cuda_zero_copy_ctas: u32,
 ) {
     let mut cfg = kvring::ServerConfig::new(name);
     cfg.kv.backend = backend.parse().expect("backend");
+    cfg.kv.cuda_zero_copy_ctas = cuda_zero_copy_ctas;
     cfg.runtime_dir = dir.to_path_buf();
     cfg.kv.pool_bytes = pool_mib << 20;
     cfg.kv.copy_threads = copy_threads;
