@@ -521,7 +521,8 @@ pub fn field_tables() -> Vec<(&'static str, Vec<(&'static str, usize, usize)>)> 
     use crate::jobs::{JobId, JobSlot};
     use crate::kv::KvLayout;
     use crate::proto::kv::{
-        AttachFds, ClearReply, ConfigReply, EndSessionRequest, FreeLocksRequest, LookupRequest,
+        AttachFds, ClearReply, ConfigReply, CudaRegion, EndSessionRequest, FreeLocksRequest,
+        LookupRequest,
         RegisterKv, RegisterReply, RetrieveRequest, StatsReply, StoreRequest, TensorRegion,
         UnregisterKv,
     };
@@ -646,14 +647,20 @@ pub fn field_tables() -> Vec<(&'static str, Vec<(&'static str, usize, usize)>)> 
         field_table!(StoreRequest {
             instance,
             n_chunks,
-            salt
+            salt,
+            flags,
+            _reserved,
+            event
         }),
         field_table!(RetrieveRequest {
             lease,
             instance,
             first_chunk,
             n_chunks,
-            skip_tokens
+            skip_tokens,
+            flags,
+            _reserved,
+            event
         }),
         field_table!(FreeLocksRequest {
             lease,
@@ -700,6 +707,14 @@ pub fn field_tables() -> Vec<(&'static str, Vec<(&'static str, usize, usize)>)> 
             rank,
             layout,
             n_tensors,
+            _reserved,
+            device_uuid,
+        }),
+        field_table!(CudaRegion {
+            ipc_handle,
+            offset,
+            alloc_bytes,
+            fd_index,
             _reserved,
         }),
         field_table!(TensorRegion {
