@@ -522,9 +522,8 @@ pub fn field_tables() -> Vec<(&'static str, Vec<(&'static str, usize, usize)>)> 
     use crate::kv::KvLayout;
     use crate::proto::kv::{
         AttachFds, ClearReply, ConfigReply, CudaRegion, EndSessionRequest, FreeLocksRequest,
-        LookupRequest,
-        RegisterKv, RegisterReply, RetrieveRequest, StatsReply, StoreRequest, TensorRegion,
-        UnregisterKv,
+        LookupRequest, RegisterKv, RegisterReply, RetrieveRequest, StatsReply, StoreRequest,
+        TensorRegion, UnregisterKv,
     };
     use crate::proto::{DelayJobRequest, Goodbye, Hello, Welcome};
     use crate::ring::FrameHeader;

@@ -323,3 +323,34 @@ fn the_zero_copy_path_round_trips_every_layout_too() {
     big.head_dim = 128;
     round_trip(&s, &mut sched, big, Export::VmmFd, 600);
 }
+
+#[test]
+fn host_memory_engines_are_served_by_a_cuda_server_too() {
+    if !gpu() {
+        return;
+    }
+    let _w = watchdog(Duration::from_secs(60));
+    let s = Scope::new("cuda-host");
+    let _srv = server(&s);
+    let mut c = s.client();
+    let l = layout(KvLayoutKind::FlashInfer, 2, 40);
+    let src = kvring::HostKvCache::new(l, CHUNK).unwrap();
+    let inst = c.register_host_cache(model_id("h"), 1, 0, &src).unwrap();
+    let bpc = inst.blocks_per_chunk() as usize;
+    let hashes = chunk_hashes(&prompt(9, 2 * CHUNK as usize), CHUNK);
+    let sb = blocks(0, 2 * bpc as u32, 40);
+    for (h, b) in hashes.iter().zip(sb.chunks(bpc)) {
+        pattern::write_chunk(&src, 0, h, b);
+    }
+    let id = c.store(&inst, 0, &hashes, &sb).unwrap();
+    done(&mut c, id);
+    let lease = c.lookup(model_id("h"), 1, 0, &hashes).unwrap();
+    done(&mut c, lease);
+    let dst = kvring::HostKvCache::new(l, CHUNK).unwrap();
+    dst.fill(0xa5);
+    let dinst = c.register_host_cache(model_id("h"), 1, 0, &dst).unwrap();
+    let db = blocks(11, 2 * bpc as u32, 40);
+    let id = c.retrieve(&dinst, lease, 0, &db, 0).unwrap();
+    done(&mut c, id);
+    verify(&dst, &hashes, &db, bpc, 0, 0xa5);
+}
