@@ -123,9 +123,10 @@ pub const OP_NAMES: [&str; OPS] = [
     "clear",
     "stats",
     "get_config",
+    "job_events",
 ];
 /// Number of operations in `op_stats`.
-pub const OPS: usize = 11;
+pub const OPS: usize = 12;
 /// Buckets of an `OpStat` histogram.
 pub const HIST_BUCKETS: usize = 32;
 
@@ -186,6 +187,7 @@ pub fn op_index(op: crate::proto::Opcode) -> usize {
         Clear => 8,
         Stats => 9,
         GetConfig => 10,
+        JobEvents => 11,
     }
 }
 

@@ -354,3 +354,62 @@ fn host_memory_engines_are_served_by_a_cuda_server_too() {
     done(&mut c, id);
     verify(&dst, &hashes, &db, bpc, 0, 0xa5);
 }
+
+#[test]
+fn the_engines_stream_waits_for_a_retrieve_through_the_published_job_event() {
+    if !gpu() {
+        return;
+    }
+    let _w = watchdog(Duration::from_secs(120));
+    let s = Scope::new("cuda-published");
+    let _srv = server(&s);
+    let mut c = s.client();
+    let mut l = layout(KvLayoutKind::FlashAttn, 2, 1024);
+    l.head_dim = 128;
+    let src = CudaKvCache::new(l, CHUNK, 0, Export::Ipc).unwrap();
+    src.fill(0).unwrap();
+    let inst = c.register_cuda_cache(model_id("pub"), 1, 0, &src).unwrap();
+    let bpc = inst.blocks_per_chunk();
+    // 200 chunks: enough copying that the engine gets ahead of it.
+    let n = 200u32;
+    let hashes = chunk_hashes(&prompt(77, (n * CHUNK) as usize), CHUNK);
+    let hashes = &hashes[..];
+    let sb: Vec<u32> = (0..n * bpc).collect();
+    for (h, b) in hashes.iter().zip(sb.chunks(bpc as usize)) {
+        pattern::write_chunk(&src, 0, h, b);
+    }
+    let id = c.store(&inst, 0, hashes, &sb).unwrap();
+    done(&mut c, id);
+    let lease = c.lookup(model_id("pub"), 1, 0, hashes).unwrap();
+    done(&mut c, lease);
+
+    let dst = CudaKvCache::new(l, CHUNK, 0, Export::Ipc).unwrap();
+    dst.fill(0xa5).unwrap();
+    let mirror = CudaKvCache::new(l, CHUNK, 0, Export::Ipc).unwrap();
+    mirror.fill(0).unwrap();
+    let dinst = c.register_cuda_cache(model_id("pub"), 1, 0, &dst).unwrap();
+    let events = kvring::cuda::engine_cache::ServerEvents::open(
+        &dst,
+        &c.job_events(dst.device_uuid()).unwrap(),
+    )
+    .unwrap();
+    let stream = EngineStream::new(&dst).unwrap();
+    // The engine does not wait for the job on the CPU: it learns the job
+    // event once the copies are queued, makes its stream wait for it, and
+    // queues its own read of the blocks (into a mirror) behind it.
+    let id = c
+        .retrieve_published(&dinst, lease, 0, &sb, 0, None)
+        .unwrap();
+    let k = c
+        .job_device_event(id, Instant::now() + Duration::from_secs(30))
+        .unwrap();
+    let early = c.job_status(id).unwrap();
+    if let Some(k) = k {
+        stream.wait_server_event(&events, k).unwrap();
+    }
+    stream.copy_cache_async(&dst, &mirror).unwrap();
+    stream.synchronize().unwrap();
+    eprintln!("job event {k:?}; the job read {early:?} when the engine queued its read");
+    verify(&mirror, hashes, &sb, bpc as usize, 0, 0xa5);
+    done(&mut c, id);
+}

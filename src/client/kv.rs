@@ -396,6 +396,20 @@ impl Client {
         skip_tokens: u32,
         event: Option<[u8; 64]>,
     ) -> Result<JobId> {
+        self.retrieve_flags(inst, lease, first_chunk, blocks, skip_tokens, event, 0)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn retrieve_flags(
+        &mut self,
+        inst: &Instance,
+        lease: JobId,
+        first_chunk: u32,
+        blocks: &[u32],
+        skip_tokens: u32,
+        event: Option<[u8; 64]>,
+        extra_flags: u32,
+    ) -> Result<JobId> {
         let bpc = inst.blocks_per_chunk() as usize;
         if blocks.is_empty() || blocks.len() % bpc != 0 {
             return Err(Error::Config(format!(
@@ -409,7 +423,7 @@ impl Client {
             first_chunk,
             n_chunks: (blocks.len() / bpc) as u32,
             skip_tokens,
-            flags: if event.is_some() { FLAG_EVENT } else { 0 },
+            flags: extra_flags | if event.is_some() { FLAG_EVENT } else { 0 },
             _reserved: 0,
             event: event.unwrap_or([0; 64]),
         };
@@ -417,6 +431,69 @@ impl Client {
             Opcode::Retrieve,
             &payload(&h, &[bytemuck::cast_slice(blocks)]),
         )
+    }
+
+    /// The handles of this client's job events on device `uuid` (open them
+    /// with `kvring::cuda::engine_cache::ServerEvents`).
+    pub fn job_events(&mut self, uuid: [u8; 16]) -> Result<Vec<[u8; 64]>> {
+        let r = self.call(Opcode::JobEvents, &uuid, CALL_TIMEOUT)?;
+        if r.len() != crate::proto::kv::JOB_EVENTS * 64 {
+            return Err(Error::Protocol(format!("{} bytes of job events", r.len())));
+        }
+        Ok(r.chunks_exact(64)
+            .map(|c| c.try_into().expect("64 bytes"))
+            .collect())
+    }
+
+    /// RETRIEVE that publishes a job event (device memory, CUDA backend):
+    /// see [`Client::job_device_event`].
+    pub fn retrieve_published(
+        &mut self,
+        inst: &Instance,
+        lease: JobId,
+        first_chunk: u32,
+        blocks: &[u32],
+        skip_tokens: u32,
+        event: Option<[u8; 64]>,
+    ) -> Result<JobId> {
+        self.retrieve_flags(
+            inst,
+            lease,
+            first_chunk,
+            blocks,
+            skip_tokens,
+            event,
+            crate::proto::kv::FLAG_PUBLISH_EVENT,
+        )
+    }
+
+    /// The job event that covers job `id`'s device copies, once they are all
+    /// queued: `Some(index)` for the stream to wait on, `None` when the job
+    /// already finished (nothing to wait for). A shared-memory poll; ends
+    /// with an error if the job fails, `Timeout` at the deadline.
+    pub fn job_device_event(&self, id: JobId, deadline: Instant) -> Result<Option<u32>> {
+        loop {
+            let info = self
+                .job_info(id)?
+                .ok_or_else(|| Error::Protocol(format!("{id} is not in the job table")))?;
+            if info.progress > 0 {
+                return Ok(Some((info.progress - 1) as u32));
+            }
+            match info.status {
+                crate::jobs::JobStatus::Done(_) | crate::jobs::JobStatus::Tombstoned(Ok(_)) => {
+                    return Ok(None)
+                }
+                s if s.is_terminal() => return Err(Error::Protocol(format!("{id} ended {s:?}"))),
+                _ => {}
+            }
+            if Instant::now() > deadline {
+                return Err(Error::Timeout(CALL_TIMEOUT));
+            }
+            if self.server_gone() {
+                return Err(Error::ServerGone);
+            }
+            std::hint::spin_loop();
+        }
     }
 
     /// Ends the lease's holds on chunks `first_chunk .. first_chunk + n`

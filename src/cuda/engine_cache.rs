@@ -409,3 +409,86 @@ impl Drop for IpcEvent {
         }
     }
 }
+
+/// The server's job events for this engine (see `Opcode::JobEvents`),
+/// opened in the engine's context.
+pub struct ServerEvents {
+    ctx: Arc<Context>,
+    events: Vec<sys::CUevent>,
+}
+
+// SAFETY: event handles, used with their context bound.
+unsafe impl Send for ServerEvents {}
+
+impl ServerEvents {
+    /// Opens the handles a `Client::job_events` call returned.
+    pub fn open(cache: &CudaKvCache, handles: &[[u8; 64]]) -> crate::Result<ServerEvents> {
+        cache.ctx.bind().map_err(crate::Error::Cuda)?;
+        let mut events = Vec::with_capacity(handles.len());
+        for h in handles {
+            // SAFETY: a 64-byte handle as the driver defines it.
+            let ev = unsafe {
+                let mut handle: sys::CUipcEventHandle = std::mem::zeroed();
+                for (d, s) in handle.reserved.iter_mut().zip(h) {
+                    *d = *s as _;
+                }
+                let mut ev = std::ptr::null_mut();
+                ck(
+                    sys::cuIpcOpenEventHandle(&mut ev, handle),
+                    "cuIpcOpenEventHandle",
+                )
+                .map_err(crate::Error::Cuda)?;
+                ev
+            };
+            events.push(ev);
+        }
+        Ok(ServerEvents {
+            ctx: cache.ctx.clone(),
+            events,
+        })
+    }
+}
+
+impl Drop for ServerEvents {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind();
+        for ev in &self.events {
+            // SAFETY: events opened in `open`.
+            unsafe {
+                let _ = sys::cuEventDestroy_v2(*ev);
+            }
+        }
+    }
+}
+
+impl EngineStream {
+    /// Makes this stream wait (on the device) for the server's job event
+    /// `index` (the job's `progress` - 1).
+    pub fn wait_server_event(&self, events: &ServerEvents, index: u32) -> crate::Result<()> {
+        let ev = *events
+            .events
+            .get(index as usize)
+            .ok_or_else(|| crate::Error::Protocol(format!("job event {index} out of range")))?;
+        self.ctx.bind().map_err(crate::Error::Cuda)?;
+        // SAFETY: live stream and event of this context.
+        ck(
+            unsafe { sys::cuStreamWaitEvent(self.stream, ev, 0) },
+            "cuStreamWaitEvent",
+        )
+        .map_err(crate::Error::Cuda)
+    }
+
+    /// Queues copying all of `src` into `dst` (caches of equal size).
+    pub fn copy_cache_async(&self, src: &CudaKvCache, dst: &CudaKvCache) -> crate::Result<()> {
+        assert_eq!(src.size, dst.size);
+        self.ctx.bind().map_err(crate::Error::Cuda)?;
+        // SAFETY: two live allocations of `size` bytes.
+        ck(
+            unsafe {
+                sys::cuMemcpyDtoDAsync_v2(dst.base, src.base, src.size as usize, self.stream)
+            },
+            "cuMemcpyDtoDAsync",
+        )
+        .map_err(crate::Error::Cuda)
+    }
+}

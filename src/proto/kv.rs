@@ -34,6 +34,14 @@ pub struct StoreRequest {
 
 /// `StoreRequest::flags` / `RetrieveRequest::flags`: `event` is set.
 pub const FLAG_EVENT: u32 = 1;
+/// `StoreRequest::flags` / `RetrieveRequest::flags`: once every chunk's copy
+/// is queued on the device, the server records one of the caller's job
+/// events (see `Opcode::JobEvents`) after them all and publishes its index
+/// plus one in the job's `progress`, so the engine's stream can wait for
+/// the copies on the device (CUDA backend, device-memory instances).
+pub const FLAG_PUBLISH_EVENT: u32 = 2;
+/// Job events per client and device.
+pub const JOB_EVENTS: usize = 32;
 
 /// RETRIEVE: `n_chunks * blocks_per_chunk` block ids (u32) follow. Chunks
 /// `first_chunk ..` of the lookup `lease` are copied into them; the first

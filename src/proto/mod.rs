@@ -45,6 +45,9 @@ pub enum Opcode {
     Stats = 16,
     /// The server's configuration ([`kv::ConfigReply`]).
     GetConfig = 17,
+    /// The caller's job events on a device (payload: the device UUID, 16
+    /// bytes): `kv::JOB_EVENTS` CUDA IPC event handles of 64 bytes.
+    JobEvents = 18,
 }
 
 impl Opcode {
@@ -61,6 +64,7 @@ impl Opcode {
             15 => Opcode::Clear,
             16 => Opcode::Stats,
             17 => Opcode::GetConfig,
+            18 => Opcode::JobEvents,
             _ => return None,
         })
     }
@@ -81,6 +85,7 @@ impl Opcode {
             Opcode::Clear => frame_bytes(size_of::<kv::ClearReply>()),
             Opcode::Stats => frame_bytes(size_of::<kv::StatsReply>()),
             Opcode::GetConfig => frame_bytes(size_of::<kv::ConfigReply>()),
+            Opcode::JobEvents => frame_bytes(kv::JOB_EVENTS * 64),
         }
     }
 }

@@ -205,6 +205,7 @@ impl<'a> Acceptor<'a> {
         // keep their instance's mappings until they finish).
         let kv = &self.shared.kv;
         kv.registry().client_gone(slot);
+        kv.copier.backend.client_gone(slot);
         show_instances(self.shared, slot, 0);
         kv.with_cache(self.shared, |c| {
             c.drop_leases(Some(slot), std::time::Instant::now())

@@ -42,6 +42,16 @@ pub struct ChunkCopy<'a> {
     pub dir: Dir,
     /// A CUDA IPC event of the engine the copy must wait for.
     pub event: Option<[u8; 64]>,
+    /// Publish a job event once every chunk of the job is queued.
+    pub publish: Option<Publish<'a>>,
+}
+
+/// A job that publishes a job event: which client's events, how many chunks
+/// are still to be queued, and how to publish the event's index + 1.
+pub struct Publish<'a> {
+    pub owner_slot: u32,
+    pub left: &'a AtomicU32,
+    pub done: &'a dyn Fn(u64),
 }
 
 /// What moves the bytes: it gives each copy worker its own engine, and
@@ -54,6 +64,16 @@ pub trait Backend: Send + Sync {
     }
     /// A copy engine for one worker thread (its streams, staging buffers).
     fn engine(&self) -> Result<Box<dyn Engine>, String>;
+    /// The handles of client `slot`'s job events on device `uuid`.
+    fn job_events(
+        &self,
+        _slot: u32,
+        _uuid: &[u8; 16],
+    ) -> Result<Vec<[u8; 64]>, crate::proto::Status> {
+        Err(crate::proto::Status::InvalidArgument)
+    }
+    /// Client `slot` left: drop what the backend keeps for it.
+    fn client_gone(&self, _slot: u32) {}
     /// Opens the device memory of a registration (memory kinds other than
     /// host).
     fn open_device(
@@ -191,6 +211,9 @@ pub struct JobRun {
     pub aux: u64,
     /// The engine's CUDA IPC event every chunk copy waits for.
     pub event: Option<[u8; 64]>,
+    /// Chunks still to be queued before the job event is published (None:
+    /// no job event asked for).
+    pub publish_left: Option<AtomicU32>,
     remaining: AtomicU32,
     started: AtomicBool,
     failed: AtomicBool,
@@ -209,8 +232,10 @@ impl JobRun {
         aux: u64,
         tasks: u32,
         event: Option<[u8; 64]>,
+        publish: bool,
     ) -> Arc<JobRun> {
         Arc::new(JobRun {
+            publish_left: publish.then(|| AtomicU32::new(tasks)),
             id,
             owner,
             dir,
@@ -416,7 +441,16 @@ pub(super) fn run(shared: &Shared) {
                     .iter()
                     .position(Option::is_none)
                     .expect("a free slot");
+                let job_id = job.id;
+                let publish_progress = |v: u64| {
+                    let _ = shared.jobs.progress(job_id, v);
+                };
                 let c = ChunkCopy {
+                    publish: job.publish_left.as_ref().map(|left| Publish {
+                        owner_slot: job.owner,
+                        left,
+                        done: &publish_progress,
+                    }),
                     layout: &job.inst.layout,
                     inst: &job.inst,
                     chunk_tokens,

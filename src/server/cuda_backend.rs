@@ -115,11 +115,84 @@ struct Pinning {
 /// (client slot, IPC handle) of an opened allocation.
 type OpenedKey = (u32, [u8; 64]);
 
+/// One client's job events on one device: interprocess events recorded, in
+/// turn, on one in-order gate stream after all of a job's chunk copies.
+pub struct JobEvents {
+    ctx: Arc<Context>,
+    gate: sys::CUstream,
+    events: Vec<sys::CUevent>,
+    handles: Vec<[u8; 64]>,
+    next: std::sync::atomic::AtomicU32,
+}
+
+// SAFETY: stream and event handles, used with their context bound (the
+// driver's calls on them are thread-safe).
+unsafe impl Send for JobEvents {}
+// SAFETY: as above.
+unsafe impl Sync for JobEvents {}
+
+impl JobEvents {
+    fn new(ctx: &Arc<Context>) -> Result<JobEvents, String> {
+        ctx.bind()?;
+        let mut je = JobEvents {
+            ctx: ctx.clone(),
+            gate: std::ptr::null_mut(),
+            events: Vec::new(),
+            handles: Vec::new(),
+            next: std::sync::atomic::AtomicU32::new(0),
+        };
+        // SAFETY: valid out-pointers; what is created is destroyed by Drop.
+        unsafe {
+            ck(
+                sys::cuStreamCreate(
+                    &mut je.gate,
+                    sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
+                ),
+                "cuStreamCreate",
+            )?;
+            for _ in 0..crate::proto::kv::JOB_EVENTS {
+                let mut ev = std::ptr::null_mut();
+                let flags = sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32
+                    | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+                ck(sys::cuEventCreate(&mut ev, flags), "cuEventCreate")?;
+                je.events.push(ev);
+                let mut h: sys::CUipcEventHandle = std::mem::zeroed();
+                ck(sys::cuIpcGetEventHandle(&mut h, ev), "cuIpcGetEventHandle")?;
+                je.handles.push(h.reserved.map(|b| b as u8));
+                // Recorded once, so a wait on it before its first job use
+                // does not wait forever.
+                ck(sys::cuEventRecord(ev, je.gate), "cuEventRecord")?;
+            }
+        }
+        Ok(je)
+    }
+}
+
+impl Drop for JobEvents {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind();
+        // SAFETY: destroys what `new` created, after the gate drained.
+        unsafe {
+            if !self.gate.is_null() {
+                let _ = sys::cuStreamSynchronize(self.gate);
+            }
+            for ev in &self.events {
+                let _ = sys::cuEventDestroy_v2(*ev);
+            }
+            if !self.gate.is_null() {
+                let _ = sys::cuStreamDestroy_v2(self.gate);
+            }
+        }
+    }
+}
+
 /// The CUDA backend.
 pub struct CudaBackend {
     devices: Mutex<HashMap<[u8; 16], Arc<DeviceRes>>>,
     /// Allocations each client has opened, so each is opened once.
     opened: Mutex<HashMap<OpenedKey, Weak<OpenedMemory>>>,
+    /// Job events per (client slot, device ordinal).
+    job_events: Mutex<HashMap<(u32, i32), Arc<JobEvents>>>,
     pinning: Arc<Pinning>,
     pool_base: usize,
     pool_len: u64,
@@ -164,6 +237,7 @@ impl CudaBackend {
         Ok(CudaBackend {
             devices: Mutex::new(devices),
             opened: Mutex::new(HashMap::new()),
+            job_events: Mutex::new(HashMap::new()),
             pinning,
             pool_base: base,
             pool_len: len,
@@ -178,6 +252,18 @@ impl CudaBackend {
             ),
             zero_copy_ctas,
         })
+    }
+
+    /// Client `slot`'s job events on `dev` (created at first use).
+    fn events_of(&self, slot: u32, dev: &Arc<DeviceRes>) -> Result<Arc<JobEvents>, String> {
+        let mut m = self.job_events.lock().unwrap_or_else(|e| e.into_inner());
+        let key = (slot, dev.ctx.info.ordinal);
+        if let Some(je) = m.get(&key) {
+            return Ok(je.clone());
+        }
+        let je = Arc::new(JobEvents::new(&dev.ctx)?);
+        m.insert(key, je.clone());
+        Ok(je)
     }
 
     fn device(&self, uuid: &[u8; 16]) -> Option<Arc<DeviceRes>> {
@@ -256,6 +342,23 @@ impl Backend for CudaBackend {
 
     fn code(&self) -> u32 {
         2
+    }
+
+    fn job_events(&self, slot: u32, uuid: &[u8; 16]) -> Result<Vec<[u8; 64]>, Status> {
+        let dev = self.device(uuid).ok_or(Status::InvalidArgument)?;
+        self.events_of(slot, &dev)
+            .map(|je| je.handles.clone())
+            .map_err(|e| {
+                eprintln!("kvring: job events: {e}");
+                Status::ServerError
+            })
+    }
+
+    fn client_gone(&self, slot: u32) {
+        self.job_events
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|k, _| k.0 != slot);
     }
 
     fn engine(&self) -> Result<Box<dyn Engine>, String> {
@@ -470,6 +573,10 @@ impl Engine for CudaEngine {
         let bases = dev.bases.ptr;
         dev.dev.ctx.bind()?;
         let zero_copy = self.be().zero_copy_ctas;
+        let gate = match &c.publish {
+            Some(p) => Some(self.be().events_of(p.owner_slot, &dev.dev)?),
+            None => None,
+        };
         let de = self.dev_engine(&dev.dev)?;
         let k = de
             .slots
@@ -478,6 +585,7 @@ impl Engine for CudaEngine {
             .ok_or("no free staging slot")?;
         let stream = de.stream;
         let slot = &mut de.slots[k];
+        let slot_event = slot.event;
         if zero_copy == 0
             && slot
                 .staging
@@ -567,6 +675,26 @@ impl Engine for CudaEngine {
                 }
             }
             ck(sys::cuEventRecord(slot.event, stream), "cuEventRecord")?;
+        }
+        if let (Some(p), Some(je)) = (&c.publish, gate) {
+            // The gate waits for this chunk now (capturing this record); the
+            // last chunk queued records the job event after all of them.
+            // SAFETY: live stream and event of this context.
+            ck(
+                unsafe { sys::cuStreamWaitEvent(je.gate, slot_event, 0) },
+                "cuStreamWaitEvent gate",
+            )?;
+            // AcqRel: every other chunk's gate wait happens before the last
+            // decrement, so the record below comes after all of them.
+            if p.left.fetch_sub(1, Ordering::AcqRel) == 1 {
+                let k = je.next.fetch_add(1, Ordering::Relaxed) as usize % je.events.len();
+                // SAFETY: as above.
+                ck(
+                    unsafe { sys::cuEventRecord(je.events[k], je.gate) },
+                    "cuEventRecord job event",
+                )?;
+                (p.done)(k as u64 + 1);
+            }
         }
         let moved = u64::from(l.parts())
             * u64::from(l.num_layers)

@@ -205,19 +205,32 @@ pub fn lookup(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
     id_reply(id)
 }
 
-/// The request's engine event, if it names one the backend can wait for.
-fn request_event(kv: &KvState, flags: u32, event: [u8; 64]) -> Result<Option<[u8; 64]>, Status> {
-    if flags & !crate::proto::kv::FLAG_EVENT != 0 {
+/// The request's engine event (if it names one the backend can wait for)
+/// and whether it asks for a job event.
+fn request_event(
+    kv: &KvState,
+    flags: u32,
+    event: [u8; 64],
+) -> Result<(Option<[u8; 64]>, bool), Status> {
+    use crate::proto::kv::{FLAG_EVENT, FLAG_PUBLISH_EVENT};
+    if flags & !(FLAG_EVENT | FLAG_PUBLISH_EVENT) != 0 {
         return Err(Status::InvalidArgument);
-    }
-    if flags & crate::proto::kv::FLAG_EVENT == 0 {
-        return Ok(None);
     }
     // Host memory has no device stream to order against.
-    if kv.copier.backend.code() != 2 {
+    if flags != 0 && kv.copier.backend.code() != 2 {
         return Err(Status::InvalidArgument);
     }
-    Ok(Some(event))
+    Ok((
+        (flags & FLAG_EVENT != 0).then_some(event),
+        flags & FLAG_PUBLISH_EVENT != 0,
+    ))
+}
+
+/// JOB_EVENTS: the caller's job event handles on a device.
+pub fn job_events(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
+    let uuid: [u8; 16] = req.try_into().map_err(|_| Status::BadLength)?;
+    let handles = shared.kv.copier.backend.job_events(who.slot, &uuid)?;
+    Ok(handles.concat())
 }
 
 /// Checks block ids against the instance's cache; splits them per chunk.
@@ -241,11 +254,14 @@ fn blocks_per_chunk(
 pub fn store(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
     let kv = &shared.kv;
     let (h, rest) = split_header::<StoreRequest>(req).ok_or(Status::BadLength)?;
-    let event = request_event(kv, h.flags, h.event)?;
+    let (event, publish) = request_event(kv, h.flags, h.event)?;
     let inst = kv
         .registry()
         .get(who.slot, who.session, h.instance)
         .ok_or(Status::UnknownInstance)?;
+    if publish && inst.device.is_none() {
+        return Err(Status::InvalidArgument);
+    }
     let n = h.n_chunks;
     let hash_bytes = (n as usize)
         .checked_mul(16)
@@ -290,6 +306,7 @@ pub fn store(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
         aux,
         plan.write.len() as u32,
         event,
+        publish,
     );
     let tasks = plan
         .write
@@ -310,11 +327,14 @@ pub fn store(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
 pub fn retrieve(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
     let kv = &shared.kv;
     let (h, rest) = split_header::<RetrieveRequest>(req).ok_or(Status::BadLength)?;
-    let event = request_event(kv, h.flags, h.event)?;
+    let (event, publish) = request_event(kv, h.flags, h.event)?;
     let inst = kv
         .registry()
         .get(who.slot, who.session, h.instance)
         .ok_or(Status::UnknownInstance)?;
+    if publish && inst.device.is_none() {
+        return Err(Status::InvalidArgument);
+    }
     let bpc = inst.layout.blocks_per_chunk(kv.chunk_tokens);
     let blocks = blocks_per_chunk(rest, h.n_chunks, bpc, inst.layout.num_blocks)?;
     // Every destination block once: concurrent chunk copies never write the
@@ -369,6 +389,7 @@ pub fn retrieve(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
         0,
         objs.len() as u32,
         event,
+        publish,
     );
     for (i, &(_, off)) in objs.iter().enumerate() {
         let skip = skip_blocks.min(bpc);

@@ -181,6 +181,7 @@ fn execute<'b>(
         Some(Opcode::Clear) => kv_ops::clear(shared, req).into(),
         Some(Opcode::Stats) => kv_ops::stats(shared, req).into(),
         Some(Opcode::GetConfig) => kv_ops::config(shared, req).into(),
+        Some(Opcode::JobEvents) => kv_ops::job_events(shared, who, req).into(),
         None => Reply::err(Status::UnknownOpcode),
     }
 }
@@ -246,6 +247,7 @@ fn serve(
                     | Opcode::Clear
                     | Opcode::Stats
                     | Opcode::GetConfig
+                    | Opcode::JobEvents
             )
         );
         let t0 = if timed { monotonic_ns() } else { 0 };
