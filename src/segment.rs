@@ -349,6 +349,21 @@ impl ClientSegment {
         unsafe { self.block_rw.as_ptr().add(PAGE) as *const crate::sync::AtomicU64 }
     }
 
+    /// Stores `word` at word `index` (modulo the ring) of this client's
+    /// request ring data, bypassing the ring protocol: for fault tests that
+    /// play a hostile or broken client. The server must survive anything
+    /// written here.
+    #[doc(hidden)]
+    pub fn scribble_request_ring(&self, index: usize, word: u64) {
+        let words = self.mapping.info().geometry.req_ring_bytes as usize / 8;
+        // SAFETY: the index is reduced into the ring's `words` words, all
+        // inside this client's writable block mapping.
+        unsafe {
+            (*self.req_data_rw().add(index % words))
+                .store(word, std::sync::atomic::Ordering::Relaxed)
+        };
+    }
+
     /// Whether the server's liveness lock is held (it is alive).
     pub fn server_alive(&self) -> bool {
         liveness::probe_lock(self.file.as_fd())

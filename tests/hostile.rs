@@ -1,0 +1,147 @@
+//! A hostile client: many clients in turn write random and adversarial
+//! words into everything they can write (ring indices, frame words, their
+//! heartbeat, the doorbell) while an honest engine keeps storing and
+//! retrieving. The server never dies, disconnects what breaks its ring
+//! rules, and the honest engine's results stay bit-exact.
+
+mod common;
+
+use common::*;
+use kvring::jobs::JobStatus;
+use kvring::kv::{chunk_hashes, model_id, pattern, KvLayout, KvLayoutKind};
+use kvring::layout::SlotState;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
+
+#[test]
+fn hostile_clients_never_hurt_the_server_or_an_honest_engine() {
+    let _w = watchdog(Duration::from_secs(120));
+    let s = Scope::new("hostile");
+    let mut srv = s.server(&["--chunk-tokens", "64", "--pool-bytes", "64MiB"]);
+    // The honest engine.
+    let mut good = s.client();
+    let l = KvLayout {
+        kind: KvLayoutKind::FlashAttn as u32,
+        num_layers: 2,
+        num_blocks: 64,
+        block_tokens: 16,
+        num_heads: 2,
+        head_dim: 32,
+        elem_bytes: 2,
+        _reserved: 0,
+    };
+    let cache = kvring::HostKvCache::new(l, 64).unwrap();
+    let inst = good
+        .register_host_cache(model_id("h"), 1, 0, &cache)
+        .unwrap();
+    let fresh = kvring::HostKvCache::new(l, 64).unwrap();
+    let finst = good
+        .register_host_cache(model_id("h"), 1, 0, &fresh)
+        .unwrap();
+    let mut rng = Rng(0x9e3779b97f4a7c15);
+    let ro = kvring::segment::ReadOnlySegment::open(&s.name).unwrap();
+    let mut kicked = 0;
+    // Kicked clients of this (live) process stay quarantined until it
+    // exits, so at most the slots the server has: 50 of 64.
+    let rounds = 50;
+    for round in 0..rounds {
+        let evil = s.client();
+        let slot = evil.slot();
+        let seg = evil.segment();
+        let cb = seg.block_rw();
+        let words = seg.mapping.info().geometry.req_ring_bytes as u64 / 8;
+        // Garbage frames: random words, sometimes plausible headers.
+        for i in 0..64 {
+            let w = match rng.next() % 4 {
+                0 => rng.next(),
+                1 => (rng.next() % 40_000) | ((rng.next() % 20) << 32),
+                2 => u64::MAX,
+                _ => 0,
+            };
+            seg.scribble_request_ring(i, w);
+        }
+        // Indices and flags: random, huge, backwards, misaligned, or valid.
+        let tail = match round % 5 {
+            0 => rng.next(),
+            1 => words * 8 * 3,
+            2 => 8 * (rng.next() % words),
+            3 => 13,
+            _ => 8 * 64,
+        };
+        cb.req_tail.store(tail, Ordering::Release);
+        cb.cq_head.store(rng.next() % 4096 * 8, Ordering::Release);
+        cb.client_sleeping
+            .store(rng.next() as u32, Ordering::Relaxed);
+        cb.heartbeat_ns.store(rng.next(), Ordering::Relaxed);
+        seg.doorbell_rw()
+            .server_doorbell
+            .fetch_add(rng.next() as u32, Ordering::Relaxed);
+        kvring::wait::wake(&seg.doorbell_rw().server_doorbell);
+
+        // Meanwhile the honest engine stores and retrieves one chunk and
+        // checks every byte.
+        let hashes = chunk_hashes(
+            &(0..64u32)
+                .map(|t| t ^ (round as u32 * 7919))
+                .collect::<Vec<_>>(),
+            64,
+        );
+        let b: Vec<u32> = (0..4).map(|k| (round as u32 * 4 + k) % 64).collect();
+        pattern::write_chunk(&cache, 0, &hashes[0], &b);
+        let far = Instant::now() + Duration::from_secs(10);
+        let id = good.store(&inst, 0, &hashes, &b).unwrap();
+        assert!(matches!(
+            good.wait_job(id, far).unwrap(),
+            JobStatus::Done(_)
+        ));
+        good.release_job(id).unwrap();
+        let lease = good.lookup(model_id("h"), 1, 0, &hashes).unwrap();
+        good.wait_job(lease, far).unwrap();
+        good.release_job(lease).unwrap();
+        fresh.fill(0xee);
+        let id = good.retrieve(&finst, lease, 0, &b, 0).unwrap();
+        assert!(matches!(
+            good.wait_job(id, far).unwrap(),
+            JobStatus::Done(_)
+        ));
+        good.release_job(id).unwrap();
+        pattern::verify_chunk(&fresh, 0, &hashes[0], &b, 0, 0xee)
+            .unwrap_or_else(|e| panic!("round {round}: {e}"));
+        assert_eq!(
+            good.ping(b"still here", Duration::from_secs(5)).unwrap(),
+            b"still here"
+        );
+        // A hostile client whose ring broke the rules is disconnected.
+        let sb = ro.mapping.server_client(slot);
+        let gone = eventually(Duration::from_millis(300), || {
+            sb.state.load(Ordering::Acquire) != SlotState::Active as u32
+                || sb.session.load(Ordering::Relaxed) != evil.session()
+        });
+        kicked += gone.is_some() as u32;
+        drop(evil);
+    }
+    // The server is alive and every round of the honest engine passed; most
+    // hostile clients were thrown out (a few wrote a tail the ring accepts
+    // and only produced error completions).
+    assert!(
+        srv.child.as_mut().unwrap().try_wait().unwrap().is_none(),
+        "server died"
+    );
+    eprintln!("{kicked} of {rounds} hostile clients disconnected");
+    assert!(kicked >= rounds / 2, "{kicked}");
+    let h = ro.mapping.header();
+    let reclaimed = eventually(Duration::from_secs(2), || {
+        h.clients_reclaimed.load(Ordering::Relaxed) >= u64::from(kicked)
+    });
+    assert!(reclaimed.is_some(), "kicked clients' slots were not reclaimed");
+}
