@@ -92,11 +92,11 @@ fn hostile_clients_never_hurt_the_server_or_an_honest_engine() {
         // checks every byte.
         let hashes = chunk_hashes(
             &(0..64u32)
-                .map(|t| t ^ (round as u32 * 7919))
+                .map(|t| t ^ (round * 7919))
                 .collect::<Vec<_>>(),
             64,
         );
-        let b: Vec<u32> = (0..4).map(|k| (round as u32 * 4 + k) % 64).collect();
+        let b: Vec<u32> = (0..4).map(|k| (round * 4 + k) % 64).collect();
         pattern::write_chunk(&cache, 0, &hashes[0], &b);
         let far = Instant::now() + Duration::from_secs(10);
         let id = good.store(&inst, 0, &hashes, &b).unwrap();
