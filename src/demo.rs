@@ -73,8 +73,9 @@ struct OpStats {
     hits: u64,
     bytes: u64,
     lat_ns: Vec<u64>,
-    /// Wall time of the phase (ns), for GB/s.
+    /// Time during which at least one job of this operation ran (ns).
     wall_ns: u64,
+    spans: Vec<(u64, u64)>,
 }
 
 impl OpStats {
@@ -91,6 +92,31 @@ impl OpStats {
         } else {
             self.bytes as f64 / self.wall_ns as f64
         }
+    }
+
+    /// Takes "start:end" job intervals (CLOCK_MONOTONIC ns, one clock for
+    /// all processes): their lengths are the latencies, and the time any job
+    /// was running (the union) is what GB/s divides by.
+    fn add_intervals<'a>(&mut self, spans: impl Iterator<Item = &'a String>) {
+        for s in spans {
+            if let Some((a, b)) = s.split_once(':') {
+                if let (Ok(a), Ok(b)) = (a.parse::<u64>(), b.parse::<u64>()) {
+                    self.spans.push((a, b.max(a)));
+                    self.lat_ns.push(b.saturating_sub(a));
+                }
+            }
+        }
+        let mut v = self.spans.clone();
+        v.sort_unstable();
+        let (mut total, mut end) = (0u64, 0u64);
+        for (a, b) in v {
+            let a = a.max(end);
+            if b > a {
+                total += b - a;
+                end = b;
+            }
+        }
+        self.wall_ns = total;
     }
     fn json(&self) -> serde_json::Value {
         serde_json::json!({
@@ -268,8 +294,8 @@ pub fn run(json: bool) -> Result<()> {
     );
 
     // 1. Store: both ranks at once, one job per prompt.
-    //    GB/s: all bytes over the longest time one worker spent in its jobs
-    //    (they run side by side; producing the KV is not counted).
+    //    GB/s: all bytes over the time during which any store job ran (the
+    //    union of the jobs' intervals; producing the KV is not counted).
     let mut store = OpStats::default();
     for w in workers.iter_mut() {
         w.send("compute")?;
@@ -281,7 +307,7 @@ pub fn run(json: bool) -> Result<()> {
         w.send("store")?;
     }
     for w in workers.iter_mut() {
-        let words = w.recv()?; // stored <jobs> <chunks> <bytes> <busy> <lat...>
+        let words = w.recv()?; // stored <jobs> <chunks> <bytes> <start:end...>
         let num = |i: usize| {
             words
                 .get(i)
@@ -291,10 +317,7 @@ pub fn run(json: bool) -> Result<()> {
         store.count += num(1) as usize;
         store.chunks += num(2);
         store.bytes += num(3);
-        store.wall_ns = store.wall_ns.max(num(4));
-        store
-            .lat_ns
-            .extend(words[5..].iter().filter_map(|s| s.parse::<u64>().ok()));
+        store.add_intervals(words[4..].iter());
     }
     store.hits = store.chunks;
 
@@ -347,7 +370,7 @@ pub fn run(json: bool) -> Result<()> {
         w.send(&format!("retrieve {}", list.join(" ")))?;
     }
     for w in workers.iter_mut() {
-        // retrieved <jobs> <chunks> <bytes> <verified> <busy> <lat...>
+        // retrieved <jobs> <chunks> <bytes> <verified> <start:end...>
         let words = w.recv()?;
         let num = |i: usize| {
             words
@@ -359,10 +382,7 @@ pub fn run(json: bool) -> Result<()> {
         retrieve.chunks += num(2);
         retrieve.bytes += num(3);
         verified += num(4);
-        retrieve.wall_ns = retrieve.wall_ns.max(num(5));
-        retrieve
-            .lat_ns
-            .extend(words[6..].iter().filter_map(|s| s.parse::<u64>().ok()));
+        retrieve.add_intervals(words[5..].iter());
     }
     retrieve.hits = retrieve.chunks;
     let stats = sched.stats()?;
@@ -520,16 +540,14 @@ fn worker_loop(name: &str, dir: &Path, rank: u32) -> Result<()> {
                 for p in 0..PROMPTS {
                     let hs = hashes(1, p);
                     let blocks: Vec<u32> = (p * PROMPT_BLOCKS..(p + 1) * PROMPT_BLOCKS).collect();
-                    let t = Instant::now();
+                    let t = crate::liveness::monotonic_ns();
                     let id = c.store(&inst, 0, &hs, &blocks)?;
                     let r = wait_done(&mut c, id)?;
-                    lat.push(t.elapsed().as_nanos() as u64);
+                    lat.push(format!("{t}:{}", crate::liveness::monotonic_ns()));
                     chunks += r.value;
                     bytes += r.value * layout.object_bytes(CHUNK);
                 }
-                let busy: u64 = lat.iter().sum();
-                let lat: Vec<String> = lat.iter().map(u64::to_string).collect();
-                println!("stored {PROMPTS} {chunks} {bytes} {busy} {}", lat.join(" "));
+                println!("stored {PROMPTS} {chunks} {bytes} {}", lat.join(" "));
             }
             Some("retrieve") => {
                 // A fresh cache, poisoned, registered for the retrieves.
@@ -550,10 +568,10 @@ fn worker_loop(name: &str, dir: &Path, rank: u32) -> Result<()> {
                     // Each prompt lands in its own blocks of the fresh cache.
                     let blocks: Vec<u32> = (cursor..cursor + n * bpc).collect();
                     cursor += n * bpc;
-                    let t = Instant::now();
+                    let t = crate::liveness::monotonic_ns();
                     let id = c.retrieve(&finst, lease, 0, &blocks, 0)?;
                     let r = wait_done(&mut c, id)?;
-                    lat.push(t.elapsed().as_nanos() as u64);
+                    lat.push(format!("{t}:{}", crate::liveness::monotonic_ns()));
                     jobs += 1;
                     chunks += r.value;
                     bytes += r.aux;
@@ -563,10 +581,8 @@ fn worker_loop(name: &str, dir: &Path, rank: u32) -> Result<()> {
                     }
                 }
                 c.unregister_kv(&finst)?;
-                let busy: u64 = lat.iter().sum();
-                let lat: Vec<String> = lat.iter().map(u64::to_string).collect();
                 println!(
-                    "retrieved {jobs} {chunks} {bytes} {checked} {busy} {}",
+                    "retrieved {jobs} {chunks} {bytes} {checked} {}",
                     lat.join(" ")
                 );
             }

@@ -91,9 +91,7 @@ fn hostile_clients_never_hurt_the_server_or_an_honest_engine() {
         // Meanwhile the honest engine stores and retrieves one chunk and
         // checks every byte.
         let hashes = chunk_hashes(
-            &(0..64u32)
-                .map(|t| t ^ (round * 7919))
-                .collect::<Vec<_>>(),
+            &(0..64u32).map(|t| t ^ (round * 7919)).collect::<Vec<_>>(),
             64,
         );
         let b: Vec<u32> = (0..4).map(|k| (round * 4 + k) % 64).collect();
@@ -143,5 +141,8 @@ fn hostile_clients_never_hurt_the_server_or_an_honest_engine() {
     let reclaimed = eventually(Duration::from_secs(2), || {
         h.clients_reclaimed.load(Ordering::Relaxed) >= u64::from(kicked)
     });
-    assert!(reclaimed.is_some(), "kicked clients' slots were not reclaimed");
+    assert!(
+        reclaimed.is_some(),
+        "kicked clients' slots were not reclaimed"
+    );
 }

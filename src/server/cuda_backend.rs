@@ -42,7 +42,7 @@ use std::time::{Duration, Instant};
 pub const PIN_SEGMENT: u64 = 1 << 30;
 /// Chunks one worker keeps in flight per device, unless
 /// `KVRING_CUDA_DEPTH` says otherwise (1..=8).
-const DEPTH: usize = 3;
+const DEPTH: usize = 4;
 
 fn depth() -> usize {
     std::env::var("KVRING_CUDA_DEPTH")
