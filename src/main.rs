@@ -75,7 +75,7 @@ enum Cmd {
         #[arg(long, env = "KVRING_PREFAULT")]
         prefault: bool,
         /// Threads that copy chunks between engines' caches and the pool
-        /// (default: half the CPUs, 1 to 8).
+        /// (default: half the CPUs, 1 to 8, on the host backend; 4 on CUDA).
         #[arg(long, env = "KVRING_COPY_THREADS")]
         copy_threads: Option<u32>,
         /// Largest request, all frames together (a LOOKUP of N chunks takes
@@ -245,9 +245,7 @@ fn run(cli: Cli) -> kvring::Result<()> {
             cfg.kv.chunk_tokens = chunk_tokens;
             cfg.kv.pool_bytes = pool_bytes;
             cfg.kv.prefault = prefault;
-            if let Some(n) = copy_threads {
-                cfg.kv.copy_threads = n;
-            }
+            cfg.kv.copy_threads = copy_threads;
             cfg.kv.max_request_bytes = u32::try_from(max_request_bytes).map_err(|_| {
                 kvring::Error::Config(format!(
                     "max request of {max_request_bytes} bytes is too large"

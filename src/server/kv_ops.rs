@@ -69,7 +69,12 @@ impl KvState {
             chunk_tokens: cfg.chunk_tokens,
             lease_ttl: cfg.lease_ttl,
             max_request_bytes: cfg.max_request_bytes,
-            copy_threads: cfg.copy_threads,
+            copy_threads: cfg.copy_threads.unwrap_or(if backend.code() == 2 {
+                4
+            } else {
+                let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as u32;
+                (cores / 2).clamp(1, 8)
+            }),
             registry: Mutex::new(Registry::default()),
             cache: Mutex::new(Cache::new(
                 pool.len(),

@@ -87,8 +87,10 @@ pub struct KvConfig {
     pub pool_bytes: u64,
     /// Touch every pool page at start (no page faults in the first stores).
     pub prefault: bool,
-    /// Copy worker threads.
-    pub copy_threads: u32,
+    /// Copy worker threads; `None`: half the CPUs (1 to 8) on the host
+    /// backend, 4 on the CUDA backend (four workers with four chunks in
+    /// flight each keep the copy engines fed; more only contend for them).
+    pub copy_threads: Option<u32>,
     /// Largest request (all frames of it together).
     pub max_request_bytes: u32,
     /// How long a lookup's leases last unless used or freed.
@@ -108,12 +110,11 @@ pub struct KvConfig {
 
 impl Default for KvConfig {
     fn default() -> Self {
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as u32;
         KvConfig {
             chunk_tokens: crate::kv::DEFAULT_CHUNK_TOKENS,
             pool_bytes: 2 << 30,
             prefault: false,
-            copy_threads: (cores / 2).clamp(1, 8),
+            copy_threads: None,
             max_request_bytes: 4 << 20,
             lease_ttl: Duration::from_secs(300),
             backend: BackendChoice::Auto,
@@ -139,11 +140,8 @@ impl KvConfig {
                 self.pool_bytes
             ));
         }
-        if self.copy_threads == 0 || self.copy_threads > 256 {
-            return Err(format!(
-                "{} copy threads: must be 1..=256",
-                self.copy_threads
-            ));
+        if let Some(n) = self.copy_threads.filter(|&n| n == 0 || n > 256) {
+            return Err(format!("{n} copy threads: must be 1..=256"));
         }
         if self.max_request_bytes < 4096 || self.max_request_bytes > 1 << 30 {
             return Err(format!(
@@ -427,7 +425,7 @@ pub fn start(cfg: ServerConfig) -> Result<ServerHandle> {
         );
     }
     let mut workers = Vec::new();
-    for i in 0..cfg.kv.copy_threads {
+    for i in 0..shared.kv.copy_threads {
         let shared = shared.clone();
         workers.push(
             std::thread::Builder::new()

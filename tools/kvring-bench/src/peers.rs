@@ -203,7 +203,7 @@ pub fn serve_child(
     cfg.kv.cuda_zero_copy_ctas = cuda_zero_copy_ctas;
     cfg.runtime_dir = dir.to_path_buf();
     cfg.kv.pool_bytes = pool_mib << 20;
-    cfg.kv.copy_threads = copy_threads;
+    cfg.kv.copy_threads = Some(copy_threads);
     cfg.kv.prefault = prefault;
     cfg.ring_wait = if spin_us == u64::MAX {
         WaitPolicy::SPIN
