@@ -21,7 +21,8 @@ use std::time::{Duration, Instant};
 const CHUNK: u32 = 256;
 const CHUNKS: u32 = 24;
 
-fn llama_layout(num_blocks: u32) -> KvLayout {
+/// Llama-3-8B's per-rank KV geometry (flash-attention layout).
+pub fn llama_layout(num_blocks: u32) -> KvLayout {
     KvLayout {
         kind: KvLayoutKind::FlashAttn as u32,
         num_layers: 32,
@@ -48,7 +49,7 @@ fn done(c: &mut Client, id: JobId) -> kvring::jobs::JobResult {
 }
 
 /// A random permutation of `0..n` (xorshift; fixed seed).
-fn shuffled(n: u32, seed: u64) -> Vec<u32> {
+pub fn shuffled(n: u32, seed: u64) -> Vec<u32> {
     let mut v: Vec<u32> = (0..n).collect();
     let mut s = seed | 1;
     for i in (1..v.len()).rev() {

@@ -9,11 +9,12 @@
 //! * `per_block_memcpy_gbps`: one cuMemcpyAsync per 32 KiB layer/K|V/block
 //!   piece into pinned memory, what vLLM's swap_blocks and a naive server do.
 
+use crate::kv::{llama_layout, shuffled};
 use crate::peers::{kvring_client, kvring_server_with, stop_server};
 use kvring::cuda::engine_cache::{CudaKvCache, Export};
 use kvring::cuda::{ck, sys, Context};
 use kvring::jobs::JobStatus;
-use kvring::kv::{chunk_hashes, model_id, pattern, KvLayout, KvLayoutKind};
+use kvring::kv::{chunk_hashes, model_id, pattern};
 use kvring::wait::WaitPolicy;
 use serde_json::json;
 use std::ffi::c_void;
@@ -22,31 +23,6 @@ use std::time::{Duration, Instant};
 const CHUNK: u32 = 256;
 const BLOCKS: u32 = 1024;
 const ZERO_COPY_CTAS: u32 = 32;
-
-fn llama(num_blocks: u32) -> KvLayout {
-    KvLayout {
-        kind: KvLayoutKind::FlashAttn as u32,
-        num_layers: 32,
-        num_blocks,
-        block_tokens: 16,
-        num_heads: 8,
-        head_dim: 128,
-        elem_bytes: 2,
-        _reserved: 0,
-    }
-}
-
-fn shuffled(n: u32, seed: u64) -> Vec<u32> {
-    let mut v: Vec<u32> = (0..n).collect();
-    let mut s = seed | 1;
-    for i in (1..v.len()).rev() {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        v.swap(i, (s % (i as u64 + 1)) as usize);
-    }
-    v
-}
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -125,7 +101,7 @@ pub fn run(json_out: bool, passes: usize, copy_threads: Option<u32>) {
     let _ = ncpu;
     let threads = copy_threads.unwrap_or(4);
     // 1024 source and 1024 destination blocks, disjoint, random.
-    let l = llama(2 * BLOCKS);
+    let l = llama_layout(2 * BLOCKS);
     let obj = l.object_bytes(CHUNK);
     let chunks = BLOCKS / 16;
     let bytes = u64::from(chunks) * obj;
@@ -203,7 +179,7 @@ pub fn run(json_out: bool, passes: usize, copy_threads: Option<u32>) {
         })
         .map(|(t, off)| t * l.tensor_bytes().div_ceil(1 << 16) * (1 << 16) + off)
         .collect();
-    let base = cache_base(&cache);
+    let base = cache.device_base();
     let per_block = timed(stream, pieces.len() * slab, reps, || {
         for (i, off) in pieces.iter().enumerate() {
             // SAFETY: each piece is a slab of the cache; the host range is
@@ -260,10 +236,6 @@ pub fn run(json_out: bool, passes: usize, copy_threads: Option<u32>) {
         sys::cuMemFree_v2(dev);
         sys::cuStreamDestroy_v2(stream);
     }
-}
-
-fn cache_base(c: &CudaKvCache) -> u64 {
-    c.device_base()
 }
 
 /// Median store and retrieve GB/s of one server configuration; every
