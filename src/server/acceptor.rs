@@ -204,9 +204,8 @@ impl<'a> Acceptor<'a> {
         // Its engine instances and leases end too (copies still running
         // keep their instance's mappings until they finish).
         let kv = &self.shared.kv;
-        kv.registry().client_gone(slot);
+        kv.change_registry(self.shared, slot, |r| r.client_gone(slot));
         kv.copier.backend.client_gone(slot);
-        show_instances(self.shared, slot, 0);
         kv.with_cache(self.shared, |c| {
             c.drop_leases(Some(slot), std::time::Instant::now())
         });
@@ -293,21 +292,17 @@ impl<'a> Acceptor<'a> {
                     reply(conn, Status::Malformed, 0, "registration message too short");
                     return true;
                 };
-                // Counts are published before the reply, so a client that
-                // sees its registration done sees them too.
-                let mut reg = kv.registry();
-                let r = reg.register(
-                    slot,
-                    session,
-                    chunk,
-                    &req,
-                    rest,
-                    &all,
-                    kv.copier.backend.as_ref(),
-                );
-                show_instances(self.shared, slot, reg.count_of(slot));
-                drop(reg);
-                kv.with_cache(self.shared, |_| ());
+                let r = kv.change_registry(self.shared, slot, |reg| {
+                    reg.register(
+                        slot,
+                        session,
+                        chunk,
+                        &req,
+                        rest,
+                        &all,
+                        kv.copier.backend.as_ref(),
+                    )
+                });
                 match r {
                     Ok(inst) => reply(conn, Status::Ok, inst.id, "registered"),
                     Err((status, text)) => reply(conn, status, 0, &text),
@@ -319,11 +314,9 @@ impl<'a> Acceptor<'a> {
                     return true;
                 }
                 let u: UnregisterKv = bytemuck::pod_read_unaligned(msg);
-                let mut reg = kv.registry();
-                let gone = reg.unregister(slot, session, u.instance);
-                show_instances(self.shared, slot, reg.count_of(slot));
-                drop(reg);
-                kv.with_cache(self.shared, |_| ());
+                let gone = kv.change_registry(self.shared, slot, |reg| {
+                    reg.unregister(slot, session, u.instance)
+                });
                 if gone {
                     reply(conn, Status::Ok, u.instance, "unregistered");
                 } else {
@@ -425,17 +418,6 @@ impl<'a> Acceptor<'a> {
             }
         }
     }
-}
-
-/// Publishes client `slot`'s registered instance count for observers.
-fn show_instances(shared: &Shared, slot: u32, n: usize) {
-    // Observers only: Relaxed.
-    shared
-        .seg
-        .mapping
-        .server_client(slot)
-        .kv_instances
-        .store(n as u32, Ordering::Relaxed);
 }
 
 pub(super) fn run(shared: &Shared, listener: Listener, tick: Duration) {

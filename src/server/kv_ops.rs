@@ -6,7 +6,7 @@
 use super::cache::{Cache, LeaseError, LeaseMeta, ObjectKey};
 use super::copier::{Copier, Dir, JobRun, Task};
 use super::pool::PoolMemory;
-use super::registry::Registry;
+use super::registry::{Instance, Registry};
 use super::Shared;
 use crate::jobs::{JobId, JobKind, JobResult, NewJob};
 use crate::kv::ChunkHash;
@@ -16,6 +16,8 @@ use crate::proto::kv::{
     LookupRequest, RetrieveRequest, StatsReply, StoreRequest,
 };
 use crate::proto::Status;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -28,6 +30,9 @@ pub struct KvState {
     pub max_request_bytes: u32,
     pub copy_threads: u32,
     pub registry: Mutex<Registry>,
+    /// Registered instances, kept by `change_registry` so publishing the
+    /// counters never takes the registry's lock.
+    instances: AtomicU64,
     cache: Mutex<Cache>,
     pub pool: PoolMemory,
     pub copier: Copier,
@@ -76,6 +81,7 @@ impl KvState {
                 (cores / 2).clamp(1, 8)
             }),
             registry: Mutex::new(Registry::default()),
+            instances: AtomicU64::new(0),
             cache: Mutex::new(Cache::new(
                 pool.len(),
                 cfg.high_watermark,
@@ -95,13 +101,39 @@ impl KvState {
         self.registry.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Changes the registry with `f` on behalf of client `slot`, then
+    /// publishes the instance counts (the client's, and the total in the
+    /// cache counters) before the caller answers the client, so a client
+    /// that sees its registration done sees them too.
+    pub fn change_registry<T>(
+        &self,
+        shared: &Shared,
+        slot: u32,
+        f: impl FnOnce(&mut Registry) -> T,
+    ) -> T {
+        let mut reg = self.registry();
+        let r = f(&mut reg);
+        // Observers only: Relaxed (here and for the total, which the cache
+        // counters carry).
+        shared
+            .seg
+            .mapping
+            .server_client(slot)
+            .kv_instances
+            .store(reg.count_of(slot) as u32, Ordering::Relaxed);
+        self.instances.store(reg.len() as u64, Ordering::Relaxed);
+        drop(reg);
+        self.with_cache(shared, |_| ());
+        r
+    }
+
     /// Runs `f` on the cache, then publishes its counters in the header.
     pub fn with_cache<T>(&self, shared: &Shared, f: impl FnOnce(&mut Cache) -> T) -> T {
         let mut c = self.cache();
         let r = f(&mut c);
         let mut stats = c.stats;
         drop(c);
-        stats.instances = self.registry().len() as u64;
+        stats.instances = self.instances.load(Ordering::Relaxed);
         publish(shared, &stats);
         r
     }
@@ -109,7 +141,7 @@ impl KvState {
     /// The cache's counters now.
     pub fn stats(&self) -> StatsReply {
         let mut s = self.cache().stats;
-        s.instances = self.registry().len() as u64;
+        s.instances = self.instances.load(Ordering::Relaxed);
         s
     }
 }
@@ -119,7 +151,7 @@ pub fn publish(shared: &Shared, stats: &StatsReply) {
     let words: [u64; crate::layout::CACHE_STATS_WORDS] = bytemuck::cast(*stats);
     for (a, w) in shared.seg.mapping.header().cache_stats.iter().zip(words) {
         // Observers only: Relaxed.
-        a.store(w, std::sync::atomic::Ordering::Relaxed);
+        a.store(w, Ordering::Relaxed);
     }
 }
 
@@ -231,6 +263,30 @@ fn request_event(
     ))
 }
 
+/// An instance, the engine event to wait for, and whether to publish a job
+/// event.
+type CallerInstance = (Arc<Instance>, Option<[u8; 64]>, bool);
+
+/// The caller's instance `id`, with the request's engine event and whether
+/// it asks for a job event (which only device memory can give).
+fn caller_instance(
+    kv: &KvState,
+    who: Caller,
+    id: u32,
+    flags: u32,
+    event: [u8; 64],
+) -> Result<CallerInstance, Status> {
+    let (event, publish) = request_event(kv, flags, event)?;
+    let inst = kv
+        .registry()
+        .get(who.slot, who.session, id)
+        .ok_or(Status::UnknownInstance)?;
+    if publish && inst.device.is_none() {
+        return Err(Status::InvalidArgument);
+    }
+    Ok((inst, event, publish))
+}
+
 /// JOB_EVENTS: the caller's job event handles on a device.
 pub fn job_events(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
     let uuid: [u8; 16] = req.try_into().map_err(|_| Status::BadLength)?;
@@ -259,14 +315,7 @@ fn blocks_per_chunk(
 pub fn store(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
     let kv = &shared.kv;
     let (h, rest) = split_header::<StoreRequest>(req).ok_or(Status::BadLength)?;
-    let (event, publish) = request_event(kv, h.flags, h.event)?;
-    let inst = kv
-        .registry()
-        .get(who.slot, who.session, h.instance)
-        .ok_or(Status::UnknownInstance)?;
-    if publish && inst.device.is_none() {
-        return Err(Status::InvalidArgument);
-    }
+    let (inst, event, publish) = caller_instance(kv, who, h.instance, h.flags, h.event)?;
     let n = h.n_chunks;
     let hash_bytes = (n as usize)
         .checked_mul(16)
@@ -332,14 +381,7 @@ pub fn store(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
 pub fn retrieve(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
     let kv = &shared.kv;
     let (h, rest) = split_header::<RetrieveRequest>(req).ok_or(Status::BadLength)?;
-    let (event, publish) = request_event(kv, h.flags, h.event)?;
-    let inst = kv
-        .registry()
-        .get(who.slot, who.session, h.instance)
-        .ok_or(Status::UnknownInstance)?;
-    if publish && inst.device.is_none() {
-        return Err(Status::InvalidArgument);
-    }
+    let (inst, event, publish) = caller_instance(kv, who, h.instance, h.flags, h.event)?;
     let bpc = inst.layout.blocks_per_chunk(kv.chunk_tokens);
     let blocks = blocks_per_chunk(rest, h.n_chunks, bpc, inst.layout.num_blocks)?;
     // Every destination block once: concurrent chunk copies never write the
