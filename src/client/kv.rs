@@ -16,7 +16,7 @@ use crate::proto::kv::{
 };
 use crate::proto::{BootKind, Opcode, Status, BOOT_MAGIC};
 use crate::ring::{FrameHeader, RingError, FLAG_MORE};
-use std::os::fd::BorrowedFd;
+use std::os::fd::{AsFd, BorrowedFd};
 use std::time::{Duration, Instant};
 
 /// How long a synchronous request (submission, control) may take.
@@ -34,11 +34,19 @@ pub struct KvSpec {
 }
 
 /// A registered KV cache, as STORE and RETRIEVE name it.
+///
+/// It stays usable across [`Client::reconnect`]: the client registers the
+/// same memory with the new server and sends the new server's id for it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Instance {
+    /// The server's id for it (of the server it was registered with).
     pub id: u32,
     pub layout: KvLayout,
     pub chunk_tokens: u32,
+    /// The epoch of the server that gave `id`.
+    pub(crate) epoch: u64,
+    /// This registration, among every registration of this process.
+    pub(crate) key: u64,
 }
 
 impl Instance {
@@ -64,10 +72,10 @@ impl Client {
         if payload.len() <= max {
             return self.call(op, payload, timeout);
         }
-        if !self.inflight.is_empty() {
+        let live = self.live_in_flight();
+        if live > 0 {
             return Err(Error::Protocol(format!(
-                "synchronous {op:?} while {} requests are in flight",
-                self.inflight.len()
+                "synchronous {op:?} while {live} requests are in flight",
             )));
         }
         let deadline = Instant::now() + timeout;
@@ -107,7 +115,13 @@ impl Client {
             }
         }
         self.flush();
-        let c = self.wait_completion(deadline)?;
+        let c = match self.wait_completion(deadline) {
+            Err(Error::Timeout(d)) => {
+                self.abandon_last(op);
+                return Err(Error::Timeout(d));
+            }
+            r => r?,
+        };
         if c.status != 0 {
             return Err(Error::Status(
                 Status::from_i32(c.status).unwrap_or(Status::Malformed),
@@ -195,6 +209,32 @@ impl Client {
         n_tensors: usize,
         fds: &[BorrowedFd<'_>],
     ) -> Result<Instance> {
+        // Kept (with duplicates of the descriptors) to register again after
+        // a reconnect.
+        let saved = super::reconnect::Saved::new(
+            spec,
+            mem_kind,
+            device_uuid,
+            regions,
+            n_tensors,
+            fds,
+        )?;
+        let inst = self.send_registration(&saved)?;
+        self.registrations.push(saved.with_id(inst.id, inst.key));
+        Ok(inst)
+    }
+
+    /// Sends one registration and waits for the server's answer.
+    pub(super) fn send_registration(&mut self, saved: &super::reconnect::Saved) -> Result<Instance> {
+        let (spec, mem_kind, device_uuid, regions, n_tensors) = (
+            &saved.spec,
+            saved.mem_kind,
+            saved.device_uuid,
+            &saved.regions[..],
+            saved.n_tensors,
+        );
+        let fds: Vec<BorrowedFd<'_>> = saved.fds.iter().map(|f| f.as_fd()).collect();
+        let fds = &fds[..];
         let chunk_tokens = self.server_config()?.chunk_tokens;
         spec.layout
             .validate(chunk_tokens)
@@ -238,6 +278,8 @@ impl Client {
             id: r.instance,
             layout: spec.layout,
             chunk_tokens: r.chunk_tokens,
+            epoch: self.epoch,
+            key: saved.key,
         })
     }
 
@@ -264,7 +306,7 @@ impl Client {
         let m = UnregisterKv {
             magic: BOOT_MAGIC,
             kind: BootKind::Unregister as u32,
-            instance: instance.id,
+            instance: self.server_instance(instance)?,
         };
         self.conn
             .send(bytemuck::bytes_of(&m), &[])
@@ -276,6 +318,7 @@ impl Client {
                 reason: r.text(),
             });
         }
+        self.registrations.retain(|s| s.key != instance.key);
         Ok(())
     }
 
@@ -353,7 +396,7 @@ impl Client {
     ) -> Result<JobId> {
         check_blocks(inst, hashes.len(), blocks)?;
         let h = StoreRequest {
-            instance: inst.id,
+            instance: self.server_instance(inst)?,
             n_chunks: hashes.len() as u32,
             salt,
             flags: if event.is_some() { FLAG_EVENT } else { 0 },
@@ -419,7 +462,7 @@ impl Client {
         }
         let h = RetrieveRequest {
             lease,
-            instance: inst.id,
+            instance: self.server_instance(inst)?,
             first_chunk,
             n_chunks: (blocks.len() / bpc) as u32,
             skip_tokens,

@@ -15,6 +15,7 @@
 mod host_cache;
 mod jobs;
 mod kv;
+mod reconnect;
 
 pub use host_cache::HostKvCache;
 pub use kv::{Instance, KvSpec};
@@ -64,6 +65,9 @@ pub struct Completion {
 struct InFlight {
     user_data: u64,
     reserved: usize,
+    /// A synchronous call that timed out: its completion, when it comes, is
+    /// consumed and dropped (a job it created is released once finished).
+    abandoned: Option<Opcode>,
 }
 
 /// A connection to a kvring server.
@@ -81,6 +85,14 @@ pub struct Client {
     wait: WaitPolicy,
     buf: Vec<u64>,
     name: String,
+    /// Where the server is and how to connect, for [`Client::reconnect`].
+    paths: ServerPaths,
+    opts: ClientOptions,
+    /// Every KV cache registered and not unregistered, to register again
+    /// after a reconnect.
+    registrations: Vec<reconnect::Saved>,
+    /// Jobs created by abandoned calls, released once they finish.
+    orphans: Vec<crate::jobs::JobId>,
     /// When the server's liveness was last checked by a job status read.
     alive_checked: std::cell::Cell<Instant>,
 }
@@ -212,6 +224,10 @@ impl Client {
             wait: opts.wait,
             buf: vec![0u64; g.max_frame_bytes as usize / 8],
             name: paths.name.clone(),
+            paths: paths.clone(),
+            opts: opts.clone(),
+            registrations: Vec::new(),
+            orphans: Vec::new(),
             alive_checked: std::cell::Cell::new(Instant::now()),
         })
     }
@@ -293,6 +309,7 @@ impl Client {
         self.inflight.push_back(InFlight {
             user_data,
             reserved: bound,
+            abandoned: None,
         });
         self.show_load();
         Ok(())
@@ -335,6 +352,7 @@ impl Client {
             self.inflight.push_back(InFlight {
                 user_data: header.user_data,
                 reserved: bound,
+                abandoned: None,
             });
             self.show_load();
         }
@@ -379,6 +397,34 @@ impl Client {
     /// Consumes one completion frame (payload left in `self.buf`), returning
     /// its credit.
     fn take_frame(&mut self) -> Result<Option<FrameHeader>> {
+        loop {
+            let Some(h) = self.take_any_frame()? else {
+                return Ok(None);
+            };
+            if let Some(op) = h.1 {
+                self.adopt_orphan(op, &h.0);
+                continue;
+            }
+            return Ok(Some(h.0));
+        }
+    }
+
+    /// A late completion of an abandoned call: a job it created is kept
+    /// to be released once it finishes.
+    fn adopt_orphan(&mut self, op: Opcode, h: &FrameHeader) {
+        let job_op = matches!(
+            op,
+            Opcode::DelayJob | Opcode::Lookup | Opcode::Store | Opcode::Retrieve
+        );
+        if job_op && h.status == 0 && h.len as usize == size_of::<crate::jobs::JobId>() {
+            let bytes = &bytemuck::cast_slice::<u64, u8>(&self.buf)[..h.len as usize];
+            self.orphans.push(bytemuck::pod_read_unaligned(bytes));
+        }
+    }
+
+    /// Consumes one completion frame, with the opcode of the abandoned call
+    /// it answers, if it answers one.
+    fn take_any_frame(&mut self) -> Result<Option<(FrameHeader, Option<Opcode>)>> {
         let h = match self.cq.pop(&mut self.buf) {
             Ok(Some(h)) => h,
             Ok(None) => return Ok(None),
@@ -401,7 +447,7 @@ impl Client {
         if frame_len(&h) > f.reserved {
             return Err(Error::Protocol("completion larger than its bound".into()));
         }
-        Ok(Some(h))
+        Ok(Some((h, f.abandoned)))
     }
 
     /// Waits for the next completion until `deadline`. Ends with
@@ -421,11 +467,25 @@ impl Client {
     /// [`Client::wait_completion`] into a caller-owned buffer (no allocation
     /// once the buffer has grown).
     pub fn wait_into(&mut self, deadline: Instant, payload: &mut Vec<u8>) -> Result<FrameHeader> {
-        if self.inflight.is_empty() {
-            return Err(Error::Protocol(
-                "waiting for a completion with nothing in flight".into(),
-            ));
+        loop {
+            if self.inflight.iter().all(|f| f.abandoned.is_some()) {
+                return Err(Error::Protocol(
+                    "waiting for a completion with nothing in flight".into(),
+                ));
+            }
+            self.wait_frame(deadline)?;
+            if let Some(h) = self.take_frame()? {
+                payload.clear();
+                payload.extend_from_slice(
+                    &bytemuck::cast_slice::<u64, u8>(&self.buf)[..h.len as usize],
+                );
+                return Ok(h);
+            }
         }
+    }
+
+    /// Waits until a completion frame is in the ring.
+    fn wait_frame(&mut self, deadline: Instant) -> Result<()> {
         self.touch();
         let start = Instant::now();
         let seg = &self.seg;
@@ -454,10 +514,7 @@ impl Client {
             }
             Err(WaitEnd::Dead(())) => return Err(Error::ServerGone),
         }
-        let h = self.take_frame()?.expect("a frame was ready");
-        payload.clear();
-        payload.extend_from_slice(&bytemuck::cast_slice::<u64, u8>(&self.buf)[..h.len as usize]);
-        Ok(h)
+        Ok(())
     }
 
     /// One PING round trip: the payload comes back unchanged.
@@ -468,22 +525,67 @@ impl Client {
     /// One synchronous request: submits it, waits for its completion, and
     /// turns an error status into `Error::Status`. Completions arrive in
     /// order, so other requests may not be in flight.
+    ///
+    /// When the wait times out the request stays in flight, abandoned: its
+    /// completion is dropped when it arrives (and a job it created is
+    /// released once it finishes), so the next call works as usual.
     pub fn call(&mut self, op: Opcode, payload: &[u8], timeout: Duration) -> Result<Vec<u8>> {
-        if !self.inflight.is_empty() {
+        let live = self.live_in_flight();
+        if live > 0 {
             return Err(Error::Protocol(format!(
-                "synchronous {op:?} while {} requests are in flight; consume their completions first",
-                self.inflight.len()
+                "synchronous {op:?} while {live} requests are in flight; consume their completions first",
             )));
+        }
+        if op != Opcode::ReleaseJob {
+            self.release_orphans();
         }
         let tag = 0x4341_4c4c_0000_0000 | op as u64;
         self.submit(op, payload, tag)?;
-        let c = self.wait_completion(Instant::now() + timeout)?;
+        let c = match self.wait_completion(Instant::now() + timeout) {
+            Err(Error::Timeout(d)) => {
+                self.abandon_last(op);
+                return Err(Error::Timeout(d));
+            }
+            r => r?,
+        };
         if c.status != 0 {
             return Err(Error::Status(
                 Status::from_i32(c.status).unwrap_or(Status::Malformed),
             ));
         }
         Ok(c.payload)
+    }
+
+    /// Requests in flight whose completions someone will wait for.
+    fn live_in_flight(&self) -> usize {
+        self.inflight.iter().filter(|f| f.abandoned.is_none()).count()
+    }
+
+    /// Marks the newest request in flight as abandoned.
+    pub(crate) fn abandon_last(&mut self, op: Opcode) {
+        if let Some(f) = self.inflight.back_mut() {
+            f.abandoned = Some(op);
+        }
+    }
+
+    /// Releases the finished jobs of abandoned calls (a shared-memory read
+    /// each; one RELEASE_JOB per finished job).
+    fn release_orphans(&mut self) {
+        if self.orphans.is_empty() {
+            return;
+        }
+        let orphans = std::mem::take(&mut self.orphans);
+        for id in orphans {
+            match self.job_status(id) {
+                Ok(s) if s.is_terminal() => {
+                    // Best effort: an error here leaves the job to be
+                    // tombstoned when this client disconnects.
+                    let _ = self.release_job(id);
+                }
+                Ok(_) => self.orphans.push(id),
+                Err(_) => {}
+            }
+        }
     }
 
     /// Records that this client is alive and calling in (for observers).

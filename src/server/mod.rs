@@ -18,7 +18,7 @@ mod cuda_backend;
 mod delay;
 mod kv_ops;
 mod pool;
-mod registry;
+pub(crate) mod registry;
 mod ring_loop;
 mod stream_copy;
 

@@ -252,7 +252,9 @@ fn serve(
         );
         let t0 = if timed { monotonic_ns() } else { 0 };
         let status = {
-            let reply = if bad {
+            let reply = if bad || (gathered && op == Some(Opcode::Ping)) {
+                // A PING echoes its payload, so it must fit one frame: the
+                // completion space reserved for it is the last frame's.
                 Reply::err(Status::BadLength)
             } else if gathered {
                 whole.extend_from_slice(last);
@@ -260,7 +262,13 @@ fn serve(
             } else {
                 execute(shared, delays, c, op, h.user_data, last)
             };
-            debug_assert!(crate::ring::frame_bytes(reply.payload.len()) <= bound);
+            // Never more than the client reserved (and the room checked
+            // above): a reply that would not fit is an error reply instead.
+            let reply = if crate::ring::frame_bytes(reply.payload.len()) > bound {
+                Reply::err(Status::ServerError)
+            } else {
+                reply
+            };
             c.cq.write(
                 &FrameHeader {
                     opcode: h.opcode,

@@ -1,0 +1,529 @@
+//! Entry points of the fuzz targets (`fuzz/fuzz_targets/`) and of their
+//! bounded runs in the test suite (`tests/fuzz.rs`).
+//!
+//! Each function takes arbitrary bytes, drives one piece of kvring that
+//! reads untrusted input with them, and panics when a property breaks. An
+//! input the code refuses with an error is a pass; a panic, an out-of-bounds
+//! access (caught by the sanitizer under `cargo fuzz`), a hang (caught by
+//! the deadlines below) or a wrong answer is a failure.
+//!
+//! * [`ring_frames`]: the ring consumer against a hostile producer (any
+//!   indices, any words in the data area), and producer + consumer against
+//!   a model of the frames in flight;
+//! * [`requests`]: any frames (opcode, flags, payload) submitted to a live
+//!   in-process server with a registered KV cache: every request is answered
+//!   exactly once with a known status, jobs it creates end, the connection
+//!   survives;
+//! * [`registration`]: any registration message and tensor table against
+//!   the server's registry (with real sealed and unsealed memfds), and any
+//!   layout descriptor against its own addressing: whatever is accepted
+//!   addresses only memory it mapped.
+
+use crate::jobs::{JobId, JobStatus};
+use crate::kv::{KvLayout, KvLayoutKind};
+use crate::proto::kv::{RegisterKv, TensorRegion};
+use crate::proto::{Opcode, Status};
+use crate::ring::{
+    frame_bytes, Consumer, FrameHeader, Producer, RingError, RingPtrs, FLAG_MORE, HEADER_BYTES,
+};
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+/// Reads an input front to back; past its end every read is zero.
+struct Input<'a>(&'a [u8]);
+
+impl Input<'_> {
+    fn bytes(&mut self, n: usize) -> &[u8] {
+        let n = n.min(self.0.len());
+        let (a, b) = self.0.split_at(n);
+        self.0 = b;
+        a
+    }
+    fn u8(&mut self) -> u8 {
+        self.bytes(1).first().copied().unwrap_or(0)
+    }
+    fn u16(&mut self) -> u16 {
+        u16::from(self.u8()) | u16::from(self.u8()) << 8
+    }
+    fn u32(&mut self) -> u32 {
+        u32::from(self.u16()) | u32::from(self.u16()) << 16
+    }
+    fn u64(&mut self) -> u64 {
+        u64::from(self.u32()) | u64::from(self.u32()) << 32
+    }
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+/// A ring in ordinary memory: the two indices and the data words.
+struct HeapRing {
+    head: AtomicU64,
+    tail: AtomicU64,
+    data: Vec<AtomicU64>,
+    max_frame: usize,
+}
+
+impl HeapRing {
+    fn new(capacity: usize, max_frame: usize) -> HeapRing {
+        HeapRing {
+            head: AtomicU64::new(0),
+            tail: AtomicU64::new(0),
+            data: (0..capacity / 8).map(|_| AtomicU64::new(0)).collect(),
+            max_frame,
+        }
+    }
+    fn ptrs(&self) -> RingPtrs {
+        RingPtrs {
+            head: &self.head,
+            tail: &self.tail,
+            data: self.data.as_ptr(),
+            capacity: self.data.len() * 8,
+            max_frame: self.max_frame,
+        }
+    }
+}
+
+/// The ring consumer against a hostile producer, then (second mode) a
+/// producer and consumer against a model.
+pub fn ring_frames(data: &[u8]) {
+    let mut inp = Input(data);
+    let mode = inp.u8();
+    let capacity = 4096usize << (inp.u8() % 4);
+    // Any frame bound the consumer accepts, up to the whole ring.
+    let max_frame = HEADER_BYTES + 8 * (usize::from(inp.u16()) % ((capacity - HEADER_BYTES) / 8));
+    let ring = HeapRing::new(capacity, max_frame);
+    if mode % 2 == 0 {
+        hostile_producer(&ring, &mut inp);
+    } else {
+        modelled_ring(&ring, &mut inp);
+    }
+}
+
+fn hostile_producer(ring: &HeapRing, inp: &mut Input) {
+    let capacity = ring.data.len() as u64 * 8;
+    let start = match inp.u8() % 3 {
+        0 => inp.u64(),
+        1 => u64::MAX - u64::from(inp.u16()),
+        _ => u64::from(inp.u16()) * 8,
+    };
+    ring.head.store(start, Ordering::Relaxed);
+    ring.tail
+        .store(start.wrapping_add(u64::from(inp.u16())), Ordering::Relaxed);
+    for w in &ring.data {
+        if inp.is_empty() {
+            break;
+        }
+        w.store(inp.u64(), Ordering::Relaxed);
+    }
+    // SAFETY: the ring's memory lives in `ring` for the whole function and
+    // this is its only consumer.
+    let Ok(mut c) = (unsafe { Consumer::new(ring.ptrs()) }) else {
+        return;
+    };
+    let mut buf = vec![0u64; ring.max_frame / 8];
+    for _ in 0..10_000 {
+        if inp.is_empty() {
+            break;
+        }
+        let before = c.head();
+        let r = match inp.u8() % 6 {
+            0 | 1 => c.pop(&mut buf),
+            2 => c.skip(),
+            3 => {
+                c.release();
+                Ok(None)
+            }
+            4 => {
+                let t = match inp.u8() % 3 {
+                    0 => inp.u64(),
+                    1 => ring
+                        .tail
+                        .load(Ordering::Relaxed)
+                        .wrapping_add(u64::from(inp.u16())),
+                    _ => ring
+                        .tail
+                        .load(Ordering::Relaxed)
+                        .wrapping_add(8 * u64::from(inp.u8())),
+                };
+                ring.tail.store(t, Ordering::Release);
+                Ok(None)
+            }
+            _ => {
+                let i = inp.u32() as usize % ring.data.len();
+                ring.data[i].store(inp.u64(), Ordering::Relaxed);
+                Ok(None)
+            }
+        };
+        match r {
+            Ok(Some(h)) => {
+                // A frame within the bound, wholly inside the published bytes.
+                assert!(h.len as usize <= c.max_payload(), "frame over the bound");
+                let moved = c.head().wrapping_sub(before);
+                assert_eq!(moved, frame_bytes(h.len as usize) as u64);
+                assert!(moved <= capacity);
+            }
+            Ok(None) => {}
+            Err(RingError::Corrupt(_)) => {}
+            Err(e) => panic!("a consumer reports only corruption, got {e}"),
+        }
+    }
+}
+
+fn modelled_ring(ring: &HeapRing, inp: &mut Input) {
+    let capacity = ring.data.len() * 8;
+    // SAFETY: the ring's memory lives in `ring` for the whole function; one
+    // producer and one consumer, both used only here.
+    let (mut p, mut c) = unsafe {
+        (
+            Producer::new(ring.ptrs()).expect("fresh ring"),
+            Consumer::new(ring.ptrs()).expect("fresh ring"),
+        )
+    };
+    let mut buf = vec![0u64; ring.max_frame / 8];
+    // Frames written (and whether published), in order.
+    let mut written: VecDeque<(FrameHeader, Vec<u8>)> = VecDeque::new();
+    let mut published = 0usize;
+    // Bytes written and not yet released by the consumer.
+    let mut unreleased = 0usize;
+    let mut consumed = 0usize;
+    let mut serial = 0u64;
+    for _ in 0..10_000 {
+        if inp.is_empty() {
+            break;
+        }
+        match inp.u8() % 4 {
+            0 | 1 => {
+                let len = usize::from(inp.u16()) % (ring.max_frame + 16);
+                let fill = inp.u8();
+                let payload: Vec<u8> = (0..len).map(|i| fill.wrapping_add(i as u8)).collect();
+                serial += 1;
+                let h = FrameHeader {
+                    opcode: inp.u16(),
+                    flags: if inp.u8() % 2 == 0 { 0 } else { FLAG_MORE },
+                    session: 7,
+                    user_data: serial,
+                    ..Default::default()
+                };
+                let need = frame_bytes(len);
+                match p.write(&h, &payload) {
+                    Ok(()) => {
+                        unreleased += need;
+                        written.push_back((h, payload));
+                    }
+                    Err(RingError::TooLarge { .. }) => assert!(need > ring.max_frame),
+                    Err(RingError::Full { .. }) => {
+                        assert!(need <= ring.max_frame);
+                        assert!(unreleased + need > capacity, "refused a frame that fits");
+                    }
+                    Err(e) => panic!("producer: {e}"),
+                }
+            }
+            2 => {
+                p.publish();
+                published = written.len();
+            }
+            _ => match c.pop(&mut buf).expect("an honest ring is never corrupt") {
+                Some(h) => {
+                    assert!(published > 0, "a frame came out before it was published");
+                    let (wh, wp) = written.pop_front().expect("a frame was written");
+                    published -= 1;
+                    assert_eq!((h.opcode, h.flags, h.user_data), (wh.opcode, wh.flags, wh.user_data));
+                    assert_eq!(
+                        &bytemuck::cast_slice::<u64, u8>(&buf)[..h.len as usize],
+                        &wp[..]
+                    );
+                    consumed += frame_bytes(wp.len());
+                    if inp.u8() % 2 == 0 {
+                        c.release();
+                        unreleased -= consumed;
+                        consumed = 0;
+                    }
+                }
+                None => assert_eq!(published, 0, "a published frame did not come out"),
+            },
+        }
+    }
+}
+
+/// The in-process server and client [`requests`] talks to.
+struct RequestTarget {
+    client: crate::Client,
+    instance: crate::Instance,
+    _cache: crate::HostKvCache,
+    _server: crate::ServerHandle,
+}
+
+fn request_target() -> &'static Mutex<RequestTarget> {
+    static T: OnceLock<Mutex<RequestTarget>> = OnceLock::new();
+    T.get_or_init(|| {
+        let pid = std::process::id();
+        let dir = std::env::temp_dir().join(format!("kvring-fuzz-{pid}"));
+        std::fs::create_dir_all(&dir).expect("fuzz runtime directory");
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))
+            .expect("runtime directory mode");
+        let mut cfg = crate::ServerConfig::new(&format!("fuzz-{pid}"));
+        cfg.runtime_dir = dir.clone();
+        cfg.kv.chunk_tokens = 32;
+        cfg.kv.pool_bytes = 8 << 20;
+        cfg.kv.copy_threads = Some(1);
+        cfg.kv.max_request_bytes = 256 << 10;
+        cfg.kv.backend = crate::server::BackendChoice::Host;
+        let server = crate::server::start(cfg).expect("in-process server");
+        let mut client = crate::Client::connect_in(&dir, &format!("fuzz-{pid}")).expect("connect");
+        let cache = crate::HostKvCache::new(fuzz_layout(), 32).expect("cache");
+        let instance = client
+            .register_host_cache(crate::kv::model_id("fuzz"), 1, 0, &cache)
+            .expect("register");
+        Mutex::new(RequestTarget {
+            client,
+            instance,
+            _cache: cache,
+            _server: server,
+        })
+    })
+}
+
+fn fuzz_layout() -> KvLayout {
+    KvLayout {
+        kind: KvLayoutKind::FlashAttn as u32,
+        num_layers: 2,
+        num_blocks: 16,
+        block_tokens: 16,
+        num_heads: 1,
+        head_dim: 16,
+        elem_bytes: 2,
+        _reserved: 0,
+    }
+}
+
+const OPCODES: [Opcode; 13] = [
+    Opcode::Ping,
+    Opcode::DelayJob,
+    Opcode::ReleaseJob,
+    Opcode::Lookup,
+    Opcode::Store,
+    Opcode::Retrieve,
+    Opcode::FreeLookupLocks,
+    Opcode::EndSession,
+    Opcode::Clear,
+    Opcode::Stats,
+    Opcode::GetConfig,
+    Opcode::JobEvents,
+    Opcode::Ping,
+];
+
+/// Any frames submitted to a live server: each answered once with a known
+/// status; every job created ends and is released; the connection survives.
+pub fn requests(data: &[u8]) {
+    let mut t = request_target().lock().unwrap_or_else(|e| e.into_inner());
+    let t = &mut *t;
+    let c = &mut t.client;
+    let session = c.session();
+    let max = c.max_payload();
+    let mut inp = Input(data);
+    let mut jobs: Vec<JobId> = Vec::new();
+    let mut serial = 0u64;
+    let deadline = || Instant::now() + Duration::from_secs(10);
+    let mut frames = 0;
+    let mut pieces = false;
+    while !inp.is_empty() && frames < 64 {
+        frames += 1;
+        let sel = inp.u8();
+        let opcode = if sel < 224 {
+            OPCODES[usize::from(sel) % OPCODES.len()] as u16
+        } else {
+            inp.u16()
+        };
+        let flags = match inp.u8() % 8 {
+            0 => FLAG_MORE,
+            1 => inp.u16(),
+            _ => 0,
+        };
+        let len = usize::from(inp.u16()) % (max + 1);
+        let mut payload = inp.bytes(len).to_vec();
+        payload.resize(len, 0);
+        let fix = inp.u8();
+        // Point requests at the registered instance, and keep delay jobs
+        // short, so inputs reach the deep paths and end quickly.
+        if fix & 1 != 0 {
+            let id = t.instance.id.to_le_bytes();
+            match Opcode::from_u16(opcode) {
+                Some(Opcode::Store) if len >= 4 => payload[..4].copy_from_slice(&id),
+                Some(Opcode::Retrieve) if len >= 20 => payload[16..20].copy_from_slice(&id),
+                _ => {}
+            }
+        }
+        if Opcode::from_u16(opcode) == Some(Opcode::DelayJob) && len >= 24 {
+            for w in 0..3 {
+                let v = u64::from_le_bytes(payload[w * 8..w * 8 + 8].try_into().unwrap()) % 2000;
+                payload[w * 8..w * 8 + 8].copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        if fix & 2 != 0 && !jobs.is_empty() && len >= 16 {
+            // Refer to a job of this input (lease, release).
+            let j = jobs[usize::from(fix >> 2) % jobs.len()];
+            payload[..16].copy_from_slice(bytemuck::bytes_of(&j));
+        }
+        serial += 1;
+        let more = flags & FLAG_MORE != 0;
+        let h = FrameHeader {
+            opcode,
+            flags,
+            session,
+            user_data: serial,
+            ..Default::default()
+        };
+        submit(c, h, &payload, !more);
+        if more {
+            pieces = true;
+            continue;
+        }
+        let gathered = std::mem::take(&mut pieces);
+        let done = c.wait_completion(deadline()).expect("every request is answered");
+        let status = Status::from_i32(done.status)
+            .unwrap_or_else(|| panic!("unknown status {} for opcode {opcode}", done.status));
+        let op = Opcode::from_u16(opcode);
+        if op.is_none() {
+            // (Pieces of a request that break the rules are refused first.)
+            let want = [Status::UnknownOpcode, Status::BadLength];
+            assert!(want[..1 + usize::from(gathered)].contains(&status), "{status:?}");
+        }
+        if status == Status::Ok
+            && matches!(
+                op,
+                Some(Opcode::DelayJob | Opcode::Lookup | Opcode::Store | Opcode::Retrieve)
+            )
+        {
+            assert_eq!(done.payload.len(), 16, "a job request answers its id");
+            jobs.push(bytemuck::pod_read_unaligned(&done.payload));
+        }
+        if status == Status::Ok && op == Some(Opcode::Ping) {
+            assert_eq!(done.payload, payload);
+        }
+    }
+    // A last frame ends any gathered request; then the ring must still work.
+    submit(
+        c,
+        FrameHeader {
+            opcode: Opcode::Ping as u16,
+            session,
+            user_data: u64::MAX,
+            ..Default::default()
+        },
+        b"end",
+        true,
+    );
+    c.wait_completion(deadline()).expect("the closing frame is answered");
+    assert_eq!(c.ping(b"alive", Duration::from_secs(10)).unwrap(), b"alive");
+    // Every job of the input ends (the longest delay job is 4 ms).
+    for id in jobs {
+        match c.wait_job(id, deadline()) {
+            Ok(
+                JobStatus::Done(_)
+                | JobStatus::Failed(_)
+                | JobStatus::Tombstoned(_)
+                | JobStatus::Expired,
+            ) => {}
+            other => panic!("job {id:?} did not end: {other:?}"),
+        }
+        let _ = c.release_job(id);
+    }
+}
+
+/// Submits a frame, waiting for ring space while the server drains it.
+fn submit(c: &mut crate::Client, h: FrameHeader, payload: &[u8], answered: bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match c.submit_raw(h, payload, answered) {
+            Ok(()) => return,
+            Err(crate::Error::Ring(RingError::Full { .. })) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+            Err(e) => panic!("submit: {e}"),
+        }
+    }
+}
+
+/// A sealed memfd of `bytes` bytes, or an unsealed one.
+fn memfd(bytes: u64, sealed: bool) -> std::os::fd::OwnedFd {
+    use nix::sys::memfd::{memfd_create, MFdFlags};
+    let fd = memfd_create(c"kvring-fuzz", MFdFlags::MFD_ALLOW_SEALING).expect("memfd");
+    nix::unistd::ftruncate(&fd, bytes as i64).expect("ftruncate");
+    if sealed {
+        use std::os::fd::AsRawFd;
+        // SAFETY: F_ADD_SEALS on a descriptor this function owns.
+        let r = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) };
+        assert_eq!(r, 0, "seal");
+    }
+    fd
+}
+
+/// Any registration against the registry, and any layout against its own
+/// addressing.
+pub fn registration(data: &[u8]) {
+    let mut inp = Input(data);
+    let chunk_tokens = 1 + u32::from(inp.u16()) % 1024;
+    let mut raw = [0u8; std::mem::size_of::<RegisterKv>()];
+    let head = inp.bytes(raw.len());
+    raw[..head.len()].copy_from_slice(head);
+    let mut req: RegisterKv = bytemuck::pod_read_unaligned(&raw);
+    // Mostly host memory (the only kind without a GPU).
+    if inp.u8() % 4 != 0 {
+        req.mem_kind = crate::proto::kv::MemKind::HostFd as u32;
+    }
+    let table = inp.bytes(64 * std::mem::size_of::<TensorRegion>()).to_vec();
+    check_layout(&req.layout, chunk_tokens);
+
+    static FDS: OnceLock<Vec<std::os::fd::OwnedFd>> = OnceLock::new();
+    let fds = FDS.get_or_init(|| vec![memfd(1 << 20, true), memfd(1 << 20, false), memfd(0, true)]);
+    let nfds = usize::from(inp.u8()) % (fds.len() + 1);
+    let sent: Vec<std::os::fd::OwnedFd> = fds[..nfds]
+        .iter()
+        .map(|f| f.try_clone().expect("dup"))
+        .collect();
+    let mut reg = crate::server::registry::Registry::default();
+    let backend = crate::server::HostBackend;
+    if let Ok(inst) = reg.register(3, 1, chunk_tokens, &req, &table, &sent, &backend) {
+        let l = inst.layout;
+        assert!(l.validate(chunk_tokens).is_ok());
+        assert_eq!(inst.tensors.len() as u32, l.num_tensors());
+        for t in &inst.tensors {
+            let m = t.host().expect("host memory");
+            assert!(m.bytes() >= l.tensor_bytes(), "a tensor smaller than its layout");
+        }
+        assert_eq!(reg.len(), 1);
+        assert!(reg.unregister(3, 1, inst.id));
+        assert_eq!(reg.len(), 0);
+    }
+}
+
+/// A layout that validates addresses only its tensors and objects.
+fn check_layout(l: &KvLayout, chunk_tokens: u32) {
+    if l.validate(chunk_tokens).is_err() {
+        return;
+    }
+    let tb = l.tensor_bytes();
+    assert!(tb <= crate::kv::layout::MAX_TENSOR_BYTES);
+    let slab = l.slab_bytes();
+    let ob = l.object_bytes(chunk_tokens);
+    let bpc = l.blocks_per_chunk(chunk_tokens);
+    assert!(bpc >= 1);
+    let last = |n: u32| [0, n / 2, n - 1];
+    for layer in last(l.num_layers) {
+        for part in 0..l.parts() {
+            for block in last(l.num_blocks) {
+                let (t, off) = l.slab_at(layer, part, block);
+                assert!(t < l.num_tensors(), "slab in tensor {t}");
+                assert!(off.checked_add(slab).is_some_and(|e| e <= tb), "slab past its tensor");
+            }
+            for j in last(bpc) {
+                let off = l.object_offset(chunk_tokens, layer, part, j);
+                assert!(off.checked_add(slab).is_some_and(|e| e <= ob), "slab past its object");
+            }
+        }
+    }
+}
