@@ -230,7 +230,10 @@ fn modelled_ring(ring: &HeapRing, inp: &mut Input) {
                     assert!(published > 0, "a frame came out before it was published");
                     let (wh, wp) = written.pop_front().expect("a frame was written");
                     published -= 1;
-                    assert_eq!((h.opcode, h.flags, h.user_data), (wh.opcode, wh.flags, wh.user_data));
+                    assert_eq!(
+                        (h.opcode, h.flags, h.user_data),
+                        (wh.opcode, wh.flags, wh.user_data)
+                    );
                     assert_eq!(
                         &bytemuck::cast_slice::<u64, u8>(&buf)[..h.len as usize],
                         &wp[..]
@@ -383,14 +386,19 @@ pub fn requests(data: &[u8]) {
             continue;
         }
         let gathered = std::mem::take(&mut pieces);
-        let done = c.wait_completion(deadline()).expect("every request is answered");
+        let done = c
+            .wait_completion(deadline())
+            .expect("every request is answered");
         let status = Status::from_i32(done.status)
             .unwrap_or_else(|| panic!("unknown status {} for opcode {opcode}", done.status));
         let op = Opcode::from_u16(opcode);
         if op.is_none() {
             // (Pieces of a request that break the rules are refused first.)
             let want = [Status::UnknownOpcode, Status::BadLength];
-            assert!(want[..1 + usize::from(gathered)].contains(&status), "{status:?}");
+            assert!(
+                want[..1 + usize::from(gathered)].contains(&status),
+                "{status:?}"
+            );
         }
         if status == Status::Ok
             && matches!(
@@ -417,7 +425,8 @@ pub fn requests(data: &[u8]) {
         b"end",
         true,
     );
-    c.wait_completion(deadline()).expect("the closing frame is answered");
+    c.wait_completion(deadline())
+        .expect("the closing frame is answered");
     assert_eq!(c.ping(b"alive", Duration::from_secs(10)).unwrap(), b"alive");
     // Every job of the input ends (the longest delay job is 4 ms).
     for id in jobs {
@@ -493,7 +502,10 @@ pub fn registration(data: &[u8]) {
         assert_eq!(inst.tensors.len() as u32, l.num_tensors());
         for t in &inst.tensors {
             let m = t.host().expect("host memory");
-            assert!(m.bytes() >= l.tensor_bytes(), "a tensor smaller than its layout");
+            assert!(
+                m.bytes() >= l.tensor_bytes(),
+                "a tensor smaller than its layout"
+            );
         }
         assert_eq!(reg.len(), 1);
         assert!(reg.unregister(3, 1, inst.id));
@@ -518,11 +530,17 @@ fn check_layout(l: &KvLayout, chunk_tokens: u32) {
             for block in last(l.num_blocks) {
                 let (t, off) = l.slab_at(layer, part, block);
                 assert!(t < l.num_tensors(), "slab in tensor {t}");
-                assert!(off.checked_add(slab).is_some_and(|e| e <= tb), "slab past its tensor");
+                assert!(
+                    off.checked_add(slab).is_some_and(|e| e <= tb),
+                    "slab past its tensor"
+                );
             }
             for j in last(bpc) {
                 let off = l.object_offset(chunk_tokens, layer, part, j);
-                assert!(off.checked_add(slab).is_some_and(|e| e <= ob), "slab past its object");
+                assert!(
+                    off.checked_add(slab).is_some_and(|e| e <= ob),
+                    "slab past its object"
+                );
             }
         }
     }

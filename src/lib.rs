@@ -29,10 +29,10 @@ pub mod demo;
 #[cfg(not(loom))]
 pub mod error;
 #[cfg(not(loom))]
+pub mod futex;
+#[cfg(not(loom))]
 #[doc(hidden)]
 pub mod fuzz;
-#[cfg(not(loom))]
-pub mod futex;
 #[cfg(not(loom))]
 pub mod kv;
 #[cfg(not(loom))]

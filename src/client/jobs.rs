@@ -13,14 +13,15 @@ use std::time::{Duration, Instant};
 /// the server is still there (a non-blocking poll of the bootstrap socket).
 const ALIVE_CHECK_EVERY: Duration = Duration::from_millis(1);
 
-/// How long a synchronous job request (submit, release) may take.
-const CALL_TIMEOUT: Duration = Duration::from_secs(10);
-
 impl Client {
     /// Starts a delay job (see [`DelayJobRequest`]) and returns its id.
     pub fn submit_delay_job(&mut self, req: &DelayJobRequest) -> Result<JobId> {
         req.validate().map_err(Error::Config)?;
-        let reply = self.call(Opcode::DelayJob, bytemuck::bytes_of(req), CALL_TIMEOUT)?;
+        let reply = self.call(
+            Opcode::DelayJob,
+            bytemuck::bytes_of(req),
+            self.opts.call_timeout,
+        )?;
         if reply.len() != std::mem::size_of::<JobId>() {
             return Err(Error::Protocol(format!(
                 "job submission answered {} bytes, expected a 16-byte job id",
@@ -117,7 +118,11 @@ impl Client {
     /// stays readable) and may be reused later. Releasing twice is harmless;
     /// releasing an unfinished job fails with `JobNotFinished`.
     pub fn release_job(&mut self, id: JobId) -> Result<()> {
-        self.call(Opcode::ReleaseJob, bytemuck::bytes_of(&id), CALL_TIMEOUT)?;
+        self.call(
+            Opcode::ReleaseJob,
+            bytemuck::bytes_of(&id),
+            self.opts.call_timeout,
+        )?;
         Ok(())
     }
 }

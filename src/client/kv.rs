@@ -19,9 +19,6 @@ use crate::ring::{FrameHeader, RingError, FLAG_MORE};
 use std::os::fd::{AsFd, BorrowedFd};
 use std::time::{Duration, Instant};
 
-/// How long a synchronous request (submission, control) may take.
-const CALL_TIMEOUT: Duration = Duration::from_secs(10);
-
 /// What an engine instance registers.
 #[derive(Clone, Copy, Debug)]
 pub struct KvSpec {
@@ -132,7 +129,7 @@ impl Client {
 
     /// The server's configuration (chunk size, pool, limits).
     pub fn server_config(&mut self) -> Result<ConfigReply> {
-        let r = self.call(Opcode::GetConfig, &[], CALL_TIMEOUT)?;
+        let r = self.call(Opcode::GetConfig, &[], self.opts.call_timeout)?;
         reply_struct(&r)
     }
 
@@ -211,21 +208,18 @@ impl Client {
     ) -> Result<Instance> {
         // Kept (with duplicates of the descriptors) to register again after
         // a reconnect.
-        let saved = super::reconnect::Saved::new(
-            spec,
-            mem_kind,
-            device_uuid,
-            regions,
-            n_tensors,
-            fds,
-        )?;
+        let saved =
+            super::reconnect::Saved::new(spec, mem_kind, device_uuid, regions, n_tensors, fds)?;
         let inst = self.send_registration(&saved)?;
         self.registrations.push(saved.with_id(inst.id, inst.key));
         Ok(inst)
     }
 
     /// Sends one registration and waits for the server's answer.
-    pub(super) fn send_registration(&mut self, saved: &super::reconnect::Saved) -> Result<Instance> {
+    pub(super) fn send_registration(
+        &mut self,
+        saved: &super::reconnect::Saved,
+    ) -> Result<Instance> {
         let (spec, mem_kind, device_uuid, regions, n_tensors) = (
             &saved.spec,
             saved.mem_kind,
@@ -326,9 +320,9 @@ impl Client {
         let mut buf = [0u8; std::mem::size_of::<RegisterReply>() + 8];
         let (n, _fds) = self
             .conn
-            .recv(&mut buf, CALL_TIMEOUT)
+            .recv(&mut buf, self.opts.call_timeout)
             .map_err(|e| match e.kind() {
-                std::io::ErrorKind::TimedOut => Error::Timeout(CALL_TIMEOUT),
+                std::io::ErrorKind::TimedOut => Error::Timeout(self.opts.call_timeout),
                 _ => Error::Io {
                     context: "receive registration reply".into(),
                     source: e,
@@ -348,7 +342,7 @@ impl Client {
     }
 
     fn submit_job(&mut self, op: Opcode, payload: &[u8]) -> Result<JobId> {
-        let r = self.call_large(op, payload, CALL_TIMEOUT)?;
+        let r = self.call_large(op, payload, self.opts.call_timeout)?;
         reply_struct(&r)
     }
 
@@ -479,7 +473,7 @@ impl Client {
     /// The handles of this client's job events on device `uuid` (open them
     /// with `kvring::cuda::engine_cache::ServerEvents`).
     pub fn job_events(&mut self, uuid: [u8; 16]) -> Result<Vec<[u8; 64]>> {
-        let r = self.call(Opcode::JobEvents, &uuid, CALL_TIMEOUT)?;
+        let r = self.call(Opcode::JobEvents, &uuid, self.opts.call_timeout)?;
         if r.len() != crate::proto::kv::JOB_EVENTS * 64 {
             return Err(Error::Protocol(format!("{} bytes of job events", r.len())));
         }
@@ -530,7 +524,7 @@ impl Client {
                 _ => {}
             }
             if Instant::now() > deadline {
-                return Err(Error::Timeout(CALL_TIMEOUT));
+                return Err(Error::Timeout(self.opts.call_timeout));
             }
             if self.server_gone() {
                 return Err(Error::ServerGone);
@@ -550,7 +544,7 @@ impl Client {
         self.call(
             Opcode::FreeLookupLocks,
             bytemuck::bytes_of(&h),
-            CALL_TIMEOUT,
+            self.opts.call_timeout,
         )?;
         Ok(())
     }
@@ -558,19 +552,23 @@ impl Client {
     /// Ends a lease (the request is over) and marks its chunks recently used.
     pub fn end_session(&mut self, lease: JobId) -> Result<()> {
         let h = EndSessionRequest { lease };
-        self.call(Opcode::EndSession, bytemuck::bytes_of(&h), CALL_TIMEOUT)?;
+        self.call(
+            Opcode::EndSession,
+            bytemuck::bytes_of(&h),
+            self.opts.call_timeout,
+        )?;
         Ok(())
     }
 
     /// Drops every stored object not leased or being written.
     pub fn clear(&mut self) -> Result<ClearReply> {
-        let r = self.call(Opcode::Clear, &[], CALL_TIMEOUT)?;
+        let r = self.call(Opcode::Clear, &[], self.opts.call_timeout)?;
         reply_struct(&r)
     }
 
     /// The cache's counters.
     pub fn stats(&mut self) -> Result<StatsReply> {
-        let r = self.call(Opcode::Stats, &[], CALL_TIMEOUT)?;
+        let r = self.call(Opcode::Stats, &[], self.opts.call_timeout)?;
         reply_struct(&r)
     }
 }

@@ -40,8 +40,12 @@ use std::time::{Duration, Instant};
 pub struct ClientOptions {
     /// How long to keep retrying while the server is not up yet.
     pub connect_timeout: Duration,
-    /// How waits spin, yield and park.
+    /// How waits spin, yield and park (`park_slice` is also how often a
+    /// parked wait checks that the server is still there).
     pub wait: WaitPolicy,
+    /// How long a synchronous request (a submission that returns a job id,
+    /// a control request, a registration) may wait for its answer.
+    pub call_timeout: Duration,
 }
 
 impl Default for ClientOptions {
@@ -49,6 +53,7 @@ impl Default for ClientOptions {
         ClientOptions {
             connect_timeout: Duration::from_secs(5),
             wait: WaitPolicy::default(),
+            call_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -270,6 +275,11 @@ impl Client {
     /// Sets how waits spin, yield and park.
     pub fn set_wait_policy(&mut self, policy: WaitPolicy) {
         self.wait = policy;
+    }
+
+    /// Sets how long synchronous requests wait for their answer.
+    pub fn set_call_timeout(&mut self, timeout: Duration) {
+        self.opts.call_timeout = timeout;
     }
 
     /// Whether the server has gone (its end of the connection closed).
@@ -558,7 +568,10 @@ impl Client {
 
     /// Requests in flight whose completions someone will wait for.
     fn live_in_flight(&self) -> usize {
-        self.inflight.iter().filter(|f| f.abandoned.is_none()).count()
+        self.inflight
+            .iter()
+            .filter(|f| f.abandoned.is_none())
+            .count()
     }
 
     /// Marks the newest request in flight as abandoned.

@@ -232,6 +232,7 @@ pub fn kvring_client(name: &str) -> kvring::Client {
     let opts = kvring::ClientOptions {
         connect_timeout: Duration::from_secs(10),
         wait: WaitPolicy::SPIN,
+        ..Default::default()
     };
     kvring::Client::connect_with(&paths, &opts).expect("connect to bench server")
 }

@@ -1,0 +1,361 @@
+//! The server dies or wedges under load.
+//!
+//! * SIGKILL while engines store, look up, retrieve and wait: every wait
+//!   ends with `ServerGone` within 1 s; a new server of the same name
+//!   replaces the stale segment; `Client::reconnect` registers the engines'
+//!   caches again, old job ids read `Unknown`, and the engines go on with
+//!   the `Instance` values they had, bytes verified.
+//! * SIGSTOP with requests, jobs and a synchronous store in flight: every
+//!   wait ends with `Timeout` at its deadline; after SIGCONT every request
+//!   is answered exactly once, in order, the abandoned store is carried out
+//!   once, and nothing is lost.
+
+mod common;
+
+use common::*;
+use kvring::jobs::{JobId, JobStatus};
+use kvring::kv::{chunk_hashes, model_id, pattern, KvLayout, KvLayoutKind};
+use kvring::{Client, Error, HostKvCache, Instance};
+use std::sync::{Barrier, Mutex};
+use std::time::{Duration, Instant};
+
+const CHUNK: u32 = 64;
+
+fn layout() -> KvLayout {
+    KvLayout {
+        kind: KvLayoutKind::FlashAttn as u32,
+        num_layers: 2,
+        num_blocks: 64,
+        block_tokens: 16,
+        num_heads: 2,
+        head_dim: 32,
+        elem_bytes: 2,
+        _reserved: 0,
+    }
+}
+
+fn server_args() -> [&'static str; 6] {
+    [
+        "--chunk-tokens",
+        "64",
+        "--pool-bytes",
+        "128MiB",
+        "--copy-threads",
+        "2",
+    ]
+}
+
+/// One engine worker: a cache it stores from and a fresh one it retrieves
+/// into, both registered.
+struct Engine {
+    c: Client,
+    cache: HostKvCache,
+    inst: Instance,
+    fresh: HostKvCache,
+    finst: Instance,
+}
+
+impl Engine {
+    fn new(s: &Scope) -> Engine {
+        let mut c = s.client();
+        let cache = HostKvCache::new(layout(), CHUNK).unwrap();
+        let fresh = HostKvCache::new(layout(), CHUNK).unwrap();
+        let inst = c
+            .register_host_cache(model_id("restart"), 1, 0, &cache)
+            .unwrap();
+        let finst = c
+            .register_host_cache(model_id("restart"), 1, 0, &fresh)
+            .unwrap();
+        Engine {
+            c,
+            cache,
+            inst,
+            fresh,
+            finst,
+        }
+    }
+
+    fn hashes(seed: u64) -> Vec<kvring::kv::ChunkHash> {
+        let tokens: Vec<u32> = (0..4 * CHUNK)
+            .map(|i| i.wrapping_mul(2_654_435_761) ^ seed as u32 ^ (seed >> 32) as u32)
+            .collect();
+        chunk_hashes(&tokens, CHUNK)
+    }
+
+    /// Writes 4 chunks of content `seed` into blocks 0..16 and stores them.
+    fn store(&mut self, seed: u64, last: &mut Option<JobId>) -> Result<(), Error> {
+        let hashes = Self::hashes(seed);
+        let blocks: Vec<u32> = (0..16).collect();
+        for (h, b) in hashes.iter().zip(blocks.chunks(4)) {
+            pattern::write_chunk(&self.cache, seed as u32, h, b);
+        }
+        let id = self.c.store(&self.inst, 0, &hashes, &blocks)?;
+        *last = Some(id);
+        let st = self.c.wait_job(id, far())?;
+        assert!(matches!(st, JobStatus::Done(_)), "store ended {st:?}");
+        self.c.release_job(id)
+    }
+
+    /// Looks up the 4 chunks of `seed` (all must hit), retrieves them into
+    /// the fresh cache and checks every byte.
+    fn fetch(&mut self, seed: u64, last: &mut Option<JobId>) -> Result<(), Error> {
+        let hashes = Self::hashes(seed);
+        let lease = self.c.lookup(model_id("restart"), 1, 0, &hashes)?;
+        *last = Some(lease);
+        match self.c.wait_job(lease, far())? {
+            JobStatus::Done(r) => assert_eq!(r.value, 4, "lookup hits"),
+            st => panic!("lookup ended {st:?}"),
+        }
+        let blocks: Vec<u32> = (16..32).collect();
+        self.fresh.fill(0xcc);
+        let id = self.c.retrieve(&self.finst, lease, 0, &blocks, 0)?;
+        *last = Some(id);
+        let st = self.c.wait_job(id, far())?;
+        assert!(matches!(st, JobStatus::Done(_)), "retrieve ended {st:?}");
+        self.c.release_job(id)?;
+        self.c.release_job(lease)?;
+        for (h, b) in hashes.iter().zip(blocks.chunks(4)) {
+            pattern::verify_chunk(&self.fresh, seed as u32, h, b, 0, 0xcc)
+                .unwrap_or_else(|e| panic!("seed {seed:#x}: {e}"));
+        }
+        Ok(())
+    }
+}
+
+fn far() -> Instant {
+    Instant::now() + Duration::from_secs(10)
+}
+
+#[test]
+fn killed_server_ends_every_wait_and_clients_reconnect_to_its_successor() {
+    let _w = watchdog(Duration::from_secs(150));
+    let s = Scope::new("restart");
+    let mut srv = s.server(&server_args());
+    const CLIENTS: usize = 8;
+    const KILLS: usize = 10;
+    let sync = Barrier::new(CLIENTS + 1);
+    let killed_at: Mutex<Option<Instant>> = Mutex::new(None);
+    let slowest = Mutex::new(Duration::ZERO);
+    let units = Mutex::new(0u64);
+    std::thread::scope(|sc| {
+        for t in 0..CLIENTS {
+            let (s, sync, killed_at, slowest, units) = (&s, &sync, &killed_at, &slowest, &units);
+            sc.spawn(move || {
+                let mut e = Engine::new(s);
+                let epoch0 = e.c.epoch();
+                let mut seed = (t as u64 + 1) << 40;
+                sync.wait();
+                for round in 0..=KILLS {
+                    let mut last = None;
+                    // Work until the server is gone (the last round: a few
+                    // units on the final server).
+                    let mut done = 0u64;
+                    let gone = loop {
+                        if round == KILLS && done == 20 {
+                            break None;
+                        }
+                        seed += 1;
+                        let r = e
+                            .store(seed, &mut last)
+                            .and_then(|()| e.fetch(seed, &mut last));
+                        match r {
+                            Ok(()) => done += 1,
+                            Err(Error::ServerGone) => break Some(Instant::now()),
+                            Err(other) => {
+                                panic!("client {t} round {round}: {other} (not ServerGone)")
+                            }
+                        }
+                    };
+                    *units.lock().unwrap() += done;
+                    let Some(gone) = gone else {
+                        sync.wait(); // the last server's books are checked
+                        sync.wait();
+                        break;
+                    };
+                    let k = killed_at.lock().unwrap().expect("the server was killed");
+                    let took = gone.saturating_duration_since(k);
+                    assert!(
+                        took < Duration::from_secs(1),
+                        "client {t}: server gone noticed after {took:?}"
+                    );
+                    {
+                        let mut m = slowest.lock().unwrap();
+                        *m = (*m).max(took);
+                    }
+                    sync.wait(); // everyone saw the server go
+                    sync.wait(); // a new server is up
+                    let insts = e.c.reconnect(Duration::from_secs(10)).unwrap();
+                    assert_eq!(insts.len(), 2, "both caches registered again");
+                    assert_ne!(e.c.epoch(), epoch0);
+                    if let Some(id) = last {
+                        assert_eq!(
+                            e.c.job_status(id).unwrap(),
+                            JobStatus::Unknown,
+                            "client {t}: an old job id on the new server"
+                        );
+                    }
+                }
+            });
+        }
+        sync.wait(); // all engines registered
+        let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+        for _ in 0..KILLS {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            std::thread::sleep(Duration::from_millis(100 + rng % 300));
+            *killed_at.lock().unwrap() = Some(Instant::now());
+            srv.kill();
+            sync.wait();
+            // The stale segment and socket are replaced by the new server.
+            srv = s.server(&server_args());
+            sync.wait();
+        }
+        sync.wait();
+        let mut c = s.client();
+        let st = c.stats().unwrap();
+        // Every engine's two caches are registered with the last server,
+        // and nothing was left held.
+        assert_eq!((st.instances, st.leases), (2 * CLIENTS as u64, 0), "{st:?}");
+        sync.wait();
+    });
+    eprintln!(
+        "{KILLS} server kills under {CLIENTS} engines, {} verified store+retrieve units, slowest ServerGone {:?}",
+        units.lock().unwrap(),
+        slowest.lock().unwrap()
+    );
+}
+
+#[test]
+fn wedged_server_times_waits_out_and_resumes_with_nothing_lost_or_repeated() {
+    let _w = watchdog(Duration::from_secs(120));
+    let s = Scope::new("wedge");
+    let srv = s.server(&server_args());
+    const CLIENTS: usize = 6;
+    const PINGS: u64 = 32;
+    let wait = Duration::from_millis(300);
+    let sync = Barrier::new(CLIENTS + 1);
+    let late = Mutex::new(Duration::ZERO);
+    std::thread::scope(|sc| {
+        for t in 0..CLIENTS {
+            let (s, sync, late) = (&s, &sync, &late);
+            sc.spawn(move || {
+                let mut e = Engine::new(s);
+                let a = (t as u64 + 1) << 32;
+                let b = a | 0xb;
+                let mut last = None;
+                e.store(a, &mut last).unwrap();
+                let delay =
+                    e.c.submit_delay_job(&kvring::proto::DelayJobRequest {
+                        pending_us: 100_000,
+                        running_us: 100_000,
+                        result_value: 7,
+                        ..Default::default()
+                    })
+                    .unwrap();
+                sync.wait();
+                sync.wait(); // the server is stopped
+                let check = |what: &str, r: Result<(), Error>, t0: Instant| {
+                    let took = t0.elapsed();
+                    assert!(
+                        matches!(r, Err(Error::Timeout(_))),
+                        "client {t}: {what} ended {r:?}, not Timeout"
+                    );
+                    assert!(
+                        took >= wait,
+                        "client {t}: {what} timed out early ({took:?})"
+                    );
+                    let mut m = late.lock().unwrap();
+                    *m = (*m).max(took - wait);
+                };
+                // A synchronous store: its submission times out, abandoned.
+                e.c.set_call_timeout(wait);
+                let hashes = Engine::hashes(b);
+                let blocks: Vec<u32> = (32..48).collect();
+                for (h, bl) in hashes.iter().zip(blocks.chunks(4)) {
+                    pattern::write_chunk(&e.cache, b as u32, h, bl);
+                }
+                let t0 = Instant::now();
+                let r = e.c.store(&e.inst, 0, &hashes, &blocks).map(|_| ());
+                check("store", r, t0);
+                // Pipelined requests, then waits.
+                for seq in 0..PINGS {
+                    e.c.submit(kvring::proto::Opcode::Ping, &seq.to_le_bytes(), seq)
+                        .unwrap();
+                }
+                let t0 = Instant::now();
+                let r = e.c.wait_completion(t0 + wait).map(|_| ());
+                check("completion wait", r, t0);
+                let t0 = Instant::now();
+                let r = e.c.wait_job(delay, t0 + wait).map(|_| ());
+                check("job wait", r, t0);
+                sync.wait();
+                sync.wait(); // the server runs again
+                e.c.set_call_timeout(Duration::from_secs(10));
+                // Every request answered once, in order (the abandoned
+                // store's answer is dropped by the client).
+                for seq in 0..PINGS {
+                    let c = e.c.wait_completion(far()).unwrap();
+                    assert_eq!((c.status, c.user_data), (0, seq));
+                    assert_eq!(c.payload, seq.to_le_bytes());
+                }
+                assert!(matches!(
+                    e.c.wait_completion(Instant::now() + Duration::from_millis(50)),
+                    Err(Error::Protocol(_))
+                ));
+                match e.c.wait_job(delay, far()).unwrap() {
+                    JobStatus::Done(r) => assert_eq!(r.value, 7),
+                    st => panic!("delay job ended {st:?}"),
+                }
+                e.c.release_job(delay).unwrap();
+                // The abandoned store was carried out: both stores' bytes
+                // come back.
+                let deadline = far();
+                loop {
+                    let lease = e.c.lookup(model_id("restart"), 1, 0, &hashes).unwrap();
+                    let st = e.c.wait_job(lease, far()).unwrap();
+                    e.c.end_session(lease).unwrap();
+                    e.c.release_job(lease).unwrap();
+                    if matches!(st, JobStatus::Done(r) if r.value == 4) {
+                        break;
+                    }
+                    assert!(Instant::now() < deadline, "abandoned store never landed");
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                e.fetch(a, &mut last).unwrap();
+                e.fetch(b, &mut last).unwrap();
+            });
+        }
+        sync.wait();
+        srv.pause();
+        sync.wait();
+        sync.wait(); // every wait timed out
+        srv.signal(libc::SIGCONT);
+        sync.wait();
+    });
+    let mut c = s.client();
+    let st = c.stats().unwrap();
+    // Exactly two stores per engine (none repeated), all chunks present.
+    assert_eq!(st.stores, 2 * CLIENTS as u64, "{st:?}");
+    assert_eq!(st.stored_chunks, 8 * CLIENTS as u64, "{st:?}");
+    assert_eq!(st.leases, 0);
+    // No job left unfinished.
+    let ro = kvring::segment::ReadOnlySegment::open(&s.name).unwrap();
+    let reader = ro.mapping.job_reader();
+    for index in 0..ro.mapping.info().geometry.job_slots {
+        if let Ok(Some(snap)) = reader.snapshot(index) {
+            let st = kvring::jobs::JobState::from_u32(snap.status.state);
+            assert!(
+                !matches!(
+                    st,
+                    Some(kvring::jobs::JobState::Pending | kvring::jobs::JobState::Running)
+                ),
+                "job slot {index} left {st:?}"
+            );
+        }
+    }
+    eprintln!(
+        "{CLIENTS} engines wedged: latest timeout {:?} past its deadline",
+        late.lock().unwrap()
+    );
+}
