@@ -76,8 +76,11 @@ impl Engine {
     }
 
     fn hashes(seed: u64) -> Vec<kvring::kv::ChunkHash> {
-        let tokens: Vec<u32> = (0..4 * CHUNK)
-            .map(|i| i.wrapping_mul(2_654_435_761) ^ seed as u32 ^ (seed >> 32) as u32)
+        // The seed's two words open the prompt: distinct seeds never share
+        // a chunk hash (equal hashes must mean equal contents).
+        let tokens: Vec<u32> = [seed as u32, (seed >> 32) as u32]
+            .into_iter()
+            .chain((2..4 * CHUNK).map(|i| i.wrapping_mul(2_654_435_761)))
             .collect();
         chunk_hashes(&tokens, CHUNK)
     }

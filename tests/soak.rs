@@ -148,8 +148,11 @@ fn finish(c: &mut Client, id: JobId, what: &str) -> kvring::jobs::JobResult {
 }
 
 fn hashes(seed: u64, n: u32) -> Vec<ChunkHash> {
-    let tokens: Vec<u32> = (0..n * CHUNK)
-        .map(|i| i.wrapping_mul(2_654_435_761) ^ seed as u32 ^ (seed >> 32) as u32)
+    // The seed's two words open the prompt: distinct seeds never share a
+    // chunk hash (equal hashes must mean equal contents).
+    let tokens: Vec<u32> = [seed as u32, (seed >> 32) as u32]
+        .into_iter()
+        .chain((2..n * CHUNK).map(|i| i.wrapping_mul(2_654_435_761)))
         .collect();
     chunk_hashes(&tokens, CHUNK)
 }
@@ -286,7 +289,16 @@ fn many_engines_at_full_rate_with_telemetry() {
     let all = Mutex::new((Lat::default(), 0u64));
     let t_start = Instant::now();
     let until = t_start + Duration::from_secs(secs);
+    /// Stops the observers however the engines end (a failed engine must
+    /// not leave them running until the watchdog).
+    struct StopOnDrop<'a>(&'a AtomicBool);
+    impl Drop for StopOnDrop<'_> {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::Relaxed);
+        }
+    }
     let (telemetry, snapshots, inspector_runs) = std::thread::scope(|sc| {
+        let _stop = StopOnDrop(&stop);
         let tel = sc.spawn(|| {
             let mut c = s.client();
             let mut n = 0u64;

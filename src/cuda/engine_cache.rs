@@ -210,7 +210,7 @@ impl CudaKvCache {
         self.base + u64::from(t) * self.stride + off
     }
 
-    /// Writes one slab (synchronously).
+    /// Writes one slab; the bytes are in device memory when it returns.
     pub fn write_slab(&self, layer: u32, part: u32, block: u32, bytes: &[u8]) -> crate::Result<()> {
         assert_eq!(bytes.len() as u64, self.layout.slab_bytes());
         self.ctx.bind().map_err(crate::Error::Cuda)?;
@@ -220,7 +220,13 @@ impl CudaKvCache {
             unsafe { sys::cuMemcpyHtoD_v2(at, bytes.as_ptr() as *const c_void, bytes.len()) },
             "cuMemcpyHtoD",
         )
-        .map_err(crate::Error::Cuda)
+        .map_err(crate::Error::Cuda)?;
+        // From pageable memory the copy returns once the bytes are staged,
+        // possibly before the DMA into device memory is done; the server
+        // (another process, another stream) may read them right after this
+        // returns, so wait for it.
+        // SAFETY: no arguments.
+        ck(unsafe { sys::cuCtxSynchronize() }, "cuCtxSynchronize").map_err(crate::Error::Cuda)
     }
 
     /// Reads one slab (synchronously).
