@@ -178,19 +178,7 @@ fn killed_clients_are_reclaimed_and_nothing_leaks() {
     // Nothing leaked: no job stuck unfinished, no lease, only the honest
     // engine's connection and registrations, and once cleared the pool is
     // empty (an object still being written could not be cleared).
-    let reader = ro.mapping.job_reader();
-    for index in 0..ro.mapping.info().geometry.job_slots {
-        if let Ok(Some(snap)) = reader.snapshot(index) {
-            let st = kvring::jobs::JobState::from_u32(snap.status.state);
-            assert!(
-                !matches!(
-                    st,
-                    Some(kvring::jobs::JobState::Pending | kvring::jobs::JobState::Running)
-                ),
-                "job slot {index} left {st:?}"
-            );
-        }
-    }
+    assert_no_unfinished_jobs(&ro);
     assert_eq!(h.clients_connected.load(Ordering::Relaxed), 1);
     let st = good.stats().unwrap();
     assert_eq!((st.leases, st.instances), (0, 2));

@@ -8,7 +8,7 @@ mod common;
 
 use common::*;
 use kvring::jobs::JobStatus;
-use kvring::kv::{chunk_hashes, model_id, pattern, KvLayout, KvLayoutKind};
+use kvring::kv::{chunk_hashes, model_id, pattern};
 use kvring::layout::SlotState;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -30,16 +30,7 @@ fn hostile_clients_never_hurt_the_server_or_an_honest_engine() {
     let mut srv = s.server(&["--chunk-tokens", "64", "--pool-bytes", "64MiB"]);
     // The honest engine.
     let mut good = s.client();
-    let l = KvLayout {
-        kind: KvLayoutKind::FlashAttn as u32,
-        num_layers: 2,
-        num_blocks: 64,
-        block_tokens: 16,
-        num_heads: 2,
-        head_dim: 32,
-        elem_bytes: 2,
-        _reserved: 0,
-    };
+    let l = small_layout();
     let cache = kvring::HostKvCache::new(l, 64).unwrap();
     let inst = good
         .register_host_cache(model_id("h"), 1, 0, &cache)

@@ -14,25 +14,12 @@ mod common;
 
 use common::*;
 use kvring::jobs::{JobId, JobStatus};
-use kvring::kv::{chunk_hashes, model_id, pattern, KvLayout, KvLayoutKind};
+use kvring::kv::{chunk_hashes, model_id, pattern};
 use kvring::{Client, Error, HostKvCache, Instance};
 use std::sync::{Barrier, Mutex};
 use std::time::{Duration, Instant};
 
 const CHUNK: u32 = 64;
-
-fn layout() -> KvLayout {
-    KvLayout {
-        kind: KvLayoutKind::FlashAttn as u32,
-        num_layers: 2,
-        num_blocks: 64,
-        block_tokens: 16,
-        num_heads: 2,
-        head_dim: 32,
-        elem_bytes: 2,
-        _reserved: 0,
-    }
-}
 
 fn server_args() -> [&'static str; 6] {
     [
@@ -58,8 +45,8 @@ struct Engine {
 impl Engine {
     fn new(s: &Scope) -> Engine {
         let mut c = s.client();
-        let cache = HostKvCache::new(layout(), CHUNK).unwrap();
-        let fresh = HostKvCache::new(layout(), CHUNK).unwrap();
+        let cache = HostKvCache::new(small_layout(), CHUNK).unwrap();
+        let fresh = HostKvCache::new(small_layout(), CHUNK).unwrap();
         let inst = c
             .register_host_cache(model_id("restart"), 1, 0, &cache)
             .unwrap();
@@ -344,19 +331,7 @@ fn wedged_server_times_waits_out_and_resumes_with_nothing_lost_or_repeated() {
     assert_eq!(st.leases, 0);
     // No job left unfinished.
     let ro = kvring::segment::ReadOnlySegment::open(&s.name).unwrap();
-    let reader = ro.mapping.job_reader();
-    for index in 0..ro.mapping.info().geometry.job_slots {
-        if let Ok(Some(snap)) = reader.snapshot(index) {
-            let st = kvring::jobs::JobState::from_u32(snap.status.state);
-            assert!(
-                !matches!(
-                    st,
-                    Some(kvring::jobs::JobState::Pending | kvring::jobs::JobState::Running)
-                ),
-                "job slot {index} left {st:?}"
-            );
-        }
-    }
+    assert_no_unfinished_jobs(&ro);
     eprintln!(
         "{CLIENTS} engines wedged: latest timeout {:?} past its deadline",
         late.lock().unwrap()

@@ -19,7 +19,7 @@ mod common;
 use common::*;
 use kvring::jobs::{JobId, JobStatus};
 use kvring::kv::pattern::{self, Slabs};
-use kvring::kv::{chunk_hashes, model_id, ChunkHash, KvLayout, KvLayoutKind};
+use kvring::kv::{chunk_hashes, model_id, ChunkHash};
 use kvring::proto::{DelayJobRequest, Opcode};
 use kvring::{Client, Error, Instance};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -36,19 +36,6 @@ fn env_u64(name: &str, default: u64) -> u64 {
                 .unwrap_or_else(|_| panic!("{name}={v}: not a number"))
         })
         .unwrap_or(default)
-}
-
-fn layout() -> KvLayout {
-    KvLayout {
-        kind: KvLayoutKind::FlashAttn as u32,
-        num_layers: 2,
-        num_blocks: 64,
-        block_tokens: 16,
-        num_heads: 2,
-        head_dim: 32,
-        elem_bytes: 2,
-        _reserved: 0,
-    }
 }
 
 /// An engine's two caches (store from one, retrieve into the other), in
@@ -274,13 +261,13 @@ fn many_engines_at_full_rate_with_telemetry() {
             if cuda {
                 use kvring::cuda::engine_cache::{CudaKvCache, Export};
                 Box::new(GpuCaches(
-                    CudaKvCache::new(layout(), CHUNK, 0, Export::Ipc).unwrap(),
-                    CudaKvCache::new(layout(), CHUNK, 0, Export::Ipc).unwrap(),
+                    CudaKvCache::new(small_layout(), CHUNK, 0, Export::Ipc).unwrap(),
+                    CudaKvCache::new(small_layout(), CHUNK, 0, Export::Ipc).unwrap(),
                 ))
             } else {
                 Box::new(HostCaches(
-                    kvring::HostKvCache::new(layout(), CHUNK).unwrap(),
-                    kvring::HostKvCache::new(layout(), CHUNK).unwrap(),
+                    kvring::HostKvCache::new(small_layout(), CHUNK).unwrap(),
+                    kvring::HostKvCache::new(small_layout(), CHUNK).unwrap(),
                 ))
             }
         })

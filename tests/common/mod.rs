@@ -252,3 +252,36 @@ pub fn eventually(limit: Duration, mut f: impl FnMut() -> bool) -> Option<Durati
 pub fn exists(p: &Path) -> bool {
     p.exists()
 }
+
+/// A small flash-attention layout (2 layers, 64 blocks of 16 tokens, 2
+/// heads of 32 two-byte elements: 32 KiB per 64-token chunk object).
+#[allow(dead_code)]
+pub fn small_layout() -> kvring::kv::KvLayout {
+    kvring::kv::KvLayout {
+        kind: kvring::kv::KvLayoutKind::FlashAttn as u32,
+        num_layers: 2,
+        num_blocks: 64,
+        block_tokens: 16,
+        num_heads: 2,
+        head_dim: 32,
+        elem_bytes: 2,
+        _reserved: 0,
+    }
+}
+
+/// Fails the test if any job of the segment is still pending
+/// or running.
+#[allow(dead_code)]
+pub fn assert_no_unfinished_jobs(ro: &kvring::segment::ReadOnlySegment) {
+    use kvring::jobs::JobState;
+    let reader = ro.mapping.job_reader();
+    for index in 0..ro.mapping.info().geometry.job_slots {
+        if let Ok(Some(snap)) = reader.snapshot(index) {
+            let st = JobState::from_u32(snap.status.state);
+            assert!(
+                !matches!(st, Some(JobState::Pending | JobState::Running)),
+                "job slot {index} left {st:?}"
+            );
+        }
+    }
+}
