@@ -263,7 +263,15 @@ fn request_target() -> &'static Mutex<RequestTarget> {
     static T: OnceLock<Mutex<RequestTarget>> = OnceLock::new();
     T.get_or_init(|| {
         let pid = std::process::id();
+        sweep_dead_targets();
         let dir = std::env::temp_dir().join(format!("kvring-fuzz-{pid}"));
+        // The process ends with exit() (libFuzzer, the test harness), which
+        // drops no statics: remove the segment and directory then.
+        extern "C" fn cleanup() {
+            remove_target(std::process::id());
+        }
+        // SAFETY: registers a plain function with no arguments.
+        unsafe { libc::atexit(cleanup) };
         std::fs::create_dir_all(&dir).expect("fuzz runtime directory");
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))
@@ -288,6 +296,35 @@ fn request_target() -> &'static Mutex<RequestTarget> {
             _server: server,
         })
     })
+}
+
+/// Removes the segment and runtime directory of the request target of
+/// process `pid`.
+fn remove_target(pid: u32) {
+    let name = format!("fuzz-{pid}");
+    let _ = nix::sys::mman::shm_unlink(crate::rundir::shm_name(&name).as_str());
+    let _ = std::fs::remove_dir_all(std::env::temp_dir().join(format!("kvring-fuzz-{pid}")));
+}
+
+/// Removes what request targets of processes that no longer exist left
+/// (a crashed fuzzer does not run its exit handlers).
+fn sweep_dead_targets() {
+    let Ok(rd) = std::fs::read_dir(std::env::temp_dir()) else {
+        return;
+    };
+    for e in rd.flatten() {
+        let name = e.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("kvring-fuzz-"))
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            remove_target(pid);
+        }
+    }
 }
 
 fn fuzz_layout() -> KvLayout {
