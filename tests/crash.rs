@@ -180,6 +180,12 @@ fn killed_clients_are_reclaimed_and_nothing_leaks() {
     // empty (an object still being written could not be cleared).
     assert_no_unfinished_jobs(&ro);
     assert_eq!(h.clients_connected.load(Ordering::Relaxed), 1);
+    // The inspector sees the same: one client, every kill reclaimed, no
+    // anomaly.
+    let snap = kvring::observe::snapshot(&ro, Default::default());
+    assert_eq!(snap.clients.len(), 1, "{:?}", snap.clients);
+    assert!(snap.server.clients_reclaimed >= iterations as u64);
+    assert!(snap.anomalies.is_empty(), "{:?}", snap.anomalies);
     let st = good.stats().unwrap();
     assert_eq!((st.leases, st.instances), (0, 2));
     good.clear().unwrap();
