@@ -96,6 +96,12 @@ enum Cmd {
         /// pinned pool with at most N CTAs.
         #[arg(long, default_value_t = 0)]
         cuda_zero_copy_ctas: u32,
+        /// Host backend: give this many simulated devices their own copy
+        /// lanes (workers), as a CUDA server does for each GPU; engines name
+        /// device i by `kvring::server::simulated_device_uuid(i)` when they
+        /// register. For testing multi-device scheduling without GPUs.
+        #[arg(long, default_value_t = 0)]
+        simulated_devices: u32,
         /// Pool usage (percent) at which LRU eviction starts ...
         #[arg(long, default_value_t = 90)]
         evict_at_percent: u32,
@@ -231,6 +237,7 @@ fn run(cli: Cli) -> kvring::Result<()> {
             evict_to_percent,
             backend,
             cuda_zero_copy_ctas,
+            simulated_devices,
         } => {
             let mut cfg = ServerConfig::new(&target.name);
             cfg.runtime_dir = target.dir();
@@ -256,6 +263,7 @@ fn run(cli: Cli) -> kvring::Result<()> {
             cfg.kv.low_watermark = f64::from(evict_to_percent) / 100.0;
             cfg.kv.backend = backend;
             cfg.kv.cuda_zero_copy_ctas = cuda_zero_copy_ctas;
+            cfg.kv.simulated_devices = simulated_devices;
             install_signal_handlers();
             let server = kvring::server::start(cfg)?;
             let p = server.paths();

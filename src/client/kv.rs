@@ -285,13 +285,34 @@ impl Client {
         rank: u32,
         cache: &super::HostKvCache,
     ) -> Result<Instance> {
+        self.register_host_cache_on(model_id, world_size, rank, cache, [0; 16])
+    }
+
+    /// Registers a `HostKvCache` of a worker that runs on the device
+    /// `device_uuid`: its copies go to that device's copy lane, next to
+    /// (never behind) other devices' copies.
+    pub fn register_host_cache_on(
+        &mut self,
+        model_id: u64,
+        world_size: u32,
+        rank: u32,
+        cache: &super::HostKvCache,
+        device_uuid: [u8; 16],
+    ) -> Result<Instance> {
         let spec = KvSpec {
             model_id,
             world_size,
             rank,
             layout: *cache.layout(),
         };
-        self.register_kv(&spec, &cache.regions(), &[cache.fd()])
+        self.register_memory(
+            &spec,
+            MemKind::HostFd,
+            device_uuid,
+            bytemuck::cast_slice(&cache.regions()),
+            cache.regions().len(),
+            &[cache.fd()],
+        )
     }
 
     /// Unregisters an instance: the server unmaps its memory once copies

@@ -170,8 +170,9 @@ pub struct RegisterKv {
     pub layout: KvLayout,
     pub n_tensors: u32,
     pub _reserved: u32,
-    /// Device memory: the device's UUID (memory kinds 2 and 3); zero for host
-    /// memory.
+    /// Device memory: the device's UUID (memory kinds 2 and 3). Host
+    /// memory: zero, or the device the engine's worker runs on (its copies
+    /// go to that device's copy lane).
     pub device_uuid: [u8; 16],
 }
 

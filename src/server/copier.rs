@@ -8,6 +8,16 @@
 //! commits (store) or drops holds (retrieve) in the cache, then publishes the
 //! job's outcome in the job table and wakes the owner.
 //!
+//! Tasks are queued in one **lane per device**, each with its own workers
+//! (and, on the CUDA backend, each worker's streams and staging buffers on
+//! that device only), plus a lane for engines with no device: a backlog on
+//! one GPU never holds up another GPU's copies, even for one client that
+//! drives several devices. A registration names its device by UUID (device
+//! memory: the GPU it lives on; host memory: optionally the GPU its worker
+//! runs on). The host backend can split its workers into simulated device
+//! lanes (`--simulated-devices`), so the same scheduling is tested without
+//! GPUs.
+//!
 //! The copy itself is the backend's ([`Backend`]): memcpy on the host.
 
 use super::registry::Instance;
@@ -74,6 +84,11 @@ pub trait Backend: Send + Sync {
     }
     /// Client `slot` left: drop what the backend keeps for it.
     fn client_gone(&self, _slot: u32) {}
+    /// The UUIDs of the devices this backend copies with (one copy lane
+    /// each).
+    fn device_uuids(&self) -> Vec<[u8; 16]> {
+        Vec::new()
+    }
     /// Opens the device memory of a registration (memory kinds other than
     /// host).
     fn open_device(
@@ -269,35 +284,62 @@ struct Queues {
     stop: bool,
 }
 
-/// The workers' shared queue.
-pub struct Copier {
+/// The queue of one device's workers.
+struct Lane {
+    /// The device ([0; 16]: engines with no device).
+    uuid: [u8; 16],
     q: Mutex<Queues>,
     cv: Condvar,
+}
+
+/// The workers' queues, one lane per device.
+pub struct Copier {
+    lanes: Vec<Lane>,
     pub backend: Box<dyn Backend>,
 }
 
 impl Copier {
-    pub fn new(max_clients: u32, backend: Box<dyn Backend>) -> Copier {
-        Copier {
+    /// A copier with a lane for engines with no device and one per entry
+    /// of `devices`.
+    pub fn new(max_clients: u32, backend: Box<dyn Backend>, devices: &[[u8; 16]]) -> Copier {
+        let lane = |uuid| Lane {
+            uuid,
             q: Mutex::new(Queues {
                 per_client: (0..max_clients).map(|_| VecDeque::new()).collect(),
                 ..Default::default()
             }),
             cv: Condvar::new(),
+        };
+        Copier {
+            lanes: std::iter::once([0; 16])
+                .chain(devices.iter().copied())
+                .map(lane)
+                .collect(),
             backend,
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Queues> {
-        self.q.lock().unwrap_or_else(|e| e.into_inner())
+    /// How many lanes (each gets its own workers).
+    pub fn lanes(&self) -> usize {
+        self.lanes.len()
     }
 
-    /// Queues a job's tasks (all of one client).
-    pub fn submit(&self, client: u32, tasks: Vec<Task>) {
-        if tasks.is_empty() {
-            return;
+    /// The lane of device `uuid` (lane 0 for no device or one this server
+    /// does not copy with).
+    pub fn lane_of(&self, uuid: &[u8; 16]) -> usize {
+        if *uuid == [0; 16] {
+            return 0;
         }
-        let mut q = self.lock();
+        self.lanes.iter().position(|l| l.uuid == *uuid).unwrap_or(0)
+    }
+
+    /// Queues a job's tasks (all of one client and one instance).
+    pub fn submit(&self, client: u32, tasks: Vec<Task>) {
+        let Some(first) = tasks.first() else {
+            return;
+        };
+        let lane = &self.lanes[self.lane_of(&first.job.inst.device_uuid)];
+        let mut q = lane.lock();
         let queue = &mut q.per_client[client as usize];
         let was_empty = queue.is_empty();
         let n = tasks.len();
@@ -307,10 +349,25 @@ impl Copier {
         }
         drop(q);
         if n == 1 {
-            self.cv.notify_one();
+            lane.cv.notify_one();
         } else {
-            self.cv.notify_all();
+            lane.cv.notify_all();
         }
+    }
+
+    /// Stops the workers of every lane; queued tasks are dropped (their
+    /// jobs are failed by the shutdown that follows).
+    pub fn stop(&self) {
+        for lane in &self.lanes {
+            lane.lock().stop = true;
+            lane.cv.notify_all();
+        }
+    }
+}
+
+impl Lane {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Queues> {
+        self.q.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Next task, round robin over clients; `None` once stopped.
@@ -341,15 +398,6 @@ impl Copier {
         }
     }
 
-    /// Stops the workers; queued tasks are dropped (their jobs are failed by
-    /// the shutdown that follows).
-    pub fn stop(&self) {
-        self.lock().stop = true;
-        self.cv.notify_all();
-    }
-}
-
-impl Copier {
     /// The next task if one is queued now.
     fn try_next(&self) -> Option<Task> {
         let mut q = self.lock();
@@ -390,10 +438,11 @@ fn chunk_done(shared: &Shared, job: &JobRun, r: Result<u64, String>) {
     }
 }
 
-/// A copy worker's body: keeps its engine's pipeline full with tasks taken
-/// round robin, and settles each chunk as its copy finishes.
-pub(super) fn run(shared: &Shared) {
+/// A copy worker of lane `lane`: keeps its engine's pipeline full with
+/// tasks taken round robin, and settles each chunk as its copy finishes.
+pub(super) fn run(shared: &Shared, lane: usize) {
     let copier = &shared.kv.copier;
+    let queue = &copier.lanes[lane];
     let chunk_tokens = shared.kv.chunk_tokens;
     let mut engine = match copier.backend.engine() {
         Ok(e) => e,
@@ -416,12 +465,12 @@ pub(super) fn run(shared: &Shared) {
         }
         if busy < depth {
             let task = if busy == 0 {
-                match copier.next() {
+                match queue.next() {
                     Some(t) => Some(t),
                     None => break,
                 }
             } else {
-                copier.try_next()
+                queue.try_next()
             };
             if let Some(task) = task {
                 let job = task.job.clone();

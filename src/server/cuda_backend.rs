@@ -344,6 +344,18 @@ impl Backend for CudaBackend {
         2
     }
 
+    fn device_uuids(&self) -> Vec<[u8; 16]> {
+        let mut v: Vec<[u8; 16]> = self
+            .devices
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .keys()
+            .copied()
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
     fn job_events(&self, slot: u32, uuid: &[u8; 16]) -> Result<Vec<[u8; 64]>, Status> {
         let dev = self.device(uuid).ok_or(Status::InvalidArgument)?;
         self.events_of(slot, &dev)

@@ -69,6 +69,19 @@ impl KvState {
                     }
                 }
             };
+        let devices = if backend.code() == 2 {
+            if cfg.simulated_devices > 0 {
+                return Err(crate::Error::Config(
+                    "--simulated-devices is for the host backend (this server copies with CUDA)"
+                        .into(),
+                ));
+            }
+            backend.device_uuids()
+        } else {
+            (0..cfg.simulated_devices)
+                .map(super::simulated_device_uuid)
+                .collect()
+        };
         Ok(KvState {
             backend_note,
             chunk_tokens: cfg.chunk_tokens,
@@ -89,7 +102,7 @@ impl KvState {
                 segment,
             )),
             pool,
-            copier: Copier::new(max_clients, backend),
+            copier: Copier::new(max_clients, backend, &devices),
         })
     }
 

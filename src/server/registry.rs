@@ -72,6 +72,9 @@ pub struct Instance {
     pub tensors: Vec<Tensor>,
     /// For device memory: the device and the tensor address table there.
     pub device: Option<super::cuda_backend::InstanceDevice>,
+    /// The device the registration named ([0; 16]: none): its copies go
+    /// to that device's copy lane.
+    pub device_uuid: [u8; 16],
 }
 
 impl Instance {
@@ -259,6 +262,7 @@ impl Registry {
             fingerprint,
             tensors,
             device: dev,
+            device_uuid: req.device_uuid,
         });
         self.groups
             .entry(gkey)
