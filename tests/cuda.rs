@@ -413,3 +413,111 @@ fn the_engines_stream_waits_for_a_retrieve_through_the_published_job_event() {
     verify(&mirror, hashes, &sb, bpc as usize, 0, 0xa5);
     done(&mut c, id);
 }
+
+/// A tensor-parallel rank in its own process (`rank<R>@<ordinal>`): its KV
+/// cache on GPU `ordinal`, registered with world size 2; per round it
+/// stores 8 chunks, looks them up (all hit once both ranks stored),
+/// retrieves them into a poisoned second cache on the same GPU and checks
+/// every byte; prints "done" at the end.
+fn rank_main(role: &str, name: &str, dir: &std::path::Path) {
+    let (rank, ordinal) = role
+        .strip_prefix("rank")
+        .and_then(|r| r.split_once('@'))
+        .map(|(r, o)| (r.parse::<u32>().unwrap(), o.parse::<i32>().unwrap()))
+        .expect("role rank<R>@<ordinal>");
+    let mut c = Client::connect_in(dir, name).unwrap();
+    let mut l = layout(KvLayoutKind::FlashAttn, 2, 64);
+    l.head_dim = 64;
+    let src = CudaKvCache::new(l, CHUNK, ordinal, Export::Ipc).unwrap();
+    let dst = CudaKvCache::new(l, CHUNK, ordinal, Export::Ipc).unwrap();
+    let model = model_id("tp2-gpus");
+    let inst = c.register_cuda_cache(model, 2, rank, &src).unwrap();
+    let finst = c.register_cuda_cache(model, 2, rank, &dst).unwrap();
+    let bpc = inst.blocks_per_chunk() as usize;
+    for round in 0..10u32 {
+        let hashes = chunk_hashes(&prompt(round, 8 * CHUNK as usize), CHUNK);
+        let sb: Vec<u32> = (0..8 * bpc as u32).collect();
+        for (h, b) in hashes.iter().zip(sb.chunks(bpc)) {
+            pattern::write_chunk(&src, rank, h, b);
+        }
+        let id = c.store(&inst, 0, &hashes, &sb).unwrap();
+        assert_eq!(done(&mut c, id).value, 8);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let lease = loop {
+            let lease = c.lookup(model, 2, 0, &hashes).unwrap();
+            let hit = c
+                .wait_job(lease, Instant::now() + Duration::from_secs(10))
+                .unwrap();
+            if matches!(hit, JobStatus::Done(JobResult { value: 8, .. })) {
+                break lease;
+            }
+            // (A lookup without a hit has no lease.)
+            let _ = c.end_session(lease);
+            c.release_job(lease).unwrap();
+            assert!(Instant::now() < deadline, "the other rank never stored");
+            std::thread::sleep(Duration::from_millis(1));
+        };
+        dst.fill(0x7e).unwrap();
+        let db: Vec<u32> = (8 * bpc as u32..16 * bpc as u32).collect();
+        let id = c.retrieve(&finst, lease, 0, &db, 0).unwrap();
+        done(&mut c, id);
+        // This rank's lookup also held the other rank's chunks.
+        c.end_session(lease).unwrap();
+        c.release_job(lease).unwrap();
+        for (i, (h, b)) in hashes.iter().zip(db.chunks(bpc)).enumerate() {
+            if let Err(e) = pattern::verify_chunk(&dst, rank, h, b, 0, 0x7e) {
+                panic!("rank {rank} on GPU {ordinal}, round {round}, chunk {i}: {e}");
+            }
+        }
+    }
+    tell_parent("done");
+}
+
+/// Two engine processes of one tensor-parallel engine, one per GPU, store
+/// and retrieve concurrently through one server. Needs two GPUs (skipped
+/// otherwise); `KVRING_TEST_TP_ON_ONE_GPU=1` puts both ranks on GPU 0, to
+/// check the test itself on a one-GPU machine.
+#[test]
+fn two_engine_processes_on_two_gpus_store_and_retrieve_concurrently() {
+    if let Some((role, name, dir)) = child_role() {
+        rank_main(&role, &name, &dir);
+        return;
+    }
+    let n = match kvring::cuda::probe() {
+        Ok(d) => d.len(),
+        Err(e) => {
+            eprintln!("skipped: no usable GPU: {e}");
+            return;
+        }
+    };
+    let one_gpu = std::env::var_os("KVRING_TEST_TP_ON_ONE_GPU").is_some();
+    if n < 2 && !one_gpu {
+        eprintln!("skipped: needs two GPUs, found {n}");
+        return;
+    }
+    let _w = watchdog(Duration::from_secs(300));
+    let s = Scope::new("cuda-tp2");
+    let _srv = server(&s);
+    let mut ranks: Vec<ChildProc> = (0..2)
+        .map(|rank| {
+            let ordinal = if n >= 2 { rank } else { 0 };
+            s.child(
+                "two_engine_processes_on_two_gpus_store_and_retrieve_concurrently",
+                &format!("rank{rank}@{ordinal}"),
+            )
+        })
+        .collect();
+    for r in &mut ranks {
+        r.expect_line("done");
+    }
+    let mut c = s.client();
+    let st = c.stats().unwrap();
+    assert_eq!(st.stored_chunks, 2 * 10 * 8, "{st:?}");
+    assert_eq!(st.leases, 0, "{st:?}");
+    eprintln!(
+        "two ranks on {}: {} chunks stored, {} retrieved, every byte checked",
+        if n >= 2 { "two GPUs" } else { "one GPU" },
+        st.stored_chunks,
+        st.retrieved_chunks
+    );
+}

@@ -8,6 +8,13 @@
 //!   (the PCIe ceiling);
 //! * `per_block_memcpy_gbps`: one cuMemcpyAsync per 32 KiB layer/K|V/block
 //!   piece into pinned memory, what vLLM's swap_blocks and a naive server do.
+//!
+//! With several GPUs (`--devices`, default all), each GPU holds one rank of
+//! a tensor-parallel engine (its own client, like a worker process): the
+//! ranks store at the same moment, the scheduler looks the prompt up once,
+//! and the ranks retrieve with that lease at the same moment. Reported per
+//! GPU and in aggregate (all ranks' bytes over the slowest rank's time),
+//! against the pinned-memcpy ceiling measured on every GPU at once.
 
 use crate::kv::{llama_layout, shuffled};
 use crate::peers::{kvring_client, kvring_server_with, stop_server};
@@ -87,7 +94,92 @@ fn timed(stream: sys::CUstream, bytes: usize, reps: usize, mut f: impl FnMut()) 
     median(v)
 }
 
-pub fn run(json_out: bool, passes: usize, copy_threads: Option<u32>) {
+/// One pinned-memcpy direction on every device at once: per device the
+/// median GB/s, and the median aggregate (all bytes over the slowest).
+fn concurrent_ceiling(ndev: usize, bytes: usize, reps: usize, d2h: bool) -> (Vec<f64>, f64) {
+    let start = std::sync::Barrier::new(ndev);
+    let end = std::sync::Barrier::new(ndev);
+    let times: Vec<Vec<f64>> = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..ndev)
+            .map(|ord| {
+                let (start, end) = (&start, &end);
+                sc.spawn(move || {
+                    let ctx = Context::by_ordinal(ord as i32).unwrap();
+                    ctx.bind().unwrap();
+                    let mut stream = std::ptr::null_mut();
+                    let mut dev = 0;
+                    // SAFETY: valid out-pointers.
+                    unsafe {
+                        ck(sys::cuStreamCreate(&mut stream, 1), "stream").unwrap();
+                        ck(sys::cuMemAlloc_v2(&mut dev, bytes), "alloc").unwrap();
+                    }
+                    let host = Pinned::new(bytes);
+                    let mut secs = Vec::new();
+                    for i in 0..=reps {
+                        start.wait();
+                        let t = Instant::now();
+                        // SAFETY: both buffers hold `bytes` bytes; the
+                        // stream is this thread's.
+                        unsafe {
+                            if d2h {
+                                ck(
+                                    sys::cuMemcpyDtoHAsync_v2(
+                                        host.p as *mut c_void,
+                                        dev,
+                                        bytes,
+                                        stream,
+                                    ),
+                                    "d2h",
+                                )
+                                .unwrap();
+                            } else {
+                                ck(
+                                    sys::cuMemcpyHtoDAsync_v2(
+                                        dev,
+                                        host.p as *const c_void,
+                                        bytes,
+                                        stream,
+                                    ),
+                                    "h2d",
+                                )
+                                .unwrap();
+                            }
+                            ck(sys::cuStreamSynchronize(stream), "sync").unwrap();
+                        }
+                        let el = t.elapsed().as_secs_f64();
+                        end.wait();
+                        if i > 0 {
+                            secs.push(el);
+                        }
+                    }
+                    drop(host);
+                    // SAFETY: frees what this thread made.
+                    unsafe {
+                        sys::cuMemFree_v2(dev);
+                        sys::cuStreamDestroy_v2(stream);
+                    }
+                    secs
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let per: Vec<f64> = times
+        .iter()
+        .map(|t| median(t.iter().map(|s| bytes as f64 / s / 1e9).collect()))
+        .collect();
+    let agg = median(
+        (0..reps)
+            .map(|r| {
+                let slowest = times.iter().map(|t| t[r]).fold(0f64, f64::max);
+                (ndev * bytes) as f64 / slowest / 1e9
+            })
+            .collect(),
+    );
+    (per, agg)
+}
+
+pub fn run(json_out: bool, passes: usize, copy_threads: Option<u32>, devices: Option<usize>) {
     let devs = match kvring::cuda::probe() {
         Ok(d) => d,
         Err(e) => {
@@ -95,10 +187,13 @@ pub fn run(json_out: bool, passes: usize, copy_threads: Option<u32>) {
             std::process::exit(1);
         }
     };
-    let ncpu = std::thread::available_parallelism().map_or(1, |n| n.get()) as u32;
-    // Four workers with four chunks in flight each keep the copy engines
-    // fed; more streams only add contention for them.
-    let _ = ncpu;
+    let ndev = devices.unwrap_or(devs.len());
+    if ndev == 0 || ndev > devs.len() {
+        eprintln!("--devices {ndev}: this machine has {} GPUs", devs.len());
+        std::process::exit(2);
+    }
+    // Four workers per GPU with four chunks in flight each keep the copy
+    // engines fed; more streams only add contention for them.
     let threads = copy_threads.unwrap_or(4);
     // 1024 source and 1024 destination blocks, disjoint, random.
     let l = llama_layout(2 * BLOCKS);
@@ -106,8 +201,9 @@ pub fn run(json_out: bool, passes: usize, copy_threads: Option<u32>) {
     let chunks = BLOCKS / 16;
     let bytes = u64::from(chunks) * obj;
     let pool_mib = (bytes >> 20) + 1024;
+    let pool_mib = pool_mib + (ndev as u64 - 1) * (bytes >> 20);
     eprintln!(
-        "{}: {chunks} chunks of {} MiB per job ({} GiB), {threads} copy threads, pool {pool_mib} MiB",
+        "{ndev} x {}: {chunks} chunks of {} MiB per job and GPU ({} GiB), {threads} copy threads per GPU, pool {pool_mib} MiB",
         devs[0].name,
         obj >> 20,
         bytes >> 30
@@ -119,16 +215,14 @@ pub fn run(json_out: bool, passes: usize, copy_threads: Option<u32>) {
     let perm = shuffled(l.num_blocks, 7);
     let n = BLOCKS as usize;
     let (src, dst) = (perm[..n].to_vec(), perm[n..2 * n].to_vec());
-    let cache = CudaKvCache::new(l, CHUNK, 0, Export::Ipc).unwrap();
-    cache.fill(0x11).unwrap();
-    let bpc = (CHUNK / l.block_tokens) as usize;
-    for (h, b) in hashes.iter().zip(src.chunks(bpc)) {
-        pattern::write_chunk(&cache, 0, h, b);
-    }
+    // One engine cache (one TP rank) per GPU.
+    let caches: Vec<CudaKvCache> = (0..ndev)
+        .map(|ord| CudaKvCache::new(l, CHUNK, ord as i32, Export::Ipc).unwrap())
+        .collect();
     // The default staged path, then the zero-copy kernels (32 CTAs).
-    let (store, retrieve) = measure(&cache, &hashes, &src, &dst, threads, pool_mib, passes, 0);
-    let (zc_store, zc_retrieve) = measure(
-        &cache,
+    let staged = measure(&caches, &hashes, &src, &dst, threads, pool_mib, passes, 0);
+    let zc = measure(
+        &caches,
         &hashes,
         &src,
         &dst,
@@ -137,7 +231,11 @@ pub fn run(json_out: bool, passes: usize, copy_threads: Option<u32>) {
         passes,
         ZERO_COPY_CTAS,
     );
-    // Ceilings, in this process, on the same device.
+    let reps = passes.max(3);
+    // The ceiling: pinned memcpy on every GPU at once.
+    let (d2h_per, d2h_all) = concurrent_ceiling(ndev, bytes as usize, reps, true);
+    let (h2d_per, h2d_all) = concurrent_ceiling(ndev, bytes as usize, reps, false);
+    // Single-GPU ceilings and the per-block baseline, on GPU 0.
     let ctx = Context::by_ordinal(0).unwrap();
     ctx.bind().unwrap();
     let mut stream = std::ptr::null_mut();
@@ -148,7 +246,6 @@ pub fn run(json_out: bool, passes: usize, copy_threads: Option<u32>) {
         ck(sys::cuMemAlloc_v2(&mut dev, bytes as usize), "alloc").unwrap();
     }
     let host = Pinned::new(bytes as usize);
-    let reps = passes.max(3);
     // SAFETY (both closures): the device buffer and the pinned host buffer
     // hold `bytes` bytes.
     let d2h = timed(stream, bytes as usize, reps, || unsafe {
@@ -179,7 +276,7 @@ pub fn run(json_out: bool, passes: usize, copy_threads: Option<u32>) {
         })
         .map(|(t, off)| t * l.tensor_bytes().div_ceil(1 << 16) * (1 << 16) + off)
         .collect();
-    let base = cache.device_base();
+    let base = caches[0].device_base();
     let per_block = timed(stream, pieces.len() * slab, reps, || {
         for (i, off) in pieces.iter().enumerate() {
             // SAFETY: each piece is a slab of the cache; the host range is
@@ -199,14 +296,36 @@ pub fn run(json_out: bool, passes: usize, copy_threads: Option<u32>) {
         }
     });
     let pinned = d2h.min(h2d);
-    let (store_gbps, retrieve_gbps) = (store, retrieve);
+    let (store_gbps, retrieve_gbps) = (staged.store_all, staged.retrieve_all);
     eprintln!(
-        "store {store_gbps:.2} GB/s, retrieve {retrieve_gbps:.2} GB/s; pinned memcpy D2H {d2h:.2}, H2D {h2d:.2}; per-block memcpy {per_block:.2} GB/s"
+        "{ndev} GPU(s): store {store_gbps:.2} GB/s, retrieve {retrieve_gbps:.2} GB/s; pinned memcpy on all at once D2H {d2h_all:.2}, H2D {h2d_all:.2}; GPU 0 alone D2H {d2h:.2}, H2D {h2d:.2}; per-block memcpy {per_block:.2} GB/s"
     );
+    let per_device: Vec<serde_json::Value> = (0..ndev)
+        .map(|i| {
+            json!({
+                "ordinal": i,
+                "name": devs[i].name,
+                "store_gbps": staged.store[i],
+                "retrieve_gbps": staged.retrieve[i],
+                "pinned_memcpy_gbps": { "d2h": d2h_per[i], "h2d": h2d_per[i] },
+                "store_over_pinned_d2h": staged.store[i] / d2h_per[i],
+                "retrieve_over_pinned_h2d": staged.retrieve[i] / h2d_per[i],
+            })
+        })
+        .collect();
     let out = json!({
         "bench": "kv",
         "backend": "cuda",
         "device": devs[0].name,
+        "devices": ndev,
+        "per_device": per_device,
+        "aggregate": {
+            "store_gbps": store_gbps,
+            "retrieve_gbps": retrieve_gbps,
+            "pinned_memcpy_gbps": { "d2h": d2h_all, "h2d": h2d_all },
+            "store_over_pinned_d2h": store_gbps / d2h_all,
+            "retrieve_over_pinned_h2d": retrieve_gbps / h2d_all,
+        },
         "geometry": {
             "layers": 32, "kv_heads": 8, "head_dim": 128, "elem_bytes": 2,
             "block_tokens": 16, "chunk_tokens": CHUNK, "chunk_bytes": obj, "blocks": BLOCKS,
@@ -217,10 +336,10 @@ pub fn run(json_out: bool, passes: usize, copy_threads: Option<u32>) {
         "retrieve_gbps": retrieve_gbps,
         "pinned_memcpy_gbps": { "d2h": d2h, "h2d": h2d },
         "per_block_memcpy_gbps": per_block,
-        "zero_copy": { "ctas": ZERO_COPY_CTAS, "store_gbps": zc_store, "retrieve_gbps": zc_retrieve },
+        "zero_copy": { "ctas": ZERO_COPY_CTAS, "store_gbps": zc.store_all, "retrieve_gbps": zc.retrieve_all },
         "ratios": {
-            "store_over_pinned_d2h": store_gbps / d2h,
-            "retrieve_over_pinned_h2d": retrieve_gbps / h2d,
+            "store_over_pinned_d2h": store_gbps / d2h_all,
+            "retrieve_over_pinned_h2d": retrieve_gbps / h2d_all,
             "store_over_per_block": store_gbps / per_block,
             "retrieve_over_per_block": retrieve_gbps / per_block,
             "pinned_min": pinned,
@@ -238,11 +357,21 @@ pub fn run(json_out: bool, passes: usize, copy_threads: Option<u32>) {
     }
 }
 
-/// Median store and retrieve GB/s of one server configuration; every
-/// retrieved byte checked after the last pass.
+/// Medians of one server configuration: per GPU and aggregate.
+struct Rates {
+    store: Vec<f64>,
+    retrieve: Vec<f64>,
+    store_all: f64,
+    retrieve_all: f64,
+}
+
+/// One server configuration: every rank (GPU) stores at the same moment,
+/// the scheduler looks the prompt up once, every rank retrieves with that
+/// lease at the same moment; every retrieved byte checked after the last
+/// pass.
 #[allow(clippy::too_many_arguments)]
 fn measure(
-    cache: &CudaKvCache,
+    caches: &[CudaKvCache],
     hashes: &[kvring::kv::ChunkHash],
     src: &[u32],
     dst: &[u32],
@@ -250,8 +379,10 @@ fn measure(
     pool_mib: u64,
     passes: usize,
     zero_copy_ctas: u32,
-) -> (f64, f64) {
-    let l = *cache.layout();
+) -> Rates {
+    let ndev = caches.len();
+    let world = ndev as u32;
+    let l = *caches[0].layout();
     let bytes = hashes.len() as u64 * l.object_bytes(CHUNK);
     let extra: Vec<String> = vec![
         "--pool-mib".into(),
@@ -265,58 +396,111 @@ fn measure(
         zero_copy_ctas.to_string(),
     ];
     let (child, name) = kvring_server_with("kvcuda", WaitPolicy::default(), &extra, false);
-    let mut c = kvring_client(&name);
-    let inst = c
-        .register_cuda_cache(model_id("bench-llama-3-8b"), 1, 0, cache)
-        .unwrap();
-    let bpc = inst.blocks_per_chunk() as usize;
+    let model = model_id("bench-llama-3-8b");
     let far = || Instant::now() + Duration::from_secs(120);
-    let (mut store, mut retrieve) = (Vec::new(), Vec::new());
-    for pass in 0..=passes {
-        c.clear().unwrap();
-        cache.fill(0x11).unwrap();
-        for (h, b) in hashes.iter().zip(src.chunks(bpc)) {
-            pattern::write_chunk(cache, 0, h, b);
+    let mut sched = kvring_client(&name);
+    let sync = std::sync::Barrier::new(ndev + 1);
+    let lease_slot = std::sync::Mutex::new(None);
+    let path = if zero_copy_ctas == 0 {
+        "staged"
+    } else {
+        "zero-copy"
+    };
+    // Per rank: (store secs, retrieve secs) of each timed pass.
+    let times: Vec<Vec<(f64, f64)>> = std::thread::scope(|sc| {
+        let ranks: Vec<_> = caches
+            .iter()
+            .enumerate()
+            .map(|(rank, cache)| {
+                let (sync, lease_slot, name) = (&sync, &lease_slot, &name);
+                sc.spawn(move || {
+                    let mut c = kvring_client(name);
+                    let inst = c
+                        .register_cuda_cache(model, world, rank as u32, cache)
+                        .unwrap();
+                    let bpc = inst.blocks_per_chunk() as usize;
+                    let mut out = Vec::new();
+                    for pass in 0..=passes {
+                        cache.fill(0x11).unwrap();
+                        for (h, b) in hashes.iter().zip(src.chunks(bpc)) {
+                            pattern::write_chunk(cache, rank as u32, h, b);
+                        }
+                        sync.wait(); // the pool is clear, everyone ready
+                        let t = Instant::now();
+                        let id = c.store(&inst, 0, hashes, src).unwrap();
+                        let r = c.wait_job(id, far()).unwrap();
+                        let st = t.elapsed().as_secs_f64();
+                        assert!(
+                            matches!(r, JobStatus::Done(r) if r.value == hashes.len() as u64 && r.aux == 0),
+                            "{r:?}"
+                        );
+                        c.release_job(id).unwrap();
+                        sync.wait(); // every rank stored
+                        sync.wait(); // the scheduler's lease is there
+                        let lease = lease_slot.lock().unwrap().expect("lease");
+                        let t = Instant::now();
+                        let id = c.retrieve(&inst, lease, 0, dst, 0).unwrap();
+                        let r = c.wait_job(id, far()).unwrap();
+                        let rt = t.elapsed().as_secs_f64();
+                        assert!(matches!(r, JobStatus::Done(r) if r.aux == bytes), "{r:?}");
+                        c.release_job(id).unwrap();
+                        sync.wait(); // every rank retrieved
+                        eprintln!(
+                            "{path} pass {pass} GPU {rank}: store {:.2} GB/s, retrieve {:.2} GB/s",
+                            bytes as f64 / st / 1e9,
+                            bytes as f64 / rt / 1e9
+                        );
+                        if pass > 0 {
+                            out.push((st, rt));
+                        }
+                    }
+                    for (h, b) in hashes.iter().zip(dst.chunks(bpc)) {
+                        pattern::verify_chunk(cache, rank as u32, h, b, 0, 0x11)
+                            .expect("retrieved bytes differ");
+                    }
+                    out
+                })
+            })
+            .collect();
+        for _ in 0..=passes {
+            sched.clear().unwrap();
+            sync.wait(); // ranks store
+            sync.wait(); // stored
+            let lease = sched.lookup(model, world, 0, hashes).unwrap();
+            let r = sched.wait_job(lease, far()).unwrap();
+            assert!(
+                matches!(r, JobStatus::Done(r) if r.value == hashes.len() as u64),
+                "{r:?}"
+            );
+            sched.release_job(lease).unwrap();
+            *lease_slot.lock().unwrap() = Some(lease);
+            sync.wait(); // ranks retrieve
+            sync.wait(); // retrieved
         }
-        let t = Instant::now();
-        let id = c.store(&inst, 0, hashes, src).unwrap();
-        let r = c.wait_job(id, far()).unwrap();
-        let st = t.elapsed();
-        assert!(
-            matches!(r, JobStatus::Done(r) if r.value == hashes.len() as u64 && r.aux == 0),
-            "{r:?}"
-        );
-        c.release_job(id).unwrap();
-        let lease = c
-            .lookup(model_id("bench-llama-3-8b"), 1, 0, hashes)
-            .unwrap();
-        c.wait_job(lease, far()).unwrap();
-        c.release_job(lease).unwrap();
-        let t = Instant::now();
-        let id = c.retrieve(&inst, lease, 0, dst, 0).unwrap();
-        let r = c.wait_job(id, far()).unwrap();
-        let rt = t.elapsed();
-        assert!(matches!(r, JobStatus::Done(r) if r.aux == bytes), "{r:?}");
-        c.release_job(id).unwrap();
-        eprintln!(
-            "{} pass {pass}: store {:.2} GB/s, retrieve {:.2} GB/s",
-            if zero_copy_ctas == 0 {
-                "staged"
-            } else {
-                "zero-copy"
-            },
-            bytes as f64 / st.as_nanos() as f64,
-            bytes as f64 / rt.as_nanos() as f64
-        );
-        if pass > 0 {
-            store.push(bytes as f64 / st.as_nanos() as f64);
-            retrieve.push(bytes as f64 / rt.as_nanos() as f64);
-        }
-    }
-    for (h, b) in hashes.iter().zip(dst.chunks(bpc)) {
-        pattern::verify_chunk(cache, 0, h, b, 0, 0x11).expect("retrieved bytes differ");
-    }
-    drop(c);
+        ranks.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    drop(sched);
     stop_server(child);
-    (median(store), median(retrieve))
+    let per = |f: fn(&(f64, f64)) -> f64| -> Vec<f64> {
+        times
+            .iter()
+            .map(|t| median(t.iter().map(|x| bytes as f64 / f(x) / 1e9).collect()))
+            .collect()
+    };
+    let all = |f: fn(&(f64, f64)) -> f64| -> f64 {
+        median(
+            (0..passes)
+                .map(|p| {
+                    let slowest = times.iter().map(|t| f(&t[p])).fold(0f64, f64::max);
+                    (ndev as u64 * bytes) as f64 / slowest / 1e9
+                })
+                .collect(),
+        )
+    };
+    Rates {
+        store: per(|x| x.0),
+        retrieve: per(|x| x.1),
+        store_all: all(|x| x.0),
+        retrieve_all: all(|x| x.1),
+    }
 }

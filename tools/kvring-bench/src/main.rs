@@ -92,6 +92,11 @@ enum Cmd {
         /// the ceiling is then one large pinned cuMemcpy each way).
         #[arg(long, default_value = "host")]
         backend: String,
+        /// CUDA: how many GPUs, one tensor-parallel rank each (default:
+        /// all); aggregate and per-GPU GB/s against the pinned-memcpy
+        /// ceiling measured on all of them at once.
+        #[arg(long)]
+        devices: Option<usize>,
     },
 }
 
@@ -110,9 +115,10 @@ fn main() {
             lookups,
             copy_threads,
             backend,
+            devices,
         } => match backend.as_str() {
             "host" => kv::run(json, passes, lookups, copy_threads),
-            "cuda" => kv_cuda::run(json, passes, copy_threads),
+            "cuda" => kv_cuda::run(json, passes, copy_threads, devices),
             other => {
                 eprintln!("unknown backend {other} (host or cuda)");
                 std::process::exit(2);
