@@ -23,11 +23,10 @@ use crate::jobs::{JobId, JobStatus};
 use crate::kv::{KvLayout, KvLayoutKind};
 use crate::proto::kv::{RegisterKv, TensorRegion};
 use crate::proto::{Opcode, Status};
-use crate::ring::{
-    frame_bytes, Consumer, FrameHeader, Producer, RingError, RingPtrs, FLAG_MORE, HEADER_BYTES,
-};
+use crate::ring::heap::HeapRing;
+use crate::ring::{frame_bytes, Consumer, FrameHeader, RingError, FLAG_MORE, HEADER_BYTES};
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -55,34 +54,6 @@ impl Input<'_> {
     }
     fn is_empty(&self) -> bool {
         self.0.is_empty()
-    }
-}
-
-/// A ring in ordinary memory: the two indices and the data words.
-struct HeapRing {
-    head: AtomicU64,
-    tail: AtomicU64,
-    data: Vec<AtomicU64>,
-    max_frame: usize,
-}
-
-impl HeapRing {
-    fn new(capacity: usize, max_frame: usize) -> HeapRing {
-        HeapRing {
-            head: AtomicU64::new(0),
-            tail: AtomicU64::new(0),
-            data: (0..capacity / 8).map(|_| AtomicU64::new(0)).collect(),
-            max_frame,
-        }
-    }
-    fn ptrs(&self) -> RingPtrs {
-        RingPtrs {
-            head: &self.head,
-            tail: &self.tail,
-            data: self.data.as_ptr(),
-            capacity: self.data.len() * 8,
-            max_frame: self.max_frame,
-        }
     }
 }
 
@@ -176,12 +147,7 @@ fn modelled_ring(ring: &HeapRing, inp: &mut Input) {
     let capacity = ring.data.len() * 8;
     // SAFETY: the ring's memory lives in `ring` for the whole function; one
     // producer and one consumer, both used only here.
-    let (mut p, mut c) = unsafe {
-        (
-            Producer::new(ring.ptrs()).expect("fresh ring"),
-            Consumer::new(ring.ptrs()).expect("fresh ring"),
-        )
-    };
+    let (mut p, mut c) = unsafe { ring.pair() };
     let mut buf = vec![0u64; ring.max_frame / 8];
     // Frames written (and whether published), in order.
     let mut written: VecDeque<(FrameHeader, Vec<u8>)> = VecDeque::new();

@@ -98,6 +98,9 @@ pub struct RingPtrs {
     pub max_frame: usize,
 }
 
+#[cfg(not(loom))]
+#[doc(hidden)]
+pub mod heap;
 #[cfg(all(test, loom))]
 mod loom_tests;
 #[cfg(all(test, not(loom)))]

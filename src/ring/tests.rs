@@ -1,41 +1,12 @@
 use super::*;
-use crate::sync::{AtomicU64, Ordering};
+use crate::sync::Ordering;
 
-/// A ring on the heap, for tests of the algorithm itself.
-struct HeapRing {
-    head: AtomicU64,
-    tail: AtomicU64,
-    data: Vec<AtomicU64>,
-    max_frame: usize,
-}
+use super::heap::HeapRing;
 
-impl HeapRing {
-    fn new(capacity: usize, max_frame: usize) -> Box<Self> {
-        Box::new(HeapRing {
-            head: AtomicU64::new(0),
-            tail: AtomicU64::new(0),
-            data: (0..capacity / 8).map(|_| AtomicU64::new(0)).collect(),
-            max_frame,
-        })
-    }
-    fn ptrs(&self) -> RingPtrs {
-        RingPtrs {
-            head: &self.head,
-            tail: &self.tail,
-            data: self.data.as_ptr(),
-            capacity: self.data.len() * 8,
-            max_frame: self.max_frame,
-        }
-    }
-    fn pair(&self) -> (Producer, Consumer) {
-        // SAFETY: the HeapRing outlives both halves in every test below.
-        unsafe {
-            (
-                Producer::new(self.ptrs()).unwrap(),
-                Consumer::new(self.ptrs()).unwrap(),
-            )
-        }
-    }
+/// Both halves of a heap ring (it outlives them in every test below).
+fn pair(r: &HeapRing) -> (Producer, Consumer) {
+    // SAFETY: each test keeps `r` alive past both halves and makes one pair.
+    unsafe { r.pair() }
 }
 
 fn hdr(op: u16, user: u64) -> FrameHeader {
@@ -50,7 +21,7 @@ fn hdr(op: u16, user: u64) -> FrameHeader {
 #[test]
 fn frames_round_trip_with_wraparound() {
     let r = HeapRing::new(4096, 1024);
-    let (mut p, mut c) = r.pair();
+    let (mut p, mut c) = pair(&r);
     let mut buf = vec![0u64; 128];
     for i in 0..5000u64 {
         let len = (i as usize * 37) % 900;
@@ -69,7 +40,7 @@ fn frames_round_trip_with_wraparound() {
 #[test]
 fn full_ring_refuses_then_accepts_after_release() {
     let r = HeapRing::new(4096, 1024);
-    let (mut p, mut c) = r.pair();
+    let (mut p, mut c) = pair(&r);
     let payload = [0xabu8; 1000];
     let mut n = 0;
     loop {
@@ -98,7 +69,7 @@ fn full_ring_refuses_then_accepts_after_release() {
 #[test]
 fn oversized_frame_is_refused_with_the_bound() {
     let r = HeapRing::new(4096, 1024);
-    let (mut p, _c) = r.pair();
+    let (mut p, _c) = pair(&r);
     let err = p.push(&hdr(1, 0), &[0u8; 1001]).unwrap_err();
     assert_eq!(
         err,
@@ -112,7 +83,7 @@ fn oversized_frame_is_refused_with_the_bound() {
 #[test]
 fn batch_is_invisible_until_published() {
     let r = HeapRing::new(4096, 1024);
-    let (mut p, mut c) = r.pair();
+    let (mut p, mut c) = pair(&r);
     p.write(&hdr(1, 1), b"a").unwrap();
     p.write(&hdr(1, 2), b"b").unwrap();
     let mut buf = vec![0u64; 128];
@@ -125,26 +96,26 @@ fn batch_is_invisible_until_published() {
 #[test]
 fn corrupt_tail_and_lengths_are_detected() {
     let r = HeapRing::new(4096, 1024);
-    let (_p, mut c) = r.pair();
+    let (_p, mut c) = pair(&r);
     // Tail beyond head + capacity.
     r.tail.store(8192, Ordering::Relaxed);
     assert!(matches!(c.available(), Err(RingError::Corrupt(_))));
 
     let r = HeapRing::new(4096, 1024);
-    let (_p, mut c) = r.pair();
+    let (_p, mut c) = pair(&r);
     // Misaligned tail.
     r.tail.store(12, Ordering::Relaxed);
     assert!(matches!(c.available(), Err(RingError::Corrupt(_))));
 
     let r = HeapRing::new(4096, 1024);
-    let (_p, mut c) = r.pair();
+    let (_p, mut c) = pair(&r);
     // A header claiming more payload than the bound.
     r.data[0].store(u64::from(u32::MAX), Ordering::Relaxed);
     r.tail.store(64, Ordering::Relaxed);
     assert!(matches!(c.peek(), Err(RingError::Corrupt(_))));
 
     let r = HeapRing::new(4096, 1024);
-    let (_p, mut c) = r.pair();
+    let (_p, mut c) = pair(&r);
     // A header claiming more payload than was published.
     r.data[0].store(200, Ordering::Relaxed);
     r.tail.store(64, Ordering::Relaxed);
@@ -152,7 +123,7 @@ fn corrupt_tail_and_lengths_are_detected() {
 
     // Producer side: head running ahead of the tail.
     let r2 = HeapRing::new(4096, 1024);
-    let (mut p2, _c2) = r2.pair();
+    let (mut p2, _c2) = pair(&r2);
     r2.head.store(64, Ordering::Relaxed);
     assert!(matches!(p2.free(), Err(RingError::Corrupt(_))));
 }
@@ -168,7 +139,7 @@ fn geometry_is_checked() {
 #[test]
 fn two_threads_stream_in_order() {
     let r = HeapRing::new(8192, 2048);
-    let (mut p, mut c) = r.pair();
+    let (mut p, mut c) = pair(&r);
     const N: u64 = 200_000;
     std::thread::scope(|s| {
         s.spawn(move || {
