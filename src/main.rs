@@ -74,8 +74,10 @@ enum Cmd {
         /// page faults (start-up takes longer).
         #[arg(long, env = "KVRING_PREFAULT")]
         prefault: bool,
-        /// Threads that copy chunks between engines' caches and the pool
-        /// (default: half the CPUs, 1 to 8, on the host backend; 4 on CUDA).
+        /// Threads that copy chunks between engines' caches and the pool,
+        /// per copy lane: one lane for engines with no device, one per GPU
+        /// (or simulated device). Default: half the CPUs, 1 to 8, on the
+        /// host backend; 4 on CUDA.
         #[arg(long, env = "KVRING_COPY_THREADS")]
         copy_threads: Option<u32>,
         /// Largest request, all frames together (a LOOKUP of N chunks takes
