@@ -69,12 +69,7 @@ impl Client {
         if payload.len() <= max {
             return self.call(op, payload, timeout);
         }
-        let live = self.live_in_flight();
-        if live > 0 {
-            return Err(Error::Protocol(format!(
-                "synchronous {op:?} while {live} requests are in flight",
-            )));
-        }
+        self.check_no_call_in_flight(op)?;
         let deadline = Instant::now() + timeout;
         let pieces: Vec<&[u8]> = payload.chunks(max).collect();
         let tag = 0x4c52_4745_0000_0000 | op as u64;
@@ -112,19 +107,7 @@ impl Client {
             }
         }
         self.flush();
-        let c = match self.wait_completion(deadline) {
-            Err(Error::Timeout(d)) => {
-                self.abandon_last(op);
-                return Err(Error::Timeout(d));
-            }
-            r => r?,
-        };
-        if c.status != 0 {
-            return Err(Error::Status(
-                Status::from_i32(c.status).unwrap_or(Status::Malformed),
-            ));
-        }
-        Ok(c.payload)
+        self.finish_call(op, deadline)
     }
 
     /// The server's configuration (chunk size, pool, limits).
@@ -211,7 +194,7 @@ impl Client {
         let saved =
             super::reconnect::Saved::new(spec, mem_kind, device_uuid, regions, n_tensors, fds)?;
         let inst = self.send_registration(&saved)?;
-        self.registrations.push(saved.with_id(inst.id, inst.key));
+        self.registrations.push(saved.with_id(inst.id));
         Ok(inst)
     }
 
@@ -220,15 +203,8 @@ impl Client {
         &mut self,
         saved: &super::reconnect::Saved,
     ) -> Result<Instance> {
-        let (spec, mem_kind, device_uuid, regions, n_tensors) = (
-            &saved.spec,
-            saved.mem_kind,
-            saved.device_uuid,
-            &saved.regions[..],
-            saved.n_tensors,
-        );
+        let spec = &saved.spec;
         let fds: Vec<BorrowedFd<'_>> = saved.fds.iter().map(|f| f.as_fd()).collect();
-        let fds = &fds[..];
         let chunk_tokens = self.server_config()?.chunk_tokens;
         spec.layout
             .validate(chunk_tokens)
@@ -248,16 +224,16 @@ impl Client {
         let req = RegisterKv {
             magic: BOOT_MAGIC,
             kind: BootKind::Register as u32,
-            mem_kind: mem_kind as u32,
+            mem_kind: saved.mem_kind as u32,
             model_id: spec.model_id,
             world_size: spec.world_size,
             rank: spec.rank,
             layout: spec.layout,
-            n_tensors: n_tensors as u32,
+            n_tensors: saved.n_tensors as u32,
             _reserved: 0,
-            device_uuid,
+            device_uuid: saved.device_uuid,
         };
-        let msg = payload(&req, &[regions]);
+        let msg = payload(&req, &[&saved.regions]);
         self.conn
             .send(&msg, last)
             .map_err(crate::error::io("send registration"))?;
@@ -305,12 +281,13 @@ impl Client {
             rank,
             layout: *cache.layout(),
         };
+        let regions = cache.regions();
         self.register_memory(
             &spec,
             MemKind::HostFd,
             device_uuid,
-            bytemuck::cast_slice(&cache.regions()),
-            cache.regions().len(),
+            bytemuck::cast_slice(&regions),
+            regions.len(),
             &[cache.fd()],
         )
     }

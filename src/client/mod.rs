@@ -87,6 +87,8 @@ pub struct Client {
     /// Completion bytes not reserved by any in-flight request.
     credits: usize,
     inflight: VecDeque<InFlight>,
+    /// How many of `inflight` are abandoned (kept so no wait scans them).
+    abandoned: usize,
     wait: WaitPolicy,
     buf: Vec<u64>,
     name: String,
@@ -226,6 +228,7 @@ impl Client {
             cq,
             credits: g.cq_ring_bytes as usize,
             inflight: VecDeque::new(),
+            abandoned: 0,
             wait: opts.wait,
             buf: vec![0u64; g.max_frame_bytes as usize / 8],
             name: paths.name.clone(),
@@ -407,16 +410,16 @@ impl Client {
     /// Consumes one completion frame (payload left in `self.buf`), returning
     /// its credit.
     fn take_frame(&mut self) -> Result<Option<FrameHeader>> {
-        loop {
-            let Some(h) = self.take_any_frame()? else {
-                return Ok(None);
-            };
-            if let Some(op) = h.1 {
-                self.adopt_orphan(op, &h.0);
-                continue;
+        while let Some((h, abandoned)) = self.take_any_frame()? {
+            match abandoned {
+                Some(op) => {
+                    self.abandoned -= 1;
+                    self.adopt_orphan(op, &h);
+                }
+                None => return Ok(Some(h)),
             }
-            return Ok(Some(h.0));
         }
+        Ok(None)
     }
 
     /// A late completion of an abandoned call: a job it created is kept
@@ -478,7 +481,7 @@ impl Client {
     /// once the buffer has grown).
     pub fn wait_into(&mut self, deadline: Instant, payload: &mut Vec<u8>) -> Result<FrameHeader> {
         loop {
-            if self.inflight.iter().all(|f| f.abandoned.is_some()) {
+            if self.live_in_flight() == 0 {
                 return Err(Error::Protocol(
                     "waiting for a completion with nothing in flight".into(),
                 ));
@@ -540,20 +543,36 @@ impl Client {
     /// completion is dropped when it arrives (and a job it created is
     /// released once it finishes), so the next call works as usual.
     pub fn call(&mut self, op: Opcode, payload: &[u8], timeout: Duration) -> Result<Vec<u8>> {
-        let live = self.live_in_flight();
-        if live > 0 {
-            return Err(Error::Protocol(format!(
-                "synchronous {op:?} while {live} requests are in flight; consume their completions first",
-            )));
-        }
+        self.check_no_call_in_flight(op)?;
         if op != Opcode::ReleaseJob {
             self.release_orphans();
         }
         let tag = 0x4341_4c4c_0000_0000 | op as u64;
         self.submit(op, payload, tag)?;
-        let c = match self.wait_completion(Instant::now() + timeout) {
+        self.finish_call(op, Instant::now() + timeout)
+    }
+
+    /// A synchronous request may start only when no other request waits
+    /// for its completion (completions come in order).
+    pub(crate) fn check_no_call_in_flight(&self, op: Opcode) -> Result<()> {
+        match self.live_in_flight() {
+            0 => Ok(()),
+            live => Err(Error::Protocol(format!(
+                "synchronous {op:?} while {live} requests are in flight; consume their completions first",
+            ))),
+        }
+    }
+
+    /// Waits for the answer of the synchronous request just submitted (the
+    /// newest in flight): its payload, or its error status as an error. At
+    /// the deadline the request is abandoned (see [`Client::call`]).
+    pub(crate) fn finish_call(&mut self, op: Opcode, deadline: Instant) -> Result<Vec<u8>> {
+        let c = match self.wait_completion(deadline) {
             Err(Error::Timeout(d)) => {
-                self.abandon_last(op);
+                if let Some(f) = self.inflight.back_mut() {
+                    f.abandoned = Some(op);
+                    self.abandoned += 1;
+                }
                 return Err(Error::Timeout(d));
             }
             r => r?,
@@ -568,17 +587,7 @@ impl Client {
 
     /// Requests in flight whose completions someone will wait for.
     fn live_in_flight(&self) -> usize {
-        self.inflight
-            .iter()
-            .filter(|f| f.abandoned.is_none())
-            .count()
-    }
-
-    /// Marks the newest request in flight as abandoned.
-    pub(crate) fn abandon_last(&mut self, op: Opcode) {
-        if let Some(f) = self.inflight.back_mut() {
-            f.abandoned = Some(op);
-        }
+        self.inflight.len() - self.abandoned
     }
 
     /// Releases the finished jobs of abandoned calls (a shared-memory read

@@ -59,8 +59,7 @@ impl Saved {
         })
     }
 
-    pub fn with_id(mut self, id: u32, key: u64) -> Saved {
-        debug_assert_eq!(key, self.key);
+    pub fn with_id(mut self, id: u32) -> Saved {
         self.id = id;
         self
     }
@@ -94,7 +93,7 @@ impl Client {
             match self.send_registration(&s) {
                 Ok(inst) => {
                     out.push(inst);
-                    self.registrations.push(s.with_id(inst.id, inst.key));
+                    self.registrations.push(s.with_id(inst.id));
                 }
                 Err(e) => {
                     first_err.get_or_insert(e);
