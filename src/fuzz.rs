@@ -73,6 +73,9 @@ pub fn ring_frames(data: &[u8]) {
     }
 }
 
+/// Plays the producer from the same thread as the consumer: the orderings
+/// of its stores only mirror a real producer's (Release on the tail it
+/// publishes, which the consumer's Acquire load of the tail pairs with).
 fn hostile_producer(ring: &HeapRing, inp: &mut Input) {
     let capacity = ring.data.len() as u64 * 8;
     let start = match inp.u8() % 3 {
