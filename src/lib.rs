@@ -25,12 +25,10 @@ pub mod client;
 #[cfg(not(loom))]
 pub mod cuda;
 #[cfg(not(loom))]
-pub mod demo;
-#[cfg(not(loom))]
 pub mod error;
 #[cfg(not(loom))]
 pub mod futex;
-#[cfg(not(loom))]
+#[cfg(all(not(loom), feature = "fuzzing"))]
 #[doc(hidden)]
 pub mod fuzz;
 #[cfg(not(loom))]

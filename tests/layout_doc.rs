@@ -37,8 +37,8 @@ fn doc_tables(md: &str) -> BTreeMap<String, Vec<(String, usize, usize)>> {
 
 #[test]
 fn shm_layout_md_matches_the_structs() {
-    let md =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/shm_layout.md")).unwrap();
+    let md = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shm_layout.md"))
+        .unwrap();
     let doc = doc_tables(&md);
     let code = kvring::layout::field_tables();
     assert!(!code.is_empty());
@@ -65,8 +65,8 @@ fn shm_layout_md_matches_the_structs() {
 
 #[test]
 fn documented_version_is_the_code_version() {
-    let md =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/shm_layout.md")).unwrap();
+    let md = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shm_layout.md"))
+        .unwrap();
     let first = md.lines().next().unwrap();
     assert!(
         first.contains(&format!(

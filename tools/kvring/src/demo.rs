@@ -13,13 +13,21 @@
 //! Workers are this binary again (`kvring demo-worker`), driven by lines on
 //! stdin and answering on stdout.
 
-use crate::jobs::{JobId, JobStatus};
-use crate::kv::{chunk_hashes, model_id, pattern, ChunkHash, KvLayout, KvLayoutKind};
-use crate::{Client, Error, HostKvCache, Result};
+use kvring::jobs::{JobId, JobStatus};
+use kvring::kv::{chunk_hashes, model_id, pattern, ChunkHash, KvLayout, KvLayoutKind};
+use kvring::{Client, Error, HostKvCache, Result};
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
+
+/// Wraps an I/O error with what was being done.
+fn io_err(context: &'static str) -> impl FnOnce(std::io::Error) -> Error {
+    move |source| Error::Io {
+        context: context.into(),
+        source,
+    }
+}
 
 const MODEL: &str = "demo-llama-8l";
 const WORLD: u32 = 2;
@@ -147,10 +155,8 @@ struct Worker {
 
 impl Worker {
     fn send(&mut self, line: &str) -> Result<()> {
-        writeln!(self.stdin, "{line}").map_err(crate::error::io("write to a worker"))?;
-        self.stdin
-            .flush()
-            .map_err(crate::error::io("write to a worker"))
+        writeln!(self.stdin, "{line}").map_err(io_err("write to a worker"))?;
+        self.stdin.flush().map_err(io_err("write to a worker"))
     }
 
     fn recv(&mut self) -> Result<Vec<String>> {
@@ -158,7 +164,7 @@ impl Worker {
         let n = self
             .stdout
             .read_line(&mut line)
-            .map_err(crate::error::io("read from a worker"))?;
+            .map_err(io_err("read from a worker"))?;
         if n == 0 {
             return Err(Error::Protocol("a demo worker exited".into()));
         }
@@ -204,7 +210,7 @@ impl Drop for ServerChild {
     }
 }
 
-fn wait_done(c: &mut Client, id: JobId) -> Result<crate::jobs::JobResult> {
+fn wait_done(c: &mut Client, id: JobId) -> Result<kvring::jobs::JobResult> {
     match c.wait_job(id, Instant::now() + WAIT)? {
         JobStatus::Done(r) => {
             c.release_job(id)?;
@@ -217,10 +223,10 @@ fn wait_done(c: &mut Client, id: JobId) -> Result<crate::jobs::JobResult> {
 /// Runs the demo; prints the table (and with `json`, one JSON object as the
 /// last line). Fails unless every retrieved byte matched.
 pub fn run(json: bool) -> Result<()> {
-    let exe = std::env::current_exe().map_err(crate::error::io("find the kvring binary"))?;
+    let exe = std::env::current_exe().map_err(io_err("find the kvring binary"))?;
     let name = format!("demo-{}", std::process::id());
     let dir = std::env::temp_dir().join(format!("kvring-demo-{}", std::process::id()));
-    crate::rundir::ensure_runtime_dir(&dir)?;
+    kvring::rundir::ensure_runtime_dir(&dir)?;
     let _cleanup = DirGuard(dir.clone());
     let server = Command::new(&exe)
         .args([
@@ -235,10 +241,10 @@ pub fn run(json: bool) -> Result<()> {
         .arg(&dir)
         .stdout(Stdio::null())
         .spawn()
-        .map_err(crate::error::io("start the server"))?;
+        .map_err(io_err("start the server"))?;
     let server = ServerChild(server);
-    let paths = crate::rundir::ServerPaths::in_dir(&name, &dir)?;
-    let opts = crate::ClientOptions {
+    let paths = kvring::rundir::ServerPaths::in_dir(&name, &dir)?;
+    let opts = kvring::ClientOptions {
         connect_timeout: Duration::from_secs(20),
         ..Default::default()
     };
@@ -260,7 +266,7 @@ pub fn run(json: bool) -> Result<()> {
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
-            .map_err(crate::error::io("start a worker"))?;
+            .map_err(io_err("start a worker"))?;
         let stdin = child.stdin.take().expect("piped");
         let stdout = BufReader::new(child.stdout.take().expect("piped"));
         let mut w = Worker {
@@ -467,24 +473,24 @@ pub fn worker(name: &str, dir: &Path, rank: u32) -> Result<()> {
 /// A worker's KV cache: in GPU memory when the machine has one, else host.
 enum EngineCache {
     Host(HostKvCache),
-    Cuda(crate::cuda::engine_cache::CudaKvCache),
+    Cuda(kvring::cuda::engine_cache::CudaKvCache),
 }
 
 impl EngineCache {
     fn new(layout: KvLayout, gpu: bool) -> Result<EngineCache> {
         Ok(if gpu {
-            EngineCache::Cuda(crate::cuda::engine_cache::CudaKvCache::new(
+            EngineCache::Cuda(kvring::cuda::engine_cache::CudaKvCache::new(
                 layout,
                 CHUNK,
                 0,
-                crate::cuda::engine_cache::Export::Ipc,
+                kvring::cuda::engine_cache::Export::Ipc,
             )?)
         } else {
             EngineCache::Host(HostKvCache::new(layout, CHUNK)?)
         })
     }
 
-    fn register(&self, c: &mut Client, rank: u32) -> Result<crate::Instance> {
+    fn register(&self, c: &mut Client, rank: u32) -> Result<kvring::Instance> {
         match self {
             EngineCache::Host(h) => c.register_host_cache(model_id(MODEL), WORLD, rank, h),
             EngineCache::Cuda(d) => c.register_cuda_cache(model_id(MODEL), WORLD, rank, d),
@@ -520,7 +526,7 @@ fn worker_loop(name: &str, dir: &Path, rank: u32) -> Result<()> {
     println!("ready {} {}", inst.id, if gpu { "gpu" } else { "host" });
     let stdin = std::io::stdin();
     for line in stdin.lock().lines() {
-        let line = line.map_err(crate::error::io("read a command"))?;
+        let line = line.map_err(io_err("read a command"))?;
         let mut words = line.split_whitespace();
         match words.next() {
             Some("compute") => {
@@ -540,10 +546,10 @@ fn worker_loop(name: &str, dir: &Path, rank: u32) -> Result<()> {
                 for p in 0..PROMPTS {
                     let hs = hashes(1, p);
                     let blocks: Vec<u32> = (p * PROMPT_BLOCKS..(p + 1) * PROMPT_BLOCKS).collect();
-                    let t = crate::liveness::monotonic_ns();
+                    let t = kvring::liveness::monotonic_ns();
                     let id = c.store(&inst, 0, &hs, &blocks)?;
                     let r = wait_done(&mut c, id)?;
-                    lat.push(format!("{t}:{}", crate::liveness::monotonic_ns()));
+                    lat.push(format!("{t}:{}", kvring::liveness::monotonic_ns()));
                     chunks += r.value;
                     bytes += r.value * layout.object_bytes(CHUNK);
                 }
@@ -568,10 +574,10 @@ fn worker_loop(name: &str, dir: &Path, rank: u32) -> Result<()> {
                     // Each prompt lands in its own blocks of the fresh cache.
                     let blocks: Vec<u32> = (cursor..cursor + n * bpc).collect();
                     cursor += n * bpc;
-                    let t = crate::liveness::monotonic_ns();
+                    let t = kvring::liveness::monotonic_ns();
                     let id = c.retrieve(&finst, lease, 0, &blocks, 0)?;
                     let r = wait_done(&mut c, id)?;
-                    lat.push(format!("{t}:{}", crate::liveness::monotonic_ns()));
+                    lat.push(format!("{t}:{}", kvring::liveness::monotonic_ns()));
                     jobs += 1;
                     chunks += r.value;
                     bytes += r.aux;

@@ -1,5 +1,7 @@
 //! `kvring`: the cache server and a few client commands.
 
+mod demo;
+
 use clap::{Args, Parser, Subcommand};
 use kvring::layout::Geometry;
 use kvring::{Client, ServerConfig};
@@ -210,6 +212,15 @@ fn install_signal_handlers() {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // Logs go to stderr through `tracing`: warnings and errors by default,
+    // more with RUST_LOG (e.g. RUST_LOG=kvring=debug).
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -319,8 +330,8 @@ fn run(cli: Cli) -> kvring::Result<()> {
             );
             Ok(())
         }
-        Cmd::Demo { json } => kvring::demo::run(json),
-        Cmd::DemoWorker { target, rank } => kvring::demo::worker(&target.name, &target.dir(), rank),
+        Cmd::Demo { json } => demo::run(json),
+        Cmd::DemoWorker { target, rank } => demo::worker(&target.name, &target.dir(), rank),
         Cmd::DelayJob {
             target,
             pending_ms,
