@@ -5,7 +5,7 @@
 //! Module map (see README.md for the picture):
 //! * [`ring`]: the SPSC frame ring (producer, consumer, frame header);
 //! * [`jobs`]: the job table (slots, seqlock, state machine, ids);
-//! * [`layout`]: the segment's byte layout (`shm_layout.md` in tables);
+//! * [`shm`]: the segment's byte layout (`shm_layout.md` in tables);
 //! * [`segment`]: creating, attaching and replacing the segment;
 //! * [`wait`] and [`futex`]: spin, yield, then a shared futex, with deadlines;
 //! * [`liveness`]: locks, pidfds and start times that prove a process alive;
@@ -14,6 +14,7 @@
 //! * [`server`] and [`client`]: the two ends.
 
 pub(crate) mod sync;
+pub mod wire;
 
 pub mod jobs;
 pub mod ring;
@@ -34,13 +35,11 @@ pub mod futex;
 #[doc(hidden)]
 pub mod fuzz;
 #[cfg(not(loom))]
+pub mod inspect;
+#[cfg(not(loom))]
 pub mod kv;
 #[cfg(not(loom))]
-pub mod layout;
-#[cfg(not(loom))]
 pub mod liveness;
-#[cfg(not(loom))]
-pub mod observe;
 #[cfg(not(loom))]
 pub mod proto;
 #[cfg(not(loom))]
@@ -49,6 +48,8 @@ pub mod rundir;
 pub mod segment;
 #[cfg(not(loom))]
 pub mod server;
+#[cfg(not(loom))]
+pub mod shm;
 #[cfg(not(loom))]
 pub mod wait;
 

@@ -1,7 +1,7 @@
 //! `kvring`: the cache server and a few client commands.
 
 use clap::{Args, Parser, Subcommand};
-use kvring::layout::Geometry;
+use kvring::shm::Geometry;
 use kvring::{Client, ServerConfig};
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -81,7 +81,7 @@ const _: () = {
     assert!(offset_of!(JobSlot, finished_ns) == 88);
     assert!(offset_of!(JobSlot, released_ns) == 96);
     assert!(offset_of!(JobSlot, _reserved1) == 104);
-    assert!(size_of::<JobSlot>() == crate::layout::JOB_STRIDE);
+    assert!(size_of::<JobSlot>() == crate::shm::JOB_STRIDE);
 };
 
 /// The fields a status poll needs, copied out consistently.

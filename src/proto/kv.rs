@@ -4,6 +4,7 @@
 
 use crate::jobs::JobId;
 use crate::kv::KvLayout;
+use crate::wire::wire_enum;
 use bytemuck::{Pod, Zeroable};
 use std::mem::{offset_of, size_of};
 
@@ -32,14 +33,26 @@ pub struct StoreRequest {
     pub event: [u8; 64],
 }
 
-/// `StoreRequest::flags` / `RetrieveRequest::flags`: `event` is set.
-pub const FLAG_EVENT: u32 = 1;
-/// `StoreRequest::flags` / `RetrieveRequest::flags`: once every chunk's copy
-/// is queued on the device, the server records one of the caller's job
-/// events (see `Opcode::JobEvents`) after them all and publishes its index
-/// plus one in the job's `progress`, so the engine's stream can wait for
-/// the copies on the device (CUDA backend, device-memory instances).
-pub const FLAG_PUBLISH_EVENT: u32 = 2;
+bitflags::bitflags! {
+    /// `StoreRequest::flags` / `RetrieveRequest::flags` bits (the fields stay
+    /// `u32`).
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+    pub struct KvFlags: u32 {
+        /// `event` is set.
+        const EVENT = 1;
+        /// Once every chunk's copy is queued on the device, the server
+        /// records one of the caller's job events (see `Opcode::JobEvents`)
+        /// after them all and publishes its index plus one in the job's
+        /// `progress`, so the engine's stream can wait for the copies on the
+        /// device (CUDA backend, device-memory instances).
+        const PUBLISH_EVENT = 2;
+    }
+}
+
+/// [`KvFlags::EVENT`] as the raw field value.
+pub const FLAG_EVENT: u32 = KvFlags::EVENT.bits();
+/// [`KvFlags::PUBLISH_EVENT`] as the raw field value.
+pub const FLAG_PUBLISH_EVENT: u32 = KvFlags::PUBLISH_EVENT.bits();
 /// Job events per client and device.
 pub const JOB_EVENTS: usize = 32;
 
@@ -125,17 +138,17 @@ pub struct StatsReply {
     pub leases_expired: u64,
 }
 
-/// `RegisterKv::mem_kind`: how the tensors' memory is handed over.
-#[repr(u32)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum MemKind {
-    /// Host memory: sealed memfds passed with the message (SCM_RIGHTS).
-    HostFd = 1,
-    /// Device memory: a legacy CUDA IPC handle per tensor ([`CudaRegion`]).
-    CudaIpc = 2,
-    /// Device memory: a CUDA VMM allocation exported as a POSIX fd, passed
-    /// with the message ([`CudaRegion`]).
-    CudaVmmFd = 3,
+wire_enum! {
+    /// `RegisterKv::mem_kind`: how the tensors' memory is handed over.
+    pub enum MemKind: u32 {
+        /// Host memory: sealed memfds passed with the message (SCM_RIGHTS).
+        HostFd = 1 => "host_fd",
+        /// Device memory: a legacy CUDA IPC handle per tensor ([`CudaRegion`]).
+        CudaIpc = 2 => "cuda_ipc",
+        /// Device memory: a CUDA VMM allocation exported as a POSIX fd, passed
+        /// with the message ([`CudaRegion`]).
+        CudaVmmFd = 3 => "cuda_vmm_fd",
+    }
 }
 
 /// Where one tensor of a device registration lives: `offset` bytes into an

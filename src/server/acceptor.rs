@@ -11,10 +11,10 @@
 use super::{RingEvent, Shared};
 use crate::bootstrap::{Conn, Listener};
 use crate::jobs::FailReason;
-use crate::layout::{DisconnectReason, SlotState, LAYOUT_VERSION};
 use crate::liveness::{self, PidFd};
 use crate::proto::kv::{split_header, RegisterKv, RegisterReply, UnregisterKv};
 use crate::proto::{BootKind, Hello, Status, Welcome, BOOT_MAGIC, PROTOCOL_VERSION};
+use crate::shm::{DisconnectReason, SlotState, LAYOUT_VERSION};
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};

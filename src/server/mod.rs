@@ -25,11 +25,11 @@ mod stream_copy;
 pub use copier::{Backend, HostBackend};
 
 use crate::error::{Error, Result};
-use crate::jobs::{FailReason, JobId, JobKind, JobTable};
-use crate::layout::{DisconnectReason, Geometry, ServerState};
+use crate::jobs::{FailReason, JobId, JobTable};
 use crate::proto::Opcode;
 use crate::rundir::{ensure_runtime_dir, ServerPaths};
 use crate::segment::ServerSegment;
+use crate::shm::{DisconnectReason, Geometry, ServerState};
 use crate::wait::{Parking, WaitPolicy};
 use std::fs::File;
 use std::path::PathBuf;
@@ -274,13 +274,7 @@ impl Shared {
             h.jobs_failed.fetch_add(1, Ordering::Relaxed);
         }
         if let Some((kind, submitted, finished)) = self.jobs.timing(id) {
-            let op = match kind {
-                JobKind::Delay => Opcode::DelayJob,
-                JobKind::Lookup => Opcode::Lookup,
-                JobKind::Store => Opcode::Store,
-                JobKind::Retrieve => Opcode::Retrieve,
-            };
-            let st = &h.op_stats[crate::layout::op_index(op)];
+            let st = self.seg.mapping.op_stats().of(Opcode::of_job(kind));
             st.record(finished.saturating_sub(submitted));
             if !done {
                 st.errors.fetch_add(1, Ordering::Relaxed);

@@ -7,9 +7,16 @@
 //! once before `layout_version` is published and never again.
 
 use crate::sync::{AtomicU32, AtomicU64};
+use crate::wire::wire_enum;
 use crossbeam_utils::CachePadded;
 use std::mem::{offset_of, size_of};
-use std::sync::atomic::Ordering;
+
+mod ops;
+
+#[doc(hidden)]
+pub mod doc;
+
+pub use ops::{OpStat, OpStats, HIST_BUCKETS, OP_STAT_SLOTS};
 
 /// Page size the layout is built on; every region starts on a page boundary so
 /// that each can be mapped with its own protection.
@@ -20,7 +27,7 @@ pub const LINE: usize = 128;
 /// `"KVRINGSG"` as a little-endian u64.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"KVRINGSG");
 /// Version of this layout. Any change to a table in `shm_layout.md` bumps it.
-pub const LAYOUT_VERSION: u32 = 2;
+pub const LAYOUT_VERSION: u32 = 3;
 
 /// Segment header, at offset 0. Written by the server only.
 #[repr(C)]
@@ -71,7 +78,9 @@ pub struct SegmentHeader {
     pub jobs_off: AtomicU64,
     /// Identity: bytes per job slot.
     pub job_stride: AtomicU64,
-    pub _reserved1: [AtomicU64; 15],
+    /// Identity: offset of the operation stats region ([`OpStats`]).
+    pub op_stats_off: AtomicU64,
+    pub _reserved1: [AtomicU64; 14],
     /// Live: CLOCK_MONOTONIC ns of the server's last heartbeat.
     pub heartbeat_ns: CachePadded<AtomicU64>,
     /// Live: the server's ring thread is (about to be) parked on the server
@@ -102,94 +111,10 @@ pub struct SegmentHeader {
     /// cache operation (each word is current; they are not one snapshot).
     pub cache_stats: [AtomicU64; CACHE_STATS_WORDS],
     pub _reserved2: [AtomicU64; 5],
-    /// Live: per operation (see [`OP_NAMES`]), its counters and latency
-    /// histogram.
-    pub op_stats: [OpStat; OPS],
 }
 
 /// Words of `SegmentHeader::cache_stats`.
 pub const CACHE_STATS_WORDS: usize = 18;
-
-/// Operations with a slot in `SegmentHeader::op_stats`, in order.
-pub const OP_NAMES: [&str; OPS] = [
-    "ping",
-    "delay_job",
-    "release_job",
-    "lookup",
-    "store",
-    "retrieve",
-    "free_lookup_locks",
-    "end_session",
-    "clear",
-    "stats",
-    "get_config",
-    "job_events",
-];
-/// Number of operations in `op_stats`.
-pub const OPS: usize = 12;
-/// Buckets of an `OpStat` histogram.
-pub const HIST_BUCKETS: usize = 32;
-
-/// One operation's counters, written by any server thread (Relaxed adds;
-/// observers read each word on its own).
-///
-/// `hist[i]` counts latencies in `[64 << i, 64 << (i + 1))` ns (bucket 0 also
-/// takes anything shorter, the last anything longer). The latency of a job
-/// operation is its job's submitted -> finished time; of any other, the
-/// server's time from reading the request to writing its completion. PING
-/// latencies are not recorded (it is the client's round trip).
-#[repr(C)]
-pub struct OpStat {
-    /// Requests served (including refused ones).
-    pub count: AtomicU64,
-    /// Requests answered with an error status, and jobs that failed.
-    pub errors: AtomicU64,
-    pub hist: [AtomicU64; HIST_BUCKETS],
-}
-
-const _: () = {
-    assert!(size_of::<OpStat>() == 272);
-    assert!(offset_of!(OpStat, errors) == 8);
-    assert!(offset_of!(OpStat, hist) == 16);
-};
-
-impl OpStat {
-    /// The bucket of a latency.
-    pub fn bucket(ns: u64) -> usize {
-        let units = (ns >> 6).max(1);
-        ((63 - units.leading_zeros()) as usize).min(HIST_BUCKETS - 1)
-    }
-
-    /// Counts one latency.
-    pub fn record(&self, ns: u64) {
-        // Observers only: Relaxed.
-        self.hist[Self::bucket(ns)].fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// Upper bound (ns) of bucket `i`.
-    pub fn bucket_limit(i: usize) -> u64 {
-        64u64 << (i + 1)
-    }
-}
-
-/// The `op_stats` index of an opcode.
-pub fn op_index(op: crate::proto::Opcode) -> usize {
-    use crate::proto::Opcode::*;
-    match op {
-        Ping => 0,
-        DelayJob => 1,
-        ReleaseJob => 2,
-        Lookup => 3,
-        Store => 4,
-        Retrieve => 5,
-        FreeLookupLocks => 6,
-        EndSession => 7,
-        Clear => 8,
-        Stats => 9,
-        GetConfig => 10,
-        JobEvents => 11,
-    }
-}
 
 const _: () = {
     assert!(offset_of!(SegmentHeader, magic) == 0);
@@ -213,6 +138,7 @@ const _: () = {
     assert!(offset_of!(SegmentHeader, client_block_stride) == 112);
     assert!(offset_of!(SegmentHeader, jobs_off) == 120);
     assert!(offset_of!(SegmentHeader, job_stride) == 128);
+    assert!(offset_of!(SegmentHeader, op_stats_off) == 136);
     assert!(offset_of!(SegmentHeader, heartbeat_ns) == 256);
     assert!(offset_of!(SegmentHeader, server_sleeping) == 384);
     assert!(offset_of!(SegmentHeader, server_state) == 512);
@@ -226,30 +152,22 @@ const _: () = {
     assert!(offset_of!(SegmentHeader, jobs_released) == 568);
     assert!(offset_of!(SegmentHeader, jobs_refused) == 576);
     assert!(offset_of!(SegmentHeader, cache_stats) == 584);
-    assert!(offset_of!(SegmentHeader, op_stats) == 768);
+    assert!(size_of::<SegmentHeader>() == 768);
     assert!(std::mem::size_of::<crate::proto::kv::StatsReply>() == CACHE_STATS_WORDS * 8);
     assert!(size_of::<SegmentHeader>() <= PAGE);
 };
 
-/// `SegmentHeader::server_state` values.
-#[repr(u32)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ServerState {
-    Starting = 0,
-    Running = 1,
-    ShuttingDown = 2,
-    Stopped = 3,
-}
-
-impl ServerState {
-    pub fn from_u32(v: u32) -> Option<Self> {
-        Some(match v {
-            0 => Self::Starting,
-            1 => Self::Running,
-            2 => Self::ShuttingDown,
-            3 => Self::Stopped,
-            _ => return None,
-        })
+wire_enum! {
+    /// `SegmentHeader::server_state` values.
+    pub enum ServerState: u32 {
+        /// Creating the segment and its threads.
+        Starting = 0 => "starting",
+        /// Serving.
+        Running = 1 => "running",
+        /// Stopping: refusing connections, ending jobs.
+        ShuttingDown = 2 => "shuttingdown",
+        /// Stopped; the segment stays for observers until it is unlinked.
+        Stopped = 3 => "stopped",
     }
 }
 
@@ -324,46 +242,35 @@ const _: () = {
     assert!(size_of::<ServerClientBlock>() <= PAGE);
 };
 
-/// `ServerClientBlock::state` values.
-#[repr(u32)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SlotState {
-    /// Unoccupied.
-    Free = 0,
-    /// Occupied by a connected client.
-    Active = 1,
-    /// The client left or died; its resources are being reclaimed.
-    Closing = 2,
-    /// The connection ended but the process is still alive: the slot is kept
-    /// out of use until it exits, so its late writes can reach nobody.
-    Quarantined = 3,
-}
-
-impl SlotState {
-    pub fn from_u32(v: u32) -> Option<Self> {
-        Some(match v {
-            0 => Self::Free,
-            1 => Self::Active,
-            2 => Self::Closing,
-            3 => Self::Quarantined,
-            _ => return None,
-        })
+wire_enum! {
+    /// `ServerClientBlock::state` values.
+    pub enum SlotState: u32 {
+        /// Unoccupied.
+        Free = 0 => "free",
+        /// Occupied by a connected client.
+        Active = 1 => "active",
+        /// The client left or died; its resources are being reclaimed.
+        Closing = 2 => "closing",
+        /// The connection ended but the process is still alive: the slot is kept
+        /// out of use until it exits, so its late writes can reach nobody.
+        Quarantined = 3 => "quarantined",
     }
 }
 
-/// `ServerClientBlock::disconnect_reason` values.
-#[repr(u32)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum DisconnectReason {
-    None = 0,
-    /// The client said goodbye.
-    Goodbye = 1,
-    /// The bootstrap socket closed without a goodbye (the client died).
-    SocketClosed = 2,
-    /// The client broke a ring invariant.
-    RingCorrupt = 3,
-    /// The server shut down.
-    ServerShutdown = 4,
+wire_enum! {
+    /// `ServerClientBlock::disconnect_reason` values.
+    pub enum DisconnectReason: u32 {
+        /// Never disconnected (or still connected).
+        None = 0 => "none",
+        /// The client said goodbye.
+        Goodbye = 1 => "goodbye",
+        /// The bootstrap socket closed without a goodbye (the client died).
+        SocketClosed = 2 => "socket closed",
+        /// The client broke a ring invariant.
+        RingCorrupt = 3 => "ring corrupt",
+        /// The server shut down.
+        ServerShutdown = 4 => "server shutdown",
+    }
 }
 
 /// Client-written state of one client slot, at
@@ -437,6 +344,7 @@ pub struct Offsets {
     pub client_block_stride: u64,
     pub jobs_off: u64,
     pub job_stride: u64,
+    pub op_stats_off: u64,
     pub segment_bytes: u64,
 }
 
@@ -478,7 +386,8 @@ impl Geometry {
         let client_block_stride = page + u64::from(self.req_ring_bytes);
         let jobs_off = client_blocks_off + n * client_block_stride;
         let job_stride = JOB_STRIDE as u64;
-        let segment_bytes = round_up(jobs_off + u64::from(self.job_slots) * job_stride, page);
+        let op_stats_off = round_up(jobs_off + u64::from(self.job_slots) * job_stride, page);
+        let segment_bytes = op_stats_off + round_up(size_of::<OpStats>() as u64, page);
         Offsets {
             doorbell_off,
             server_clients_off,
@@ -487,288 +396,8 @@ impl Geometry {
             client_block_stride,
             jobs_off,
             job_stride,
+            op_stats_off,
             segment_bytes,
         }
     }
-}
-
-/// Size of the field a raw pointer points at, without reading it.
-#[doc(hidden)]
-pub fn size_of_pointee<T>(_: *const T) -> usize {
-    size_of::<T>()
-}
-
-/// `(struct, [(field, offset, size)])` for `$t`'s listed fields.
-#[macro_export]
-#[doc(hidden)]
-macro_rules! field_table {
-    ($t:ty { $($f:ident),* $(,)? }) => {{
-        let u = std::mem::MaybeUninit::<$t>::uninit();
-        let p = u.as_ptr();
-        let fields: Vec<(&'static str, usize, usize)> = vec![$((
-            stringify!($f),
-            std::mem::offset_of!($t, $f),
-            // SAFETY: addr_of! on a field of an uninitialised value computes
-            // an address without reading or referencing the value.
-            $crate::layout::size_of_pointee(unsafe { std::ptr::addr_of!((*p).$f) }),
-        )),*];
-        (stringify!($t), fields)
-    }};
-}
-
-/// Every shared struct's fields with offset and size, in declaration order:
-/// what `shm_layout.md` must say (checked by `tests/layout_doc.rs`).
-#[allow(clippy::type_complexity)]
-pub fn field_tables() -> Vec<(&'static str, Vec<(&'static str, usize, usize)>)> {
-    use crate::jobs::{JobId, JobSlot};
-    use crate::kv::KvLayout;
-    use crate::proto::kv::{
-        AttachFds, ClearReply, ConfigReply, CudaRegion, EndSessionRequest, FreeLocksRequest,
-        LookupRequest, RegisterKv, RegisterReply, RetrieveRequest, StatsReply, StoreRequest,
-        TensorRegion, UnregisterKv,
-    };
-    use crate::proto::{DelayJobRequest, Goodbye, Hello, Welcome};
-    use crate::ring::FrameHeader;
-    vec![
-        field_table!(SegmentHeader {
-            magic,
-            layout_version,
-            header_bytes,
-            segment_bytes,
-            epoch,
-            server_pid,
-            server_uid,
-            server_start_ticks,
-            created_unix_ns,
-            max_clients,
-            job_slots,
-            req_ring_bytes,
-            cq_ring_bytes,
-            max_frame_bytes,
-            _reserved0,
-            doorbell_off,
-            server_clients_off,
-            server_client_stride,
-            client_blocks_off,
-            client_block_stride,
-            jobs_off,
-            job_stride,
-            _reserved1,
-            heartbeat_ns,
-            server_sleeping,
-            server_state,
-            clients_connected,
-            clients_accepted,
-            clients_reclaimed,
-            clients_refused,
-            jobs_submitted,
-            jobs_done,
-            jobs_failed,
-            jobs_released,
-            jobs_refused,
-            cache_stats,
-            _reserved2,
-            op_stats,
-        }),
-        field_table!(DoorbellPage { server_doorbell }),
-        field_table!(ServerClientBlock {
-            state,
-            session,
-            pid,
-            uid,
-            pid_start_ticks,
-            connected_unix_ns,
-            requests_served,
-            requests_rejected,
-            disconnect_reason,
-            kv_instances,
-            completions_posted,
-            req_head,
-            cq_tail,
-            client_doorbell,
-        }),
-        field_table!(ClientBlock {
-            req_tail,
-            cq_head,
-            client_sleeping,
-            heartbeat_ns,
-            in_flight,
-            credits
-        }),
-        field_table!(OpStat {
-            count,
-            errors,
-            hist
-        }),
-        field_table!(JobSlot {
-            seq,
-            generation,
-            state,
-            kind,
-            owner_slot,
-            owner_session,
-            fail_reason,
-            _reserved0,
-            result_value,
-            result_aux,
-            progress,
-            user_data,
-            submitted_ns,
-            started_ns,
-            finished_ns,
-            released_ns,
-            _reserved1,
-        }),
-        field_table!(JobId { epoch, key }),
-        field_table!(DelayJobRequest {
-            pending_us,
-            running_us,
-            progress_every_us,
-            result_value,
-            result_aux,
-            fail_reason,
-            _reserved,
-        }),
-        field_table!(KvLayout {
-            kind,
-            num_layers,
-            num_blocks,
-            block_tokens,
-            num_heads,
-            head_dim,
-            elem_bytes,
-            _reserved,
-        }),
-        field_table!(LookupRequest {
-            model_id,
-            salt,
-            world_size,
-            n_chunks
-        }),
-        field_table!(StoreRequest {
-            instance,
-            n_chunks,
-            salt,
-            flags,
-            _reserved,
-            event
-        }),
-        field_table!(RetrieveRequest {
-            lease,
-            instance,
-            first_chunk,
-            n_chunks,
-            skip_tokens,
-            flags,
-            _reserved,
-            event
-        }),
-        field_table!(FreeLocksRequest {
-            lease,
-            first_chunk,
-            n_chunks
-        }),
-        field_table!(EndSessionRequest { lease }),
-        field_table!(ClearReply { objects, bytes }),
-        field_table!(ConfigReply {
-            chunk_tokens,
-            copy_threads,
-            pool_bytes,
-            max_request_bytes,
-            lease_ttl_ms,
-            backend,
-            _reserved,
-        }),
-        field_table!(StatsReply {
-            pool_bytes,
-            pool_used_bytes,
-            objects,
-            leases,
-            instances,
-            lookups,
-            lookup_chunks,
-            lookup_hit_chunks,
-            stores,
-            stored_chunks,
-            stored_bytes,
-            store_no_space_chunks,
-            retrieves,
-            retrieved_chunks,
-            retrieved_bytes,
-            evicted_objects,
-            evicted_bytes,
-            leases_expired,
-        }),
-        field_table!(RegisterKv {
-            magic,
-            kind,
-            mem_kind,
-            model_id,
-            world_size,
-            rank,
-            layout,
-            n_tensors,
-            _reserved,
-            device_uuid,
-        }),
-        field_table!(CudaRegion {
-            ipc_handle,
-            offset,
-            alloc_bytes,
-            fd_index,
-            _reserved,
-        }),
-        field_table!(TensorRegion {
-            fd_index,
-            _reserved,
-            offset
-        }),
-        field_table!(AttachFds { magic, kind, count }),
-        field_table!(UnregisterKv {
-            magic,
-            kind,
-            instance
-        }),
-        field_table!(RegisterReply {
-            magic,
-            kind,
-            status,
-            instance,
-            chunk_tokens,
-            text,
-        }),
-        field_table!(FrameHeader {
-            len,
-            opcode,
-            flags,
-            session,
-            status,
-            user_data
-        }),
-        field_table!(Hello {
-            magic,
-            kind,
-            protocol,
-            layout_version,
-            _reserved
-        }),
-        field_table!(Welcome {
-            magic,
-            kind,
-            status,
-            protocol,
-            layout_version,
-            slot,
-            session,
-            epoch,
-            segment_bytes,
-            server_pid,
-            _reserved,
-        }),
-        field_table!(Goodbye {
-            magic,
-            kind,
-            _reserved
-        }),
-    ]
 }
