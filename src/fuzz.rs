@@ -124,6 +124,8 @@ fn hostile_producer(ring: &HeapRing, inp: &mut Input) {
                         .load(Ordering::Relaxed)
                         .wrapping_add(8 * u64::from(inp.u8())),
                 };
+                // Release as a producer publishes; pairs with the consumer's
+                // Acquire load of the tail.
                 ring.tail.store(t, Ordering::Release);
                 Ok(None)
             }

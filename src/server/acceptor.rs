@@ -139,7 +139,9 @@ impl<'a> Acceptor<'a> {
             .store(liveness::process_start_ticks(cred.pid).unwrap_or(0), r);
         sb.connected_unix_ns.store(liveness::unix_ns(), r);
         sb.session.store(session, r);
-        // Release: observers that see Active see the fields above.
+        // Release pairs with the inspector's Acquire load of `state`
+        // (`inspect::read_clients`): an observer that sees Active sees the
+        // occupant's identity above.
         sb.state.store(SlotState::Active as u32, Ordering::Release);
 
         let w = self.welcome(Status::Ok, slot, session);
@@ -176,6 +178,8 @@ impl<'a> Acceptor<'a> {
         drop(conn);
         let sb = self.shared.seg.mapping.server_client(slot);
         sb.disconnect_reason.store(reason as u32, Ordering::Relaxed);
+        // Release pairs with the inspector's Acquire load of `state`: a slot
+        // seen Closing shows why.
         sb.state.store(SlotState::Closing as u32, Ordering::Release);
         let clean = reason == DisconnectReason::Goodbye;
         self.slots[slot as usize] = Phase::Closing { pidfd, clean };
@@ -213,6 +217,7 @@ impl<'a> Acceptor<'a> {
         h.clients_reclaimed.fetch_add(1, Ordering::Relaxed);
         let exited = pidfd.as_ref().is_none_or(|p| p.exited());
         let sb = m.server_client(slot);
+        // Release pairs with the inspector's Acquire load of `state`.
         if clean || exited {
             sb.state.store(SlotState::Free as u32, Ordering::Release);
         } else {
@@ -413,6 +418,8 @@ impl<'a> Acceptor<'a> {
                 if pidfd.as_ref().is_none_or(|p| p.exited()) {
                     self.slots[i] = Phase::Free;
                     let sb = self.shared.seg.mapping.server_client(i as u32);
+                    // Release pairs with the inspector's Acquire load of
+                    // `state`.
                     sb.state.store(SlotState::Free as u32, Ordering::Release);
                 }
             }
@@ -429,6 +436,8 @@ pub(super) fn run(shared: &Shared, listener: Listener, tick: Duration) {
         buf: Vec::new(),
     };
     let h = shared.seg.mapping.header();
+    // Acquire pairs with the Release store in `ServerHandle::shutdown`, which
+    // comes after every job has ended.
     while !shared.stop_acceptor.load(Ordering::Acquire) {
         // Heartbeat: observers compare it with their own CLOCK_MONOTONIC.
         h.heartbeat_ns

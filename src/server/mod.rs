@@ -330,6 +330,7 @@ impl ServerHandle {
         h.server_state
             .store(ServerState::ShuttingDown as u32, Ordering::Relaxed);
         // The ring loop first: no job starts or is submitted after this.
+        // Release pairs with the ring loop's Acquire loads of `stop`.
         sh.stop.store(true, Ordering::Release);
         sh.wake_ring_loop();
         let mut threads = self.threads.drain(..);
@@ -352,6 +353,8 @@ impl ServerHandle {
         for owner in owners {
             sh.wake_client(owner);
         }
+        // Release pairs with the acceptor loop's Acquire load: it stops
+        // after the jobs above have ended.
         sh.stop_acceptor.store(true, Ordering::Release);
         for t in threads {
             let _ = t.join();

@@ -346,6 +346,8 @@ pub(super) fn run(shared: &Shared, policy: WaitPolicy) {
                 }
             }
         }
+        // Acquire pairs with the Release store of `stop` in
+        // `ServerHandle::shutdown`.
         if shared.stop.load(Ordering::Acquire) {
             break;
         }
@@ -385,6 +387,9 @@ pub(super) fn run(shared: &Shared, policy: WaitPolicy) {
             parking,
             deadline,
             || {
+                // Acquire pairs with the Release stores in `push_event` and
+                // `ServerHandle::shutdown` (the events themselves are taken
+                // under their lock).
                 if shared.events_pending.load(Ordering::Acquire)
                     || shared.stop.load(Ordering::Acquire)
                 {
