@@ -13,6 +13,7 @@
 //! * [`proto`]: opcodes, status codes and bootstrap messages;
 //! * [`server`] and [`client`]: the two ends.
 
+pub mod shm_struct;
 pub(crate) mod sync;
 pub mod wire;
 

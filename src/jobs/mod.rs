@@ -37,6 +37,7 @@ mod loom_tests;
 #[cfg(all(test, not(loom)))]
 mod tests;
 
+use crate::shm_struct::shm_struct;
 use crate::wire::wire_enum;
 use bytemuck::{Pod, Zeroable};
 
@@ -46,20 +47,19 @@ pub const INDEX_BITS: u32 = 24;
 /// retired rather than wrapped, so ids never alias.
 pub const MAX_GENERATION: u64 = (1 << (64 - INDEX_BITS)) - 1;
 
-/// A job's identity. 16 bytes on the wire (`shm_layout.md`, "JobId").
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
-pub struct JobId {
-    /// Epoch of the server instance that issued it.
-    pub epoch: u64,
-    /// `generation << 24 | index`.
-    pub key: u64,
+shm_struct! {
+    /// A job's identity. 16 bytes on the wire (`shm_layout.md`, "JobId").
+    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
+    pub struct JobId {
+        /// Epoch of the server instance that issued it.
+        [0] pub epoch: u64,
+        /// `generation << 24 | index`.
+        [8] pub key: u64,
+    }
 }
 
 const _: () = {
     assert!(std::mem::size_of::<JobId>() == 16);
-    assert!(std::mem::offset_of!(JobId, epoch) == 0);
-    assert!(std::mem::offset_of!(JobId, key) == 8);
 };
 
 impl JobId {

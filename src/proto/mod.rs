@@ -6,10 +6,11 @@
 pub mod kv;
 
 use crate::jobs::JobKind;
+use crate::shm_struct::shm_struct;
 use crate::wire::wire_enum;
 
 use bytemuck::{Pod, Zeroable};
-use std::mem::{offset_of, size_of};
+use std::mem::size_of;
 
 /// Protocol version spoken over the bootstrap socket and the rings.
 pub const PROTOCOL_VERSION: u32 = 1;
@@ -217,31 +218,27 @@ impl Status {
 /// Longest a delay job may take in all (pending + running): one hour.
 pub const MAX_DELAY_US: u64 = 3_600_000_000;
 
-/// Request payload of [`Opcode::DelayJob`]: a job that stays `Pending` for
-/// `pending_us`, `Running` for `running_us` (publishing the microseconds
-/// it has run as progress every `progress_every_us`, 0 = never), then ends
-/// `Done(result_value, result_aux)`, or `Failed(fail_reason)` when that is
-/// nonzero. It exercises the whole job path (table, timers, wake-ups) for
-/// health checks, tests and benchmarks.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
-pub struct DelayJobRequest {
-    pub pending_us: u64,
-    pub running_us: u64,
-    pub progress_every_us: u64,
-    pub result_value: u64,
-    pub result_aux: u64,
-    pub fail_reason: u32,
-    pub _reserved: u32,
+shm_struct! {
+    /// Request payload of [`Opcode::DelayJob`]: a job that stays `Pending` for
+    /// `pending_us`, `Running` for `running_us` (publishing the microseconds
+    /// it has run as progress every `progress_every_us`, 0 = never), then ends
+    /// `Done(result_value, result_aux)`, or `Failed(fail_reason)` when that is
+    /// nonzero. It exercises the whole job path (table, timers, wake-ups) for
+    /// health checks, tests and benchmarks.
+    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+    pub struct DelayJobRequest {
+        [0] pub pending_us: u64,
+        [8] pub running_us: u64,
+        [16] pub progress_every_us: u64,
+        [24] pub result_value: u64,
+        [32] pub result_aux: u64,
+        [40] pub fail_reason: u32,
+        [44] pub _reserved: u32,
+    }
 }
 
 const _: () = {
     assert!(size_of::<DelayJobRequest>() == 48);
-    assert!(offset_of!(DelayJobRequest, running_us) == 8);
-    assert!(offset_of!(DelayJobRequest, progress_every_us) == 16);
-    assert!(offset_of!(DelayJobRequest, result_value) == 24);
-    assert!(offset_of!(DelayJobRequest, result_aux) == 32);
-    assert!(offset_of!(DelayJobRequest, fail_reason) == 40);
 };
 
 impl DelayJobRequest {
@@ -281,70 +278,61 @@ wire_enum! {
     }
 }
 
-/// Client -> server, first message on the bootstrap socket.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Pod, Zeroable)]
-pub struct Hello {
-    pub magic: u64,
-    /// [`BootKind::Hello`].
-    pub kind: u32,
-    pub protocol: u32,
-    /// Layout version the client understands.
-    pub layout_version: u32,
-    pub _reserved: u32,
+shm_struct! {
+    /// Client -> server, first message on the bootstrap socket.
+    #[derive(Clone, Copy, Debug, Pod, Zeroable)]
+    pub struct Hello {
+        [0] pub magic: u64,
+        /// [`BootKind::Hello`].
+        [8] pub kind: u32,
+        [12] pub protocol: u32,
+        /// Layout version the client understands.
+        [16] pub layout_version: u32,
+        [20] pub _reserved: u32,
+    }
 }
 
 const _: () = {
     assert!(size_of::<Hello>() == 24);
-    assert!(offset_of!(Hello, kind) == 8);
-    assert!(offset_of!(Hello, protocol) == 12);
-    assert!(offset_of!(Hello, layout_version) == 16);
 };
 
-/// Server -> client, answer to [`Hello`]. On success it carries the segment's
-/// descriptor (SCM_RIGHTS).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Pod, Zeroable)]
-pub struct Welcome {
-    pub magic: u64,
-    /// [`BootKind::Welcome`].
-    pub kind: u32,
-    /// [`Status`]; anything but Ok means refused (no descriptor attached).
-    pub status: i32,
-    pub protocol: u32,
-    pub layout_version: u32,
-    /// Assigned client slot.
-    pub slot: u32,
-    /// Session tag to put in every request frame.
-    pub session: u32,
-    /// Server epoch (also in the segment header).
-    pub epoch: u64,
-    pub segment_bytes: u64,
-    pub server_pid: u32,
-    pub _reserved: u32,
+shm_struct! {
+    /// Server -> client, answer to [`Hello`]. On success it carries the segment's
+    /// descriptor (SCM_RIGHTS).
+    #[derive(Clone, Copy, Debug, Pod, Zeroable)]
+    pub struct Welcome {
+        [0] pub magic: u64,
+        /// [`BootKind::Welcome`].
+        [8] pub kind: u32,
+        /// [`Status`]; anything but Ok means refused (no descriptor attached).
+        [12] pub status: i32,
+        [16] pub protocol: u32,
+        [20] pub layout_version: u32,
+        /// Assigned client slot.
+        [24] pub slot: u32,
+        /// Session tag to put in every request frame.
+        [28] pub session: u32,
+        /// Server epoch (also in the segment header).
+        [32] pub epoch: u64,
+        [40] pub segment_bytes: u64,
+        [48] pub server_pid: u32,
+        [52] pub _reserved: u32,
+    }
 }
 
 const _: () = {
     assert!(size_of::<Welcome>() == 56);
-    assert!(offset_of!(Welcome, kind) == 8);
-    assert!(offset_of!(Welcome, status) == 12);
-    assert!(offset_of!(Welcome, protocol) == 16);
-    assert!(offset_of!(Welcome, layout_version) == 20);
-    assert!(offset_of!(Welcome, slot) == 24);
-    assert!(offset_of!(Welcome, session) == 28);
-    assert!(offset_of!(Welcome, epoch) == 32);
-    assert!(offset_of!(Welcome, segment_bytes) == 40);
-    assert!(offset_of!(Welcome, server_pid) == 48);
 };
 
-/// Client -> server: clean disconnect. The client has unmapped its rings.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Pod, Zeroable)]
-pub struct Goodbye {
-    pub magic: u64,
-    /// [`BootKind::Goodbye`].
-    pub kind: u32,
-    pub _reserved: u32,
+shm_struct! {
+    /// Client -> server: clean disconnect. The client has unmapped its rings.
+    #[derive(Clone, Copy, Debug, Pod, Zeroable)]
+    pub struct Goodbye {
+        [0] pub magic: u64,
+        /// [`BootKind::Goodbye`].
+        [8] pub kind: u32,
+        [12] pub _reserved: u32,
+    }
 }
 
 const _: () = assert!(size_of::<Goodbye>() == 16);

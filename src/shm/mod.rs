@@ -6,10 +6,11 @@
 //! over memory another process writes. Fields marked "identity" are written
 //! once before `layout_version` is published and never again.
 
+use crate::shm_struct::shm_struct;
 use crate::sync::{AtomicU32, AtomicU64};
 use crate::wire::wire_enum;
 use crossbeam_utils::CachePadded;
-use std::mem::{offset_of, size_of};
+use std::mem::size_of;
 
 mod ops;
 
@@ -29,129 +30,95 @@ pub const MAGIC: u64 = u64::from_le_bytes(*b"KVRINGSG");
 /// Version of this layout. Any change to a table in `shm_layout.md` bumps it.
 pub const LAYOUT_VERSION: u32 = 3;
 
-/// Segment header, at offset 0. Written by the server only.
-#[repr(C)]
-pub struct SegmentHeader {
-    /// Identity: [`MAGIC`].
-    pub magic: AtomicU64,
-    /// Identity: [`LAYOUT_VERSION`], stored last (Release) once everything
-    /// else is initialised; 0 until then.
-    pub layout_version: AtomicU32,
-    /// Identity: bytes of this header region ([`PAGE`]).
-    pub header_bytes: AtomicU32,
-    /// Identity: total segment size in bytes.
-    pub segment_bytes: AtomicU64,
-    /// Identity: server instance epoch (start time in ns since the Unix epoch,
-    /// strictly greater than the epoch of any segment it replaced).
-    pub epoch: AtomicU64,
-    /// Identity: server process id.
-    pub server_pid: AtomicU32,
-    /// Identity: server user id.
-    pub server_uid: AtomicU32,
-    /// Identity: server process start time (clock ticks since boot, field 22
-    /// of `/proc/PID/stat`), so a reused pid is not taken for the server.
-    pub server_start_ticks: AtomicU64,
-    /// Identity: creation time, ns since the Unix epoch.
-    pub created_unix_ns: AtomicU64,
-    /// Identity: number of client slots.
-    pub max_clients: AtomicU32,
-    /// Identity: number of job slots.
-    pub job_slots: AtomicU32,
-    /// Identity: request ring data bytes per client.
-    pub req_ring_bytes: AtomicU32,
-    /// Identity: completion ring data bytes per client.
-    pub cq_ring_bytes: AtomicU32,
-    /// Identity: largest frame (header + padded payload) in either ring.
-    pub max_frame_bytes: AtomicU32,
-    pub _reserved0: AtomicU32,
-    /// Identity: offset of the doorbell page.
-    pub doorbell_off: AtomicU64,
-    /// Identity: offset of the first server-written client block.
-    pub server_clients_off: AtomicU64,
-    /// Identity: stride of server-written client blocks.
-    pub server_client_stride: AtomicU64,
-    /// Identity: offset of the first client-written client block.
-    pub client_blocks_off: AtomicU64,
-    /// Identity: stride of client-written client blocks.
-    pub client_block_stride: AtomicU64,
-    /// Identity: offset of the job table.
-    pub jobs_off: AtomicU64,
-    /// Identity: bytes per job slot.
-    pub job_stride: AtomicU64,
-    /// Identity: offset of the operation stats region ([`OpStats`]).
-    pub op_stats_off: AtomicU64,
-    pub _reserved1: [AtomicU64; 14],
-    /// Live: CLOCK_MONOTONIC ns of the server's last heartbeat.
-    pub heartbeat_ns: CachePadded<AtomicU64>,
-    /// Live: the server's ring thread is (about to be) parked on the server
-    /// doorbell. Read by clients after publishing a request.
-    pub server_sleeping: CachePadded<AtomicU32>,
-    /// Live: [`ServerState`] as u32.
-    pub server_state: AtomicU32,
-    /// Live: clients currently connected.
-    pub clients_connected: AtomicU32,
-    /// Live: clients accepted since start.
-    pub clients_accepted: AtomicU64,
-    /// Live: clients whose slot was reclaimed after they died or left.
-    pub clients_reclaimed: AtomicU64,
-    /// Live: connections refused (bad credentials, full, bad hello).
-    pub clients_refused: AtomicU64,
-    /// Live: jobs allocated.
-    pub jobs_submitted: AtomicU64,
-    /// Live: jobs that ended `Done`.
-    pub jobs_done: AtomicU64,
-    /// Live: jobs that ended `Failed` (any reason).
-    pub jobs_failed: AtomicU64,
-    /// Live: jobs tombstoned (released by their owner or reclaimed).
-    pub jobs_released: AtomicU64,
-    /// Live: job submissions refused for want of a free job slot.
-    pub jobs_refused: AtomicU64,
-    /// Live: the cache's counters, word for word the fields of the STATS
-    /// reply (`proto::kv::StatsReply`), each stored Relaxed after every
-    /// cache operation (each word is current; they are not one snapshot).
-    pub cache_stats: [AtomicU64; CACHE_STATS_WORDS],
-    pub _reserved2: [AtomicU64; 5],
+shm_struct! {
+    /// Segment header, at offset 0. Written by the server only.
+    pub struct SegmentHeader {
+        /// Identity: [`MAGIC`].
+        [0] pub magic: AtomicU64,
+        /// Identity: [`LAYOUT_VERSION`], stored last (Release) once everything
+        /// else is initialised; 0 until then.
+        [8] pub layout_version: AtomicU32,
+        /// Identity: bytes of this header region ([`PAGE`]).
+        [12] pub header_bytes: AtomicU32,
+        /// Identity: total segment size in bytes.
+        [16] pub segment_bytes: AtomicU64,
+        /// Identity: server instance epoch (start time in ns since the Unix epoch,
+        /// strictly greater than the epoch of any segment it replaced).
+        [24] pub epoch: AtomicU64,
+        /// Identity: server process id.
+        [32] pub server_pid: AtomicU32,
+        /// Identity: server user id.
+        [36] pub server_uid: AtomicU32,
+        /// Identity: server process start time (clock ticks since boot, field 22
+        /// of `/proc/PID/stat`), so a reused pid is not taken for the server.
+        [40] pub server_start_ticks: AtomicU64,
+        /// Identity: creation time, ns since the Unix epoch.
+        [48] pub created_unix_ns: AtomicU64,
+        /// Identity: number of client slots.
+        [56] pub max_clients: AtomicU32,
+        /// Identity: number of job slots.
+        [60] pub job_slots: AtomicU32,
+        /// Identity: request ring data bytes per client.
+        [64] pub req_ring_bytes: AtomicU32,
+        /// Identity: completion ring data bytes per client.
+        [68] pub cq_ring_bytes: AtomicU32,
+        /// Identity: largest frame (header + padded payload) in either ring.
+        [72] pub max_frame_bytes: AtomicU32,
+        [76] pub _reserved0: AtomicU32,
+        /// Identity: offset of the doorbell page.
+        [80] pub doorbell_off: AtomicU64,
+        /// Identity: offset of the first server-written client block.
+        [88] pub server_clients_off: AtomicU64,
+        /// Identity: stride of server-written client blocks.
+        [96] pub server_client_stride: AtomicU64,
+        /// Identity: offset of the first client-written client block.
+        [104] pub client_blocks_off: AtomicU64,
+        /// Identity: stride of client-written client blocks.
+        [112] pub client_block_stride: AtomicU64,
+        /// Identity: offset of the job table.
+        [120] pub jobs_off: AtomicU64,
+        /// Identity: bytes per job slot.
+        [128] pub job_stride: AtomicU64,
+        /// Identity: offset of the operation stats region ([`OpStats`]).
+        [136] pub op_stats_off: AtomicU64,
+        [144] pub _reserved1: [AtomicU64; 14],
+        /// Live: CLOCK_MONOTONIC ns of the server's last heartbeat.
+        [256] pub heartbeat_ns: CachePadded<AtomicU64>,
+        /// Live: the server's ring thread is (about to be) parked on the server
+        /// doorbell. Read by clients after publishing a request.
+        [384] pub server_sleeping: CachePadded<AtomicU32>,
+        /// Live: [`ServerState`] as u32.
+        [512] pub server_state: AtomicU32,
+        /// Live: clients currently connected.
+        [516] pub clients_connected: AtomicU32,
+        /// Live: clients accepted since start.
+        [520] pub clients_accepted: AtomicU64,
+        /// Live: clients whose slot was reclaimed after they died or left.
+        [528] pub clients_reclaimed: AtomicU64,
+        /// Live: connections refused (bad credentials, full, bad hello).
+        [536] pub clients_refused: AtomicU64,
+        /// Live: jobs allocated.
+        [544] pub jobs_submitted: AtomicU64,
+        /// Live: jobs that ended `Done`.
+        [552] pub jobs_done: AtomicU64,
+        /// Live: jobs that ended `Failed` (any reason).
+        [560] pub jobs_failed: AtomicU64,
+        /// Live: jobs tombstoned (released by their owner or reclaimed).
+        [568] pub jobs_released: AtomicU64,
+        /// Live: job submissions refused for want of a free job slot.
+        [576] pub jobs_refused: AtomicU64,
+        /// Live: the cache's counters, word for word the fields of the STATS
+        /// reply (`proto::kv::StatsReply`), each stored Relaxed after every
+        /// cache operation (each word is current; they are not one snapshot).
+        [584] pub cache_stats: [AtomicU64; CACHE_STATS_WORDS],
+        [728] pub _reserved2: [AtomicU64; 5],
+    }
 }
 
 /// Words of `SegmentHeader::cache_stats`.
 pub const CACHE_STATS_WORDS: usize = 18;
 
 const _: () = {
-    assert!(offset_of!(SegmentHeader, magic) == 0);
-    assert!(offset_of!(SegmentHeader, layout_version) == 8);
-    assert!(offset_of!(SegmentHeader, header_bytes) == 12);
-    assert!(offset_of!(SegmentHeader, segment_bytes) == 16);
-    assert!(offset_of!(SegmentHeader, epoch) == 24);
-    assert!(offset_of!(SegmentHeader, server_pid) == 32);
-    assert!(offset_of!(SegmentHeader, server_uid) == 36);
-    assert!(offset_of!(SegmentHeader, server_start_ticks) == 40);
-    assert!(offset_of!(SegmentHeader, created_unix_ns) == 48);
-    assert!(offset_of!(SegmentHeader, max_clients) == 56);
-    assert!(offset_of!(SegmentHeader, job_slots) == 60);
-    assert!(offset_of!(SegmentHeader, req_ring_bytes) == 64);
-    assert!(offset_of!(SegmentHeader, cq_ring_bytes) == 68);
-    assert!(offset_of!(SegmentHeader, max_frame_bytes) == 72);
-    assert!(offset_of!(SegmentHeader, doorbell_off) == 80);
-    assert!(offset_of!(SegmentHeader, server_clients_off) == 88);
-    assert!(offset_of!(SegmentHeader, server_client_stride) == 96);
-    assert!(offset_of!(SegmentHeader, client_blocks_off) == 104);
-    assert!(offset_of!(SegmentHeader, client_block_stride) == 112);
-    assert!(offset_of!(SegmentHeader, jobs_off) == 120);
-    assert!(offset_of!(SegmentHeader, job_stride) == 128);
-    assert!(offset_of!(SegmentHeader, op_stats_off) == 136);
-    assert!(offset_of!(SegmentHeader, heartbeat_ns) == 256);
-    assert!(offset_of!(SegmentHeader, server_sleeping) == 384);
-    assert!(offset_of!(SegmentHeader, server_state) == 512);
-    assert!(offset_of!(SegmentHeader, clients_connected) == 516);
-    assert!(offset_of!(SegmentHeader, clients_accepted) == 520);
-    assert!(offset_of!(SegmentHeader, clients_reclaimed) == 528);
-    assert!(offset_of!(SegmentHeader, clients_refused) == 536);
-    assert!(offset_of!(SegmentHeader, jobs_submitted) == 544);
-    assert!(offset_of!(SegmentHeader, jobs_done) == 552);
-    assert!(offset_of!(SegmentHeader, jobs_failed) == 560);
-    assert!(offset_of!(SegmentHeader, jobs_released) == 568);
-    assert!(offset_of!(SegmentHeader, jobs_refused) == 576);
-    assert!(offset_of!(SegmentHeader, cache_stats) == 584);
     assert!(size_of::<SegmentHeader>() == 768);
     assert!(std::mem::size_of::<crate::proto::kv::StatsReply>() == CACHE_STATS_WORDS * 8);
     assert!(size_of::<SegmentHeader>() <= PAGE);
@@ -171,74 +138,61 @@ wire_enum! {
     }
 }
 
-/// The doorbell page, at `doorbell_off`. The only page every client maps
-/// writable.
-#[repr(C)]
-pub struct DoorbellPage {
-    /// Futex word the server's ring thread parks on. Clients add 1 and wake
-    /// it when they publish work and see `server_sleeping` set; the server
-    /// adds 1 itself to wake its own ring thread. Its value means nothing
-    /// else, so a client scribbling on it causes at most a spurious wakeup.
-    pub server_doorbell: AtomicU32,
+shm_struct! {
+    /// The doorbell page, at `doorbell_off`. The only page every client maps
+    /// writable.
+    pub struct DoorbellPage {
+        /// Futex word the server's ring thread parks on. Clients add 1 and wake
+        /// it when they publish work and see `server_sleeping` set; the server
+        /// adds 1 itself to wake its own ring thread. Its value means nothing
+        /// else, so a client scribbling on it causes at most a spurious wakeup.
+        [0] pub server_doorbell: AtomicU32,
+    }
 }
 
 const _: () = {
-    assert!(offset_of!(DoorbellPage, server_doorbell) == 0);
     assert!(size_of::<DoorbellPage>() <= PAGE);
 };
 
-/// Server-written state of one client slot, at
-/// `server_clients_off + slot * server_client_stride`. The completion ring's
-/// data follows at +[`PAGE`].
-#[repr(C)]
-pub struct ServerClientBlock {
-    /// [`SlotState`] as u32.
-    pub state: AtomicU32,
-    /// Session tag of the current occupant (bumped at every assignment, never 0
-    /// for an occupied slot). Request frames must carry it.
-    pub session: AtomicU32,
-    /// Occupant's pid (from SO_PEERCRED).
-    pub pid: AtomicU32,
-    /// Occupant's uid (from SO_PEERCRED).
-    pub uid: AtomicU32,
-    /// Occupant's process start time (clock ticks since boot).
-    pub pid_start_ticks: AtomicU64,
-    /// When the occupant connected, ns since the Unix epoch.
-    pub connected_unix_ns: AtomicU64,
-    /// Request frames served.
-    pub requests_served: AtomicU64,
-    /// Request frames rejected (bad session, bad opcode, bad length).
-    pub requests_rejected: AtomicU64,
-    /// Why the last occupant was disconnected ([`DisconnectReason`]).
-    pub disconnect_reason: AtomicU32,
-    /// KV caches the occupant has registered.
-    pub kv_instances: AtomicU32,
-    /// Completions posted.
-    pub completions_posted: AtomicU64,
-    /// Request ring head: the server consumes requests.
-    pub req_head: CachePadded<AtomicU64>,
-    /// Completion ring tail: the server produces completions.
-    pub cq_tail: CachePadded<AtomicU64>,
-    /// Futex word the client parks on; the server adds 1 and wakes it after
-    /// posting a completion or finishing a job when `client_sleeping` is set.
-    pub client_doorbell: CachePadded<AtomicU32>,
+shm_struct! {
+    /// Server-written state of one client slot, at
+    /// `server_clients_off + slot * server_client_stride`. The completion ring's
+    /// data follows at +[`PAGE`].
+    pub struct ServerClientBlock {
+        /// [`SlotState`] as u32.
+        [0] pub state: AtomicU32,
+        /// Session tag of the current occupant (bumped at every assignment, never 0
+        /// for an occupied slot). Request frames must carry it.
+        [4] pub session: AtomicU32,
+        /// Occupant's pid (from SO_PEERCRED).
+        [8] pub pid: AtomicU32,
+        /// Occupant's uid (from SO_PEERCRED).
+        [12] pub uid: AtomicU32,
+        /// Occupant's process start time (clock ticks since boot).
+        [16] pub pid_start_ticks: AtomicU64,
+        /// When the occupant connected, ns since the Unix epoch.
+        [24] pub connected_unix_ns: AtomicU64,
+        /// Request frames served.
+        [32] pub requests_served: AtomicU64,
+        /// Request frames rejected (bad session, bad opcode, bad length).
+        [40] pub requests_rejected: AtomicU64,
+        /// Why the last occupant was disconnected ([`DisconnectReason`]).
+        [48] pub disconnect_reason: AtomicU32,
+        /// KV caches the occupant has registered.
+        [52] pub kv_instances: AtomicU32,
+        /// Completions posted.
+        [56] pub completions_posted: AtomicU64,
+        /// Request ring head: the server consumes requests.
+        [128] pub req_head: CachePadded<AtomicU64>,
+        /// Completion ring tail: the server produces completions.
+        [256] pub cq_tail: CachePadded<AtomicU64>,
+        /// Futex word the client parks on; the server adds 1 and wakes it after
+        /// posting a completion or finishing a job when `client_sleeping` is set.
+        [384] pub client_doorbell: CachePadded<AtomicU32>,
+    }
 }
 
 const _: () = {
-    assert!(offset_of!(ServerClientBlock, state) == 0);
-    assert!(offset_of!(ServerClientBlock, session) == 4);
-    assert!(offset_of!(ServerClientBlock, pid) == 8);
-    assert!(offset_of!(ServerClientBlock, uid) == 12);
-    assert!(offset_of!(ServerClientBlock, pid_start_ticks) == 16);
-    assert!(offset_of!(ServerClientBlock, connected_unix_ns) == 24);
-    assert!(offset_of!(ServerClientBlock, requests_served) == 32);
-    assert!(offset_of!(ServerClientBlock, requests_rejected) == 40);
-    assert!(offset_of!(ServerClientBlock, disconnect_reason) == 48);
-    assert!(offset_of!(ServerClientBlock, kv_instances) == 52);
-    assert!(offset_of!(ServerClientBlock, completions_posted) == 56);
-    assert!(offset_of!(ServerClientBlock, req_head) == 128);
-    assert!(offset_of!(ServerClientBlock, cq_tail) == 256);
-    assert!(offset_of!(ServerClientBlock, client_doorbell) == 384);
     assert!(size_of::<ServerClientBlock>() <= PAGE);
 };
 
@@ -273,35 +227,30 @@ wire_enum! {
     }
 }
 
-/// Client-written state of one client slot, at
-/// `client_blocks_off + slot * client_block_stride`. The request ring's data
-/// follows at +[`PAGE`]. Its occupant maps this block writable; the server
-/// treats every word in it as untrusted.
-#[repr(C)]
-pub struct ClientBlock {
-    /// Request ring tail: the client produces requests.
-    pub req_tail: CachePadded<AtomicU64>,
-    /// Completion ring head: the client consumes completions.
-    pub cq_head: CachePadded<AtomicU64>,
-    /// The client is (about to be) parked on `client_doorbell`.
-    pub client_sleeping: CachePadded<AtomicU32>,
-    /// CLOCK_MONOTONIC ns of the client's last call into the library.
-    pub heartbeat_ns: CachePadded<AtomicU64>,
-    /// Requests submitted and not yet completed (for observers).
-    pub in_flight: AtomicU32,
-    /// Completion-ring bytes not reserved by requests in flight (for
-    /// observers).
-    pub credits: AtomicU32,
+shm_struct! {
+    /// Client-written state of one client slot, at
+    /// `client_blocks_off + slot * client_block_stride`. The request ring's data
+    /// follows at +[`PAGE`]. Its occupant maps this block writable; the server
+    /// treats every word in it as untrusted.
+    pub struct ClientBlock {
+        /// Request ring tail: the client produces requests.
+        [0] pub req_tail: CachePadded<AtomicU64>,
+        /// Completion ring head: the client consumes completions.
+        [128] pub cq_head: CachePadded<AtomicU64>,
+        /// The client is (about to be) parked on `client_doorbell`.
+        [256] pub client_sleeping: CachePadded<AtomicU32>,
+        /// CLOCK_MONOTONIC ns of the client's last call into the library.
+        [384] pub heartbeat_ns: CachePadded<AtomicU64>,
+        /// Requests submitted and not yet completed (for observers).
+        [512] pub in_flight: AtomicU32,
+        /// Completion-ring bytes not reserved by requests in flight (for
+        /// observers).
+        [516] pub credits: AtomicU32,
+    }
 }
 
 const _: () = {
     assert!(size_of::<CachePadded<AtomicU64>>() == LINE);
-    assert!(offset_of!(ClientBlock, req_tail) == 0);
-    assert!(offset_of!(ClientBlock, cq_head) == 128);
-    assert!(offset_of!(ClientBlock, client_sleeping) == 256);
-    assert!(offset_of!(ClientBlock, heartbeat_ns) == 384);
-    assert!(offset_of!(ClientBlock, in_flight) == 512);
-    assert!(offset_of!(ClientBlock, credits) == 516);
     assert!(size_of::<ClientBlock>() <= PAGE);
 };
 

@@ -7,8 +7,9 @@
 //! `Opcode::ALL.len()` stay zero.
 
 use crate::proto::Opcode;
+use crate::shm_struct::shm_struct;
 use crate::sync::AtomicU64;
-use std::mem::{offset_of, size_of};
+use std::mem::size_of;
 use std::sync::atomic::Ordering;
 
 /// Buckets of an `OpStat` histogram.
@@ -16,27 +17,26 @@ pub const HIST_BUCKETS: usize = 32;
 /// Operations the op stats region has room for.
 pub const OP_STAT_SLOTS: usize = 64;
 
-/// One operation's counters, written by any server thread (Relaxed adds;
-/// observers read each word on its own).
-///
-/// `hist[i]` counts latencies in `[64 << i, 64 << (i + 1))` ns (bucket 0 also
-/// takes anything shorter, the last anything longer). The latency of a job
-/// operation is its job's submitted -> finished time; of any other, the
-/// server's time from reading the request to writing its completion. PING
-/// latencies are not recorded (it is the client's round trip).
-#[repr(C)]
-pub struct OpStat {
-    /// Requests served (including refused ones).
-    pub count: AtomicU64,
-    /// Requests answered with an error status, and jobs that failed.
-    pub errors: AtomicU64,
-    pub hist: [AtomicU64; HIST_BUCKETS],
+shm_struct! {
+    /// One operation's counters, written by any server thread (Relaxed adds;
+    /// observers read each word on its own).
+    ///
+    /// `hist[i]` counts latencies in `[64 << i, 64 << (i + 1))` ns (bucket 0 also
+    /// takes anything shorter, the last anything longer). The latency of a job
+    /// operation is its job's submitted -> finished time; of any other, the
+    /// server's time from reading the request to writing its completion. PING
+    /// latencies are not recorded (it is the client's round trip).
+    pub struct OpStat {
+        /// Requests served (including refused ones).
+        [0] pub count: AtomicU64,
+        /// Requests answered with an error status, and jobs that failed.
+        [8] pub errors: AtomicU64,
+        [16] pub hist: [AtomicU64; HIST_BUCKETS],
+    }
 }
 
 const _: () = {
     assert!(size_of::<OpStat>() == 272);
-    assert!(offset_of!(OpStat, errors) == 8);
-    assert!(offset_of!(OpStat, hist) == 16);
 };
 
 impl OpStat {
@@ -58,15 +58,15 @@ impl OpStat {
     }
 }
 
-/// The op stats region, at `op_stats_off`. Written by the server only.
-#[repr(C)]
-pub struct OpStats {
-    /// Per operation, at its dense index.
-    pub ops: [OpStat; OP_STAT_SLOTS],
+shm_struct! {
+    /// The op stats region, at `op_stats_off`. Written by the server only.
+    pub struct OpStats {
+        /// Per operation, at its dense index.
+        [0] pub ops: [OpStat; OP_STAT_SLOTS],
+    }
 }
 
 const _: () = {
-    assert!(offset_of!(OpStats, ops) == 0);
     assert!(size_of::<OpStats>() == OP_STAT_SLOTS * 272);
 };
 
