@@ -208,7 +208,7 @@ fn validate(name: &str, file: &File) -> Result<SegmentInfo> {
         name: name.into(),
         reason,
     };
-    geometry.validate().map_err(bad)?;
+    geometry.validate().map_err(|e| bad(e.to_string()))?;
     let expected = geometry.offsets();
     let found = Offsets {
         doorbell_off: header_field_u64(&map, o!(SegmentHeader, doorbell_off)),
@@ -394,7 +394,9 @@ impl ServerSegment {
     /// dead. The caller holds the start-up lock of this name, so no other
     /// server of this runtime directory races with us here.
     pub fn create(shm_name: &str, geometry: Geometry) -> Result<ServerSegment> {
-        geometry.validate().map_err(Error::Config)?;
+        geometry
+            .validate()
+            .map_err(|e| Error::Config(e.to_string()))?;
         let mut epoch_floor = 0;
         // A segment of this name already exists: replace it only if it is a
         // kvring segment (or an empty one) whose server is dead.

@@ -71,6 +71,7 @@ impl<'a> Acceptor<'a> {
     }
 
     fn refuse(&self, conn: Conn, status: Status) {
+        tracing::debug!(status = status.name(), "connection refused");
         let w = self.welcome(status, u32::MAX, 0);
         let _ = conn.send(bytemuck::bytes_of(&w), &[]);
         self.shared

@@ -66,14 +66,19 @@ pub enum BackendChoice {
     Cuda,
 }
 
+/// A backend name that is not `auto`, `host` or `cuda`.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("unknown backend {0:?} (auto, host or cuda)")]
+pub struct UnknownBackend(pub String);
+
 impl std::str::FromStr for BackendChoice {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
+    type Err = UnknownBackend;
+    fn from_str(s: &str) -> std::result::Result<Self, UnknownBackend> {
         match s {
             "auto" => Ok(BackendChoice::Auto),
             "host" => Ok(BackendChoice::Host),
             "cuda" => Ok(BackendChoice::Cuda),
-            o => Err(format!("unknown backend {o:?} (auto, host or cuda)")),
+            o => Err(UnknownBackend(o.to_string())),
         }
     }
 }
@@ -143,47 +148,55 @@ pub fn simulated_device_uuid(index: u32) -> [u8; 16] {
     u
 }
 
+/// A [`KvConfig`] setting out of its bounds.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum KvConfigError {
+    #[error("{0} simulated devices: at most {MAX_SIMULATED_DEVICES}")]
+    SimulatedDevices(u32),
+    #[error("chunk size {0} tokens: must be 1..=1048576")]
+    ChunkTokens(u32),
+    #[error("pool of {0} bytes: must be at least 1 MiB")]
+    PoolBytes(u64),
+    #[error("{0} copy threads: must be 1..=256")]
+    CopyThreads(u32),
+    #[error("max request of {0} bytes: must be 4096..=1073741824")]
+    MaxRequestBytes(u32),
+    #[error("lease TTL must be positive")]
+    LeaseTtl,
+    #[error("watermarks {low} (low) and {high} (high): need 0 < low <= high <= 1")]
+    Watermarks { low: f64, high: f64 },
+}
+
 impl KvConfig {
-    /// Checks the settings; the message names the one that is wrong.
-    pub fn validate(&self) -> std::result::Result<(), String> {
+    /// Checks the settings; the error names the one that is wrong.
+    pub fn validate(&self) -> std::result::Result<(), KvConfigError> {
         if self.simulated_devices > MAX_SIMULATED_DEVICES {
-            return Err(format!(
-                "{} simulated devices: at most {MAX_SIMULATED_DEVICES}",
-                self.simulated_devices
-            ));
+            return Err(KvConfigError::SimulatedDevices(self.simulated_devices));
         }
         if self.chunk_tokens == 0 || self.chunk_tokens > 1 << 20 {
-            return Err(format!(
-                "chunk size {} tokens: must be 1..=1048576",
-                self.chunk_tokens
-            ));
+            return Err(KvConfigError::ChunkTokens(self.chunk_tokens));
         }
         if self.pool_bytes < 1 << 20 {
-            return Err(format!(
-                "pool of {} bytes: must be at least 1 MiB",
-                self.pool_bytes
-            ));
+            return Err(KvConfigError::PoolBytes(self.pool_bytes));
         }
         if let Some(n) = self.copy_threads.filter(|&n| n == 0 || n > 256) {
-            return Err(format!("{n} copy threads: must be 1..=256"));
+            return Err(KvConfigError::CopyThreads(n));
         }
         if self.max_request_bytes < 4096 || self.max_request_bytes > 1 << 30 {
-            return Err(format!(
-                "max request of {} bytes: must be 4096..=1073741824",
-                self.max_request_bytes
-            ));
+            return Err(KvConfigError::MaxRequestBytes(self.max_request_bytes));
         }
         if self.lease_ttl.is_zero() {
-            return Err("lease TTL must be positive".into());
+            return Err(KvConfigError::LeaseTtl);
         }
         if !(0.0 < self.low_watermark
             && self.low_watermark <= self.high_watermark
             && self.high_watermark <= 1.0)
         {
-            return Err(format!(
-                "watermarks {} (low) and {} (high): need 0 < low <= high <= 1",
-                self.low_watermark, self.high_watermark
-            ));
+            return Err(KvConfigError::Watermarks {
+                low: self.low_watermark,
+                high: self.high_watermark,
+            });
         }
         Ok(())
     }
@@ -391,7 +404,9 @@ pub fn start(cfg: ServerConfig) -> Result<ServerHandle> {
             pid,
         });
     }
-    cfg.kv.validate().map_err(Error::Config)?;
+    cfg.kv
+        .validate()
+        .map_err(|e| Error::Config(e.to_string()))?;
     let kv = kv_ops::KvState::new(&cfg.kv, cfg.geometry.max_clients)?;
     let seg = ServerSegment::create(&paths.shm_name, cfg.geometry)?;
     let slots = seg.mapping.job_slots();

@@ -359,7 +359,8 @@ pub(super) fn run(shared: &Shared, policy: WaitPolicy) {
             }
             match serve(shared, &mut delays, c, &mut buf) {
                 Ok(n) => work += n,
-                Err(_) => {
+                Err(e) => {
+                    tracing::warn!(slot, error = %e, "client broke a ring invariant; disconnecting it");
                     c.broken = true;
                     shared
                         .kicks

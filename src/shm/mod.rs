@@ -301,26 +301,36 @@ fn round_up(v: u64, to: u64) -> u64 {
     v.div_ceil(to) * to
 }
 
+/// A [`Geometry`] bound that does not hold.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum GeometryError {
+    #[error("max clients {0} must be in 1..={MAX_CLIENTS}")]
+    MaxClients(u32),
+    #[error("job slots {0} must be in 1..={MAX_JOB_SLOTS}")]
+    JobSlots(u32),
+    /// The request ring's size or frame bound (the ring's own message).
+    #[error("request ring: {0}")]
+    RequestRing(String),
+    /// The completion ring's size or frame bound (the ring's own message).
+    #[error("completion ring: {0}")]
+    CompletionRing(String),
+}
+
 impl Geometry {
-    /// Checks every bound; the message says which one failed.
-    pub fn validate(&self) -> Result<(), String> {
+    /// Checks every bound; the error says which one failed.
+    pub fn validate(&self) -> Result<(), GeometryError> {
         if self.max_clients == 0 || self.max_clients > MAX_CLIENTS {
-            return Err(format!(
-                "max clients {} must be in 1..={MAX_CLIENTS}",
-                self.max_clients
-            ));
+            return Err(GeometryError::MaxClients(self.max_clients));
         }
         if self.job_slots == 0 || self.job_slots > MAX_JOB_SLOTS {
-            return Err(format!(
-                "job slots {} must be in 1..={MAX_JOB_SLOTS}",
-                self.job_slots
-            ));
+            return Err(GeometryError::JobSlots(self.job_slots));
         }
         let frame = self.max_frame_bytes as usize;
         crate::ring::check_geometry(self.req_ring_bytes as usize, frame)
-            .map_err(|e| format!("request ring: {e}"))?;
+            .map_err(GeometryError::RequestRing)?;
         crate::ring::check_geometry(self.cq_ring_bytes as usize, frame)
-            .map_err(|e| format!("completion ring: {e}"))?;
+            .map_err(GeometryError::CompletionRing)?;
         Ok(())
     }
 
