@@ -12,7 +12,7 @@
 /// A field's row: name, offset, size in bytes.
 pub type FieldRow = (&'static str, usize, usize);
 
-/// A struct declared with [`shm_struct!`].
+/// A struct declared with `shm_struct!`.
 pub trait ShmStruct {
     /// The struct's name (the `### Name` of its table in `shm_layout.md`).
     const NAME: &'static str;

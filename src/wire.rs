@@ -20,7 +20,7 @@
 #[error("unknown code {0}")]
 pub struct Unknown<T: std::fmt::Display + std::fmt::Debug>(pub T);
 
-/// What every wire enum declared with [`wire_enum!`] has, for code generic
+/// What every wire enum declared with `wire_enum!` has, for code generic
 /// over them (the inspector's fields).
 pub trait WireEnum: Copy + std::fmt::Debug + serde::Serialize + 'static {
     /// The stable name (documentation, JSON).

@@ -1,6 +1,9 @@
-//! The segment's byte layout: every struct that lives in shared memory, with
-//! compile-time offset and size assertions. `shm_layout.md` is the same
-//! information as tables; `tests/layout_doc.rs` checks the two agree.
+//! The segment's byte layout (the ABI of the shared-memory segment, not to be
+//! confused with [`crate::kv::layout`], an engine's KV-cache layout): the
+//! header, the doorbell page, the client blocks and the region table here;
+//! the op stats region in [`OpStats`]; the rows `tests/layout_doc.rs`
+//! compares with `shm_layout.md` in `doc`. Each struct is declared once with
+//! `shm_struct!`, which asserts every field's offset at compile time.
 //!
 //! Every field is an atomic: no Rust reference to plain data is ever formed
 //! over memory another process writes. Fields marked "identity" are written
