@@ -279,11 +279,12 @@ impl<'a> Acceptor<'a> {
             let r = RegisterReply::new(status as i32, instance, chunk, text);
             let _ = conn.send(bytemuck::bytes_of(&r), &[]);
         };
-        match kind {
-            k if k == BootKind::Goodbye as u32 => {
+        // An unknown kind, or one a client never sends, ends the connection.
+        match BootKind::decode(kind) {
+            Ok(BootKind::Goodbye) => {
                 return self.goodbye(slot);
             }
-            k if k == BootKind::AttachFds as u32 => {
+            Ok(BootKind::AttachFds) => {
                 // No reply: a problem is reported at the registration.
                 if pending.len() + fds.len() > MAX_PENDING_FDS {
                     pending.clear();
@@ -291,7 +292,7 @@ impl<'a> Acceptor<'a> {
                 }
                 pending.extend(fds);
             }
-            k if k == BootKind::Register as u32 => {
+            Ok(BootKind::Register) => {
                 let mut all = std::mem::take(pending);
                 all.extend(fds);
                 let Some((req, rest)) = split_header::<RegisterKv>(msg) else {
@@ -314,7 +315,7 @@ impl<'a> Acceptor<'a> {
                     Err((status, text)) => reply(conn, status, 0, &text),
                 }
             }
-            k if k == BootKind::Unregister as u32 => {
+            Ok(BootKind::Unregister) => {
                 if msg.len() != std::mem::size_of::<UnregisterKv>() {
                     reply(conn, Status::Malformed, 0, "bad unregister message");
                     return true;
@@ -334,7 +335,9 @@ impl<'a> Acceptor<'a> {
                     );
                 }
             }
-            _ => return false,
+            Ok(BootKind::Hello | BootKind::Welcome | BootKind::RegisterReply) | Err(_) => {
+                return false
+            }
         }
         true
     }
