@@ -1,15 +1,19 @@
 //! The cache server process: owns the segment, accepts clients on the
 //! bootstrap socket, serves their rings, and reclaims what dead clients held.
 //!
-//! Two threads:
-//! * the **acceptor** ([`acceptor`]) polls the listening socket, every client
-//!   connection and every quarantined client's pidfd; it assigns and reclaims
-//!   slots and keeps the heartbeat;
-//! * the **ring loop** ([`ring_loop`]) serves every active client's request
-//!   ring; it never blocks on anything but its own doorbell, with a timeout.
+//! Two threads serve the protocol:
+//! * the **acceptor** (`acceptor.rs`, thread `kvring-accept`) polls the
+//!   listening socket, every client connection and every quarantined client's
+//!   pidfd; it assigns and reclaims slots and keeps the heartbeat;
+//! * the **ring loop** (`ring_loop.rs`, thread `kvring-rings`) serves every
+//!   active client's request ring; it never blocks on anything but its own
+//!   doorbell, with a timeout.
 //!
-//! They talk through [`Shared`]: slot attach/detach events one way, kicks (a
-//! client broke its ring) and detach acknowledgements the other.
+//! They talk through `Shared`: slot attach/detach events one way, kicks (a
+//! client broke its ring) and detach acknowledgements the other. Copies run
+//! on the copy workers (`kvring-copy-LANE.N`: per copy lane, `copy_threads`
+//! of them), and the CUDA backend pins the pool on a thread of its own
+//! (`kvring-pin`).
 
 mod acceptor;
 mod cache;
