@@ -55,8 +55,8 @@ impl Listener {
     /// Accepts one pending connection, if any (non-blocking).
     pub fn accept(&self) -> std::io::Result<Option<Conn>> {
         match socket::accept4(self.fd.as_raw_fd(), SockFlag::SOCK_CLOEXEC) {
-            // SAFETY: accept4 returned a fresh descriptor that we now own.
             Ok(fd) => Ok(Some(Conn {
+                // SAFETY: accept4 returned a fresh descriptor that we now own.
                 fd: unsafe { OwnedFd::from_raw_fd(fd) },
             })),
             Err(nix::errno::Errno::EAGAIN) => Ok(None),

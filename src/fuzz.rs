@@ -24,7 +24,9 @@ use crate::kv::{KvLayout, KvLayoutKind};
 use crate::proto::kv::{RegisterKv, TensorRegion};
 use crate::proto::{Opcode, Status};
 use crate::ring::heap::HeapRing;
-use crate::ring::{frame_bytes, Consumer, FrameHeader, RingError, FLAG_MORE, HEADER_BYTES};
+use crate::ring::{
+    frame_bytes, Consumer, FrameFlags, FrameHeader, RingError, FLAG_MORE, HEADER_BYTES,
+};
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::sync::{Mutex, OnceLock};
@@ -122,6 +124,8 @@ fn hostile_producer(ring: &HeapRing, inp: &mut Input) {
                         .load(Ordering::Relaxed)
                         .wrapping_add(8 * u64::from(inp.u8())),
                 };
+                // Release as a producer publishes; pairs with the consumer's
+                // Acquire load of the tail.
                 ring.tail.store(t, Ordering::Release);
                 Ok(None)
             }
@@ -309,22 +313,6 @@ fn fuzz_layout() -> KvLayout {
     }
 }
 
-const OPCODES: [Opcode; 13] = [
-    Opcode::Ping,
-    Opcode::DelayJob,
-    Opcode::ReleaseJob,
-    Opcode::Lookup,
-    Opcode::Store,
-    Opcode::Retrieve,
-    Opcode::FreeLookupLocks,
-    Opcode::EndSession,
-    Opcode::Clear,
-    Opcode::Stats,
-    Opcode::GetConfig,
-    Opcode::JobEvents,
-    Opcode::Ping,
-];
-
 /// Any frames submitted to a live server: each answered once with a known
 /// status; every job created ends and is released; the connection survives.
 pub fn requests(data: &[u8]) {
@@ -343,7 +331,7 @@ pub fn requests(data: &[u8]) {
         frames += 1;
         let sel = inp.u8();
         let opcode = if sel < 224 {
-            OPCODES[usize::from(sel) % OPCODES.len()] as u16
+            Opcode::ALL[usize::from(sel) % Opcode::ALL.len()].raw()
         } else {
             inp.u16()
         };
@@ -378,7 +366,7 @@ pub fn requests(data: &[u8]) {
             payload[..16].copy_from_slice(bytemuck::bytes_of(&j));
         }
         serial += 1;
-        let more = flags & FLAG_MORE != 0;
+        let more = FrameFlags::from_bits_retain(flags).contains(FrameFlags::MORE);
         let h = FrameHeader {
             opcode,
             flags,
@@ -406,12 +394,7 @@ pub fn requests(data: &[u8]) {
                 "{status:?}"
             );
         }
-        if status == Status::Ok
-            && matches!(
-                op,
-                Some(Opcode::DelayJob | Opcode::Lookup | Opcode::Store | Opcode::Retrieve)
-            )
-        {
+        if status == Status::Ok && op.is_some_and(|o| o.spec().job.is_some()) {
             assert_eq!(done.payload.len(), 16, "a job request answers its id");
             jobs.push(bytemuck::pod_read_unaligned(&done.payload));
         }

@@ -5,7 +5,7 @@
 //! Module map (see README.md for the picture):
 //! * [`ring`]: the SPSC frame ring (producer, consumer, frame header);
 //! * [`jobs`]: the job table (slots, seqlock, state machine, ids);
-//! * [`layout`]: the segment's byte layout (`shm_layout.md` in tables);
+//! * [`shm`]: the segment's byte layout (`shm_layout.md` in tables);
 //! * [`segment`]: creating, attaching and replacing the segment;
 //! * [`wait`] and [`futex`]: spin, yield, then a shared futex, with deadlines;
 //! * [`liveness`]: locks, pidfds and start times that prove a process alive;
@@ -13,7 +13,9 @@
 //! * [`proto`]: opcodes, status codes and bootstrap messages;
 //! * [`server`] and [`client`]: the two ends.
 
+pub mod shm_struct;
 pub(crate) mod sync;
+pub mod wire;
 
 pub mod jobs;
 pub mod ring;
@@ -32,13 +34,11 @@ pub mod futex;
 #[doc(hidden)]
 pub mod fuzz;
 #[cfg(not(loom))]
+pub mod inspect;
+#[cfg(not(loom))]
 pub mod kv;
 #[cfg(not(loom))]
-pub mod layout;
-#[cfg(not(loom))]
 pub mod liveness;
-#[cfg(not(loom))]
-pub mod observe;
 #[cfg(not(loom))]
 pub mod proto;
 #[cfg(not(loom))]
@@ -47,6 +47,8 @@ pub mod rundir;
 pub mod segment;
 #[cfg(not(loom))]
 pub mod server;
+#[cfg(not(loom))]
+pub mod shm;
 #[cfg(not(loom))]
 pub mod wait;
 

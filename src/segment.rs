@@ -12,11 +12,11 @@
 //! liveness lock held after the server died.
 
 use crate::error::{nix as nix_err, Error, Result};
-use crate::layout::{
-    ClientBlock, DoorbellPage, Geometry, Offsets, SegmentHeader, ServerClientBlock, LAYOUT_VERSION,
-    MAGIC, PAGE,
-};
 use crate::liveness::{self, LockProbe};
+use crate::shm::{
+    ClientBlock, DoorbellPage, Geometry, Offsets, OpStats, SegmentHeader, ServerClientBlock,
+    LAYOUT_VERSION, MAGIC, PAGE,
+};
 use memmap2::{MmapOptions, MmapRaw};
 use nix::fcntl::OFlag;
 use nix::sys::stat::Mode;
@@ -112,6 +112,11 @@ impl Mapping {
         }
     }
 
+    /// The op stats region, at `op_stats_off`.
+    pub fn op_stats(&self) -> &OpStats {
+        self.at(self.info.offsets.op_stats_off)
+    }
+
     /// A reader of this segment's job table.
     pub fn job_reader(&self) -> crate::jobs::JobReader<'_> {
         crate::jobs::JobReader::new(self.job_slots(), self.info.epoch)
@@ -203,7 +208,7 @@ fn validate(name: &str, file: &File) -> Result<SegmentInfo> {
         name: name.into(),
         reason,
     };
-    geometry.validate().map_err(bad)?;
+    geometry.validate().map_err(|e| bad(e.to_string()))?;
     let expected = geometry.offsets();
     let found = Offsets {
         doorbell_off: header_field_u64(&map, o!(SegmentHeader, doorbell_off)),
@@ -213,6 +218,7 @@ fn validate(name: &str, file: &File) -> Result<SegmentInfo> {
         client_block_stride: header_field_u64(&map, o!(SegmentHeader, client_block_stride)),
         jobs_off: header_field_u64(&map, o!(SegmentHeader, jobs_off)),
         job_stride: header_field_u64(&map, o!(SegmentHeader, job_stride)),
+        op_stats_off: header_field_u64(&map, o!(SegmentHeader, op_stats_off)),
         segment_bytes: header_field_u64(&map, o!(SegmentHeader, segment_bytes)),
     };
     if found != expected {
@@ -388,7 +394,9 @@ impl ServerSegment {
     /// dead. The caller holds the start-up lock of this name, so no other
     /// server of this runtime directory races with us here.
     pub fn create(shm_name: &str, geometry: Geometry) -> Result<ServerSegment> {
-        geometry.validate().map_err(Error::Config)?;
+        geometry
+            .validate()
+            .map_err(|e| Error::Config(e.to_string()))?;
         let mut epoch_floor = 0;
         // A segment of this name already exists: replace it only if it is a
         // kvring segment (or an empty one) whose server is dead.
@@ -485,6 +493,7 @@ impl ServerSegment {
         h.client_block_stride.store(off.client_block_stride, r);
         h.jobs_off.store(off.jobs_off, r);
         h.job_stride.store(off.job_stride, r);
+        h.op_stats_off.store(off.op_stats_off, r);
         h.heartbeat_ns.store(liveness::monotonic_ns(), r);
         // Published last. Release pairs with the Acquire load in `validate`.
         h.layout_version.store(LAYOUT_VERSION, Ordering::Release);

@@ -4,8 +4,8 @@
 mod common;
 
 use common::*;
-use kvring::layout::LAYOUT_VERSION;
 use kvring::segment::ReadOnlySegment;
+use kvring::shm::LAYOUT_VERSION;
 use kvring::Error;
 use nix::fcntl::OFlag;
 use nix::sys::stat::Mode;

@@ -10,8 +10,8 @@ mod common;
 use common::*;
 use kvring::jobs::JobStatus;
 use kvring::kv::{chunk_hashes, model_id, pattern, KvLayout, KvLayoutKind};
-use kvring::layout::SlotState;
 use kvring::proto::{DelayJobRequest, Opcode};
+use kvring::shm::SlotState;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -182,7 +182,7 @@ fn killed_clients_are_reclaimed_and_nothing_leaks() {
     assert_eq!(h.clients_connected.load(Ordering::Relaxed), 1);
     // The inspector sees the same: one client, every kill reclaimed, no
     // anomaly.
-    let snap = kvring::observe::snapshot(&ro, Default::default());
+    let snap = kvring::inspect::snapshot(&ro, Default::default());
     assert_eq!(snap.clients.len(), 1, "{:?}", snap.clients);
     assert!(snap.server.clients_reclaimed >= iterations as u64);
     assert!(snap.anomalies.is_empty(), "{:?}", snap.anomalies);

@@ -5,10 +5,10 @@
 mod common;
 
 use common::*;
-use kvring::layout::SlotState;
 use kvring::proto::Opcode;
 use kvring::ring::{FrameHeader, RingError};
 use kvring::segment::ReadOnlySegment;
+use kvring::shm::SlotState;
 use kvring::Error;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};

@@ -9,7 +9,7 @@ mod common;
 use common::*;
 use kvring::jobs::JobStatus;
 use kvring::kv::{chunk_hashes, model_id, pattern};
-use kvring::layout::SlotState;
+use kvring::shm::SlotState;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 

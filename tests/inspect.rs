@@ -220,7 +220,7 @@ fn what_is_not_a_kvring_segment_is_refused_clearly() {
         .contains("not a kvring segment"));
     // A kvring segment of a layout this build does not know.
     let mut bytes = vec![0u8; 8192];
-    bytes[..8].copy_from_slice(&kvring::layout::MAGIC.to_le_bytes());
+    bytes[..8].copy_from_slice(&kvring::shm::MAGIC.to_le_bytes());
     bytes[8..12].copy_from_slice(&99u32.to_le_bytes());
     std::fs::write(&path, bytes).unwrap();
     let out = inspect(&["show", &s.name]);

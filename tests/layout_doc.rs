@@ -40,7 +40,7 @@ fn shm_layout_md_matches_the_structs() {
     let md = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shm_layout.md"))
         .unwrap();
     let doc = doc_tables(&md);
-    let code = kvring::layout::field_tables();
+    let code = kvring::shm::doc::field_tables();
     assert!(!code.is_empty());
     for (name, fields) in &code {
         let Some(table) = doc.get(*name) else {
@@ -69,11 +69,57 @@ fn documented_version_is_the_code_version() {
         .unwrap();
     let first = md.lines().next().unwrap();
     assert!(
-        first.contains(&format!(
-            "(layout version {})",
-            kvring::layout::LAYOUT_VERSION
-        )),
+        first.contains(&format!("(layout version {})", kvring::shm::LAYOUT_VERSION)),
         "{first}"
     );
-    assert!(md.contains(&format!("{:#018x}", kvring::layout::MAGIC)));
+    assert!(md.contains(&format!("{:#018x}", kvring::shm::MAGIC)));
+}
+
+/// The `| CODE NAME | ... | bound |` rows of the opcode table.
+fn doc_opcodes(md: &str) -> Vec<(u16, String, String)> {
+    let start = md
+        .find("| opcode | request payload |")
+        .expect("opcode table");
+    md[start..]
+        .lines()
+        .skip(2)
+        .take_while(|l| l.starts_with('|'))
+        .filter_map(|l| {
+            let cells: Vec<&str> = l.trim_matches('|').split('|').map(str::trim).collect();
+            let (code, name) = cells.first()?.split_once(' ')?;
+            let bound = cells.last()?.to_string();
+            Some((code.parse().ok()?, name.to_string(), bound))
+        })
+        .collect()
+}
+
+#[test]
+fn opcode_table_lists_every_operation() {
+    use kvring::proto::{Opcode, OPS};
+    use kvring::ring::{frame_bytes, HEADER_BYTES};
+    let md =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/shm_layout.md")).unwrap();
+    let doc = doc_opcodes(&md);
+    let listed: Vec<(u16, String)> = doc.iter().map(|(c, n, _)| (*c, n.clone())).collect();
+    let code: Vec<(u16, String)> = Opcode::ALL
+        .iter()
+        .map(|op| (op.raw(), op.name().to_uppercase()))
+        .collect();
+    assert_eq!(listed, code, "shm_layout.md's opcode table (code, NAME)");
+    for ((_, name, bound), op) in doc.iter().zip(Opcode::ALL) {
+        // A bound written as a number is the bound for any payload.
+        if let Ok(n) = bound.parse::<usize>() {
+            assert_eq!(n, op.completion_bound(0), "{name}'s completion bound");
+            assert_eq!(n, op.completion_bound(4096), "{name}'s completion bound");
+        }
+    }
+    // The stats index is dense and inside the stats region; every bound
+    // covers at least a header.
+    const { assert!(OPS <= kvring::shm::OP_STAT_SLOTS) };
+    for (i, op) in Opcode::ALL.iter().enumerate() {
+        assert_eq!(op.index(), i);
+        assert_eq!(Opcode::decode(op.raw()), Ok(*op));
+        assert!(op.completion_bound(0) >= HEADER_BYTES);
+    }
+    assert_eq!(Opcode::Ping.completion_bound(13), frame_bytes(13));
 }

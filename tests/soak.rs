@@ -304,7 +304,7 @@ fn many_engines_at_full_rate_with_telemetry() {
                 .unwrap_or_else(|| env!("CARGO_BIN_EXE_kvring-inspect").into());
             while !stop.load(Ordering::Relaxed) {
                 let seg = kvring::segment::ReadOnlySegment::open(&s.name).unwrap();
-                let snap = kvring::observe::snapshot(&seg, Default::default());
+                let snap = kvring::inspect::snapshot(&seg, Default::default());
                 assert!(snap.server.alive);
                 snaps += 1;
                 if snaps % 20 == 0 {
@@ -345,7 +345,7 @@ fn many_engines_at_full_rate_with_telemetry() {
     let st = c.stats().unwrap();
     assert_eq!(st.leases, 0, "{st:?}");
     let seg = kvring::segment::ReadOnlySegment::open(&s.name).unwrap();
-    let snap = kvring::observe::snapshot(&seg, Default::default());
+    let snap = kvring::inspect::snapshot(&seg, Default::default());
     for state in ["pending", "running"] {
         assert_eq!(
             snap.jobs.by_state.get(state).copied().unwrap_or(0),

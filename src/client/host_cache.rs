@@ -30,7 +30,7 @@ unsafe impl Send for HostKvCache {}
 unsafe impl Sync for HostKvCache {}
 
 fn round_page(v: u64) -> u64 {
-    v.div_ceil(crate::layout::PAGE as u64) * crate::layout::PAGE as u64
+    v.div_ceil(crate::shm::PAGE as u64) * crate::shm::PAGE as u64
 }
 
 impl HostKvCache {

@@ -22,13 +22,13 @@ pub use kv::{Instance, KvSpec};
 
 use crate::bootstrap::Conn;
 use crate::error::{Error, Result};
-use crate::layout::{ServerClientBlock, LAYOUT_VERSION, PAGE};
 use crate::proto::{
     BootKind, Goodbye, Hello, Opcode, Status, Welcome, BOOT_MAGIC, PROTOCOL_VERSION,
 };
 use crate::ring::{Consumer, FrameHeader, Producer, RingError, RingPtrs, HEADER_BYTES};
 use crate::rundir::ServerPaths;
 use crate::segment::ClientSegment;
+use crate::shm::{ServerClientBlock, LAYOUT_VERSION, PAGE};
 use crate::wait::{self, Parking, WaitEnd, WaitPolicy};
 use std::collections::VecDeque;
 use std::path::Path;

@@ -215,8 +215,8 @@ impl CudaKvCache {
         assert_eq!(bytes.len() as u64, self.layout.slab_bytes());
         self.ctx.bind().map_err(crate::Error::Cuda)?;
         let at = self.slab_addr(layer, part, block);
-        // SAFETY: `at` addresses one slab inside our allocation.
         ck(
+            // SAFETY: `at` addresses one slab inside our allocation.
             unsafe { sys::cuMemcpyHtoD_v2(at, bytes.as_ptr() as *const c_void, bytes.len()) },
             "cuMemcpyHtoD",
         )
@@ -302,8 +302,8 @@ impl EngineStream {
     pub fn new(cache: &CudaKvCache) -> crate::Result<EngineStream> {
         cache.ctx.bind().map_err(crate::Error::Cuda)?;
         let mut stream = std::ptr::null_mut();
-        // SAFETY: valid out-pointer.
         ck(
+            // SAFETY: valid out-pointer.
             unsafe {
                 sys::cuStreamCreate(
                     &mut stream,

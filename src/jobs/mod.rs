@@ -37,6 +37,8 @@ mod loom_tests;
 #[cfg(all(test, not(loom)))]
 mod tests;
 
+use crate::shm_struct::shm_struct;
+use crate::wire::wire_enum;
 use bytemuck::{Pod, Zeroable};
 
 /// Number of bits of a job id's `key` that hold the slot index.
@@ -45,20 +47,19 @@ pub const INDEX_BITS: u32 = 24;
 /// retired rather than wrapped, so ids never alias.
 pub const MAX_GENERATION: u64 = (1 << (64 - INDEX_BITS)) - 1;
 
-/// A job's identity. 16 bytes on the wire (`shm_layout.md`, "JobId").
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
-pub struct JobId {
-    /// Epoch of the server instance that issued it.
-    pub epoch: u64,
-    /// `generation << 24 | index`.
-    pub key: u64,
+shm_struct! {
+    /// A job's identity. 16 bytes on the wire (`shm_layout.md`, "JobId").
+    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
+    pub struct JobId {
+        /// Epoch of the server instance that issued it.
+        [0] pub epoch: u64,
+        /// `generation << 24 | index`.
+        [8] pub key: u64,
+    }
 }
 
 const _: () = {
     assert!(std::mem::size_of::<JobId>() == 16);
-    assert!(std::mem::offset_of!(JobId, epoch) == 0);
-    assert!(std::mem::offset_of!(JobId, key) == 8);
 };
 
 impl JobId {
@@ -94,35 +95,28 @@ impl std::fmt::Display for JobId {
     }
 }
 
-/// `JobSlot::state` values.
-#[repr(u32)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum JobState {
-    /// Never allocated since the segment was created.
-    Free = 0,
-    /// Submitted, not started.
-    Pending = 1,
-    /// Started.
-    Running = 2,
-    /// Finished with a result.
-    Done = 3,
-    /// Finished with a failure reason.
-    Failed = 4,
-    /// Finished and released by its owner; the outcome stays readable.
-    Tombstoned = 5,
+wire_enum! {
+    /// `JobSlot::state` values.
+    pub enum JobState: u32 {
+        /// Never allocated since the segment was created.
+        Free = 0 => "free",
+        /// Submitted, not started.
+        Pending = 1 => "pending",
+        /// Started.
+        Running = 2 => "running",
+        /// Finished with a result.
+        Done = 3 => "done",
+        /// Finished with a failure reason.
+        Failed = 4 => "failed",
+        /// Finished and released by its owner; the outcome stays readable.
+        Tombstoned = 5 => "tombstoned",
+    }
 }
 
 impl JobState {
+    /// The state of a raw code, or None for one this build does not know.
     pub fn from_u32(v: u32) -> Option<JobState> {
-        Some(match v {
-            0 => JobState::Free,
-            1 => JobState::Pending,
-            2 => JobState::Running,
-            3 => JobState::Done,
-            4 => JobState::Failed,
-            5 => JobState::Tombstoned,
-            _ => return None,
-        })
+        Self::decode(v).ok()
     }
 
     /// Whether a job in this state has finished.
@@ -132,91 +126,43 @@ impl JobState {
             JobState::Done | JobState::Failed | JobState::Tombstoned
         )
     }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            JobState::Free => "free",
-            JobState::Pending => "pending",
-            JobState::Running => "running",
-            JobState::Done => "done",
-            JobState::Failed => "failed",
-            JobState::Tombstoned => "tombstoned",
-        }
-    }
 }
 
-/// `JobSlot::kind` values: which operation a job runs.
-#[repr(u32)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum JobKind {
-    /// A timed job for health checks, tests and benchmarks of the job path
-    /// (`Opcode::DelayJob`).
-    Delay = 1,
-    /// LOOKUP: result value = hit chunks (prefix), aux = chunks asked.
-    Lookup = 2,
-    /// STORE: result value = chunks present after it, aux = chunks that got
-    /// no space.
-    Store = 3,
-    /// RETRIEVE: result value = chunks copied, aux = bytes copied.
-    Retrieve = 4,
+wire_enum! {
+    /// `JobSlot::kind` values: which operation a job runs.
+    pub enum JobKind: u32 {
+        /// A timed job for health checks, tests and benchmarks of the job path
+        /// (`Opcode::DelayJob`).
+        Delay = 1 => "delay",
+        /// LOOKUP: result value = hit chunks (prefix), aux = chunks asked.
+        Lookup = 2 => "lookup",
+        /// STORE: result value = chunks present after it, aux = chunks that got
+        /// no space.
+        Store = 3 => "store",
+        /// RETRIEVE: result value = chunks copied, aux = bytes copied.
+        Retrieve = 4 => "retrieve",
+    }
 }
 
 impl JobKind {
+    /// The kind of a raw code, or None for one this build does not know.
     pub fn from_u32(v: u32) -> Option<JobKind> {
-        Some(match v {
-            1 => JobKind::Delay,
-            2 => JobKind::Lookup,
-            3 => JobKind::Store,
-            4 => JobKind::Retrieve,
-            _ => return None,
-        })
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            JobKind::Delay => "delay",
-            JobKind::Lookup => "lookup",
-            JobKind::Store => "store",
-            JobKind::Retrieve => "retrieve",
-        }
+        Self::decode(v).ok()
     }
 }
 
-/// Why a job failed (`JobSlot::fail_reason`; 0 means it did not).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum FailReason {
-    /// Its owner disconnected or died before it finished.
-    ClientGone,
-    /// The server shut down before it finished.
-    ServerShutdown,
-    /// The submitter asked for a failure (delay jobs).
-    Requested,
-    /// A copy between an engine's cache and the pool failed.
-    CopyFailed,
-    /// A code this build does not know (a newer server).
-    Other(u32),
-}
-
-impl FailReason {
-    pub fn code(self) -> u32 {
-        match self {
-            FailReason::ClientGone => 1,
-            FailReason::ServerShutdown => 2,
-            FailReason::Requested => 3,
-            FailReason::CopyFailed => 4,
-            FailReason::Other(c) => c,
-        }
-    }
-
-    /// The reason for a nonzero code.
-    pub fn from_code(c: u32) -> FailReason {
-        match c {
-            1 => FailReason::ClientGone,
-            2 => FailReason::ServerShutdown,
-            3 => FailReason::Requested,
-            4 => FailReason::CopyFailed,
-            c => FailReason::Other(c),
-        }
+wire_enum! {
+    /// Why a job failed (`JobSlot::fail_reason`; 0 means it did not).
+    pub enum FailReason: u32 {
+        other Other;
+        /// Its owner disconnected or died before it finished.
+        ClientGone = 1 => "client_gone",
+        /// The server shut down before it finished.
+        ServerShutdown = 2 => "server_shutdown",
+        /// The submitter asked for a failure (delay jobs).
+        Requested = 3 => "requested",
+        /// A copy between an engine's cache and the pool failed.
+        CopyFailed = 4 => "copy_failed",
     }
 }
 

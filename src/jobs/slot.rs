@@ -23,65 +23,52 @@
 //! of one slot are ordered too. Every field is an atomic: a torn copy is
 //! detected and discarded, never undefined behaviour.
 
+use crate::shm_struct::shm_struct;
 use crate::sync::{fence, AtomicU32, AtomicU64, Ordering};
 
-/// One job slot (128 bytes, `shm_layout.md` "JobSlot"). Server-written only.
-#[repr(C, align(128))]
-pub struct JobSlot {
-    /// Seqlock sequence: odd while a writer is inside, bumped by 2 per write.
-    pub seq: AtomicU64,
-    /// Generation of the current (or last) job in this slot; 0 = never used.
-    pub generation: AtomicU64,
-    /// `JobState` as u32.
-    pub state: AtomicU32,
-    /// `JobKind` as u32.
-    pub kind: AtomicU32,
-    /// Client slot of the owner.
-    pub owner_slot: AtomicU32,
-    /// Session tag of the owner (its slot's occupant when it submitted).
-    pub owner_session: AtomicU32,
-    /// `FailReason` code; 0 when the job did not fail.
-    pub fail_reason: AtomicU32,
-    pub _reserved0: AtomicU32,
-    /// Result word 1 (meaning per job kind).
-    pub result_value: AtomicU64,
-    /// Result word 2 (meaning per job kind).
-    pub result_aux: AtomicU64,
-    /// Work done so far (meaning per job kind), updated while running.
-    pub progress: AtomicU64,
-    /// The submitter's `user_data` of the request that created the job.
-    pub user_data: AtomicU64,
-    /// CLOCK_MONOTONIC ns: submitted.
-    pub submitted_ns: AtomicU64,
-    /// CLOCK_MONOTONIC ns: started (0 until then).
-    pub started_ns: AtomicU64,
-    /// CLOCK_MONOTONIC ns: finished (0 until then).
-    pub finished_ns: AtomicU64,
-    /// CLOCK_MONOTONIC ns: released (0 until then).
-    pub released_ns: AtomicU64,
-    pub _reserved1: [AtomicU64; 3],
+shm_struct! {
+    /// One job slot (128 bytes, `shm_layout.md` "JobSlot"). Server-written only.
+    #[repr(align(128))]
+    pub struct JobSlot {
+        /// Seqlock sequence: odd while a writer is inside, bumped by 2 per write.
+        [0] pub seq: AtomicU64,
+        /// Generation of the current (or last) job in this slot; 0 = never used.
+        [8] pub generation: AtomicU64,
+        /// `JobState` as u32.
+        [16] pub state: AtomicU32,
+        /// `JobKind` as u32.
+        [20] pub kind: AtomicU32,
+        /// Client slot of the owner.
+        [24] pub owner_slot: AtomicU32,
+        /// Session tag of the owner (its slot's occupant when it submitted).
+        [28] pub owner_session: AtomicU32,
+        /// `FailReason` code; 0 when the job did not fail.
+        [32] pub fail_reason: AtomicU32,
+        [36] pub _reserved0: AtomicU32,
+        /// Result word 1 (meaning per job kind).
+        [40] pub result_value: AtomicU64,
+        /// Result word 2 (meaning per job kind).
+        [48] pub result_aux: AtomicU64,
+        /// Work done so far (meaning per job kind), updated while running.
+        [56] pub progress: AtomicU64,
+        /// The submitter's `user_data` of the request that created the job.
+        [64] pub user_data: AtomicU64,
+        /// CLOCK_MONOTONIC ns: submitted.
+        [72] pub submitted_ns: AtomicU64,
+        /// CLOCK_MONOTONIC ns: started (0 until then).
+        [80] pub started_ns: AtomicU64,
+        /// CLOCK_MONOTONIC ns: finished (0 until then).
+        [88] pub finished_ns: AtomicU64,
+        /// CLOCK_MONOTONIC ns: released (0 until then).
+        [96] pub released_ns: AtomicU64,
+        [104] pub _reserved1: [AtomicU64; 3],
+    }
 }
 
 #[cfg(not(loom))]
 const _: () = {
-    use std::mem::{offset_of, size_of};
-    assert!(offset_of!(JobSlot, seq) == 0);
-    assert!(offset_of!(JobSlot, generation) == 8);
-    assert!(offset_of!(JobSlot, state) == 16);
-    assert!(offset_of!(JobSlot, kind) == 20);
-    assert!(offset_of!(JobSlot, owner_slot) == 24);
-    assert!(offset_of!(JobSlot, owner_session) == 28);
-    assert!(offset_of!(JobSlot, fail_reason) == 32);
-    assert!(offset_of!(JobSlot, result_value) == 40);
-    assert!(offset_of!(JobSlot, result_aux) == 48);
-    assert!(offset_of!(JobSlot, progress) == 56);
-    assert!(offset_of!(JobSlot, user_data) == 64);
-    assert!(offset_of!(JobSlot, submitted_ns) == 72);
-    assert!(offset_of!(JobSlot, started_ns) == 80);
-    assert!(offset_of!(JobSlot, finished_ns) == 88);
-    assert!(offset_of!(JobSlot, released_ns) == 96);
-    assert!(offset_of!(JobSlot, _reserved1) == 104);
-    assert!(size_of::<JobSlot>() == crate::layout::JOB_STRIDE);
+    use std::mem::size_of;
+    assert!(size_of::<JobSlot>() == crate::shm::JOB_STRIDE);
 };
 
 /// The fields a status poll needs, copied out consistently.

@@ -10,48 +10,28 @@
 //! with `chunk_tokens` tokens, so engines of different paged layouts (or
 //! block sizes) with the same model geometry share stored objects.
 
+use crate::wire::wire_enum;
 use bytemuck::{Pod, Zeroable};
 
-/// The paged layouts an engine's KV cache may have.
-#[repr(u32)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum KvLayoutKind {
-    /// vLLM flash-attention: one tensor per layer, `[2, NB, BS, H, D]`.
-    FlashAttn = 1,
-    /// FlashInfer: one tensor per layer, `[NB, 2, BS, H, D]`.
-    FlashInfer = 2,
-    /// MLA: one tensor per layer, `[NB, BS, D]` (one part, `num_heads` 1).
-    Mla = 3,
-    /// Cross-layer: one tensor, `[NB, L, 2, BS, H, D]`.
-    CrossLayer = 4,
+wire_enum! {
+    /// The paged layouts an engine's KV cache may have.
+    pub enum KvLayoutKind: u32 {
+        /// vLLM flash-attention: one tensor per layer, `[2, NB, BS, H, D]`.
+        FlashAttn = 1 => "flash-attn [2,NB,BS,H,D] per layer",
+        /// FlashInfer: one tensor per layer, `[NB, 2, BS, H, D]`.
+        FlashInfer = 2 => "flashinfer [NB,2,BS,H,D] per layer",
+        /// MLA: one tensor per layer, `[NB, BS, D]` (one part, `num_heads` 1).
+        Mla = 3 => "mla [NB,BS,D] per layer",
+        /// Cross-layer: one tensor, `[NB, L, 2, BS, H, D]`.
+        CrossLayer = 4 => "cross-layer [NB,L,2,BS,H,D]",
+    }
 }
 
 impl KvLayoutKind {
+    /// The layout of a raw code, or None for one this build does not know.
     pub fn from_u32(v: u32) -> Option<Self> {
-        Some(match v {
-            1 => Self::FlashAttn,
-            2 => Self::FlashInfer,
-            3 => Self::Mla,
-            4 => Self::CrossLayer,
-            _ => return None,
-        })
+        Self::decode(v).ok()
     }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::FlashAttn => "flash-attn [2,NB,BS,H,D] per layer",
-            Self::FlashInfer => "flashinfer [NB,2,BS,H,D] per layer",
-            Self::Mla => "mla [NB,BS,D] per layer",
-            Self::CrossLayer => "cross-layer [NB,L,2,BS,H,D]",
-        }
-    }
-
-    pub const ALL: [KvLayoutKind; 4] = [
-        Self::FlashAttn,
-        Self::FlashInfer,
-        Self::Mla,
-        Self::CrossLayer,
-    ];
 }
 
 /// An engine's KV-cache geometry, as sent at registration (`shm_layout.md`,

@@ -4,240 +4,262 @@
 
 use crate::jobs::JobId;
 use crate::kv::KvLayout;
+use crate::shm_struct::shm_struct;
+use crate::wire::wire_enum;
 use bytemuck::{Pod, Zeroable};
-use std::mem::{offset_of, size_of};
+use std::mem::size_of;
 
-/// LOOKUP: `n_chunks` chained chunk hashes (16 bytes each) follow.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
-pub struct LookupRequest {
-    pub model_id: u64,
-    pub salt: u64,
-    pub world_size: u32,
-    pub n_chunks: u32,
+shm_struct! {
+    /// LOOKUP: `n_chunks` chained chunk hashes (16 bytes each) follow.
+    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+    pub struct LookupRequest {
+        [0] pub model_id: u64,
+        [8] pub salt: u64,
+        [16] pub world_size: u32,
+        [20] pub n_chunks: u32,
+    }
 }
 
-/// STORE: `n_chunks` chunk hashes (16 bytes each), then
-/// `n_chunks * blocks_per_chunk` block ids (u32) follow.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
-pub struct StoreRequest {
-    pub instance: u32,
-    pub n_chunks: u32,
-    pub salt: u64,
-    /// Bit 0: `event` holds a CUDA IPC event the engine recorded after
-    /// writing the blocks; the server's copies wait for it on the device.
-    pub flags: u32,
-    pub _reserved: u32,
-    pub event: [u8; 64],
+shm_struct! {
+    /// STORE: `n_chunks` chunk hashes (16 bytes each), then
+    /// `n_chunks * blocks_per_chunk` block ids (u32) follow.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+    pub struct StoreRequest {
+        [0] pub instance: u32,
+        [4] pub n_chunks: u32,
+        [8] pub salt: u64,
+        /// Bit 0: `event` holds a CUDA IPC event the engine recorded after
+        /// writing the blocks; the server's copies wait for it on the device.
+        [16] pub flags: u32,
+        [20] pub _reserved: u32,
+        [24] pub event: [u8; 64],
+    }
 }
 
-/// `StoreRequest::flags` / `RetrieveRequest::flags`: `event` is set.
-pub const FLAG_EVENT: u32 = 1;
-/// `StoreRequest::flags` / `RetrieveRequest::flags`: once every chunk's copy
-/// is queued on the device, the server records one of the caller's job
-/// events (see `Opcode::JobEvents`) after them all and publishes its index
-/// plus one in the job's `progress`, so the engine's stream can wait for
-/// the copies on the device (CUDA backend, device-memory instances).
-pub const FLAG_PUBLISH_EVENT: u32 = 2;
+bitflags::bitflags! {
+    /// `StoreRequest::flags` / `RetrieveRequest::flags` bits (the fields stay
+    /// `u32`).
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+    pub struct KvFlags: u32 {
+        /// `event` is set.
+        const EVENT = 1;
+        /// Once every chunk's copy is queued on the device, the server
+        /// records one of the caller's job events (see `Opcode::JobEvents`)
+        /// after them all and publishes its index plus one in the job's
+        /// `progress`, so the engine's stream can wait for the copies on the
+        /// device (CUDA backend, device-memory instances).
+        const PUBLISH_EVENT = 2;
+    }
+}
+
+/// [`KvFlags::EVENT`] as the raw field value.
+pub const FLAG_EVENT: u32 = KvFlags::EVENT.bits();
+/// [`KvFlags::PUBLISH_EVENT`] as the raw field value.
+pub const FLAG_PUBLISH_EVENT: u32 = KvFlags::PUBLISH_EVENT.bits();
 /// Job events per client and device.
 pub const JOB_EVENTS: usize = 32;
 
-/// RETRIEVE: `n_chunks * blocks_per_chunk` block ids (u32) follow. Chunks
-/// `first_chunk ..` of the lookup `lease` are copied into them; the first
-/// `skip_tokens` tokens (a multiple of the block size) are left alone.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
-pub struct RetrieveRequest {
-    pub lease: JobId,
-    pub instance: u32,
-    pub first_chunk: u32,
-    pub n_chunks: u32,
-    pub skip_tokens: u32,
-    /// Bit 0: `event` holds a CUDA IPC event the engine recorded after it
-    /// stopped using the blocks; the server's copies wait for it.
-    pub flags: u32,
-    pub _reserved: u32,
-    pub event: [u8; 64],
+shm_struct! {
+    /// RETRIEVE: `n_chunks * blocks_per_chunk` block ids (u32) follow. Chunks
+    /// `first_chunk ..` of the lookup `lease` are copied into them; the first
+    /// `skip_tokens` tokens (a multiple of the block size) are left alone.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+    pub struct RetrieveRequest {
+        [0] pub lease: JobId,
+        [16] pub instance: u32,
+        [20] pub first_chunk: u32,
+        [24] pub n_chunks: u32,
+        [28] pub skip_tokens: u32,
+        /// Bit 0: `event` holds a CUDA IPC event the engine recorded after it
+        /// stopped using the blocks; the server's copies wait for it.
+        [32] pub flags: u32,
+        [36] pub _reserved: u32,
+        [40] pub event: [u8; 64],
+    }
 }
 
-/// FREE_LOOKUP_LOCKS: ends the lease's holds on chunks
-/// `first_chunk .. first_chunk + n_chunks` (`n_chunks` u32::MAX: to the end).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
-pub struct FreeLocksRequest {
-    pub lease: JobId,
-    pub first_chunk: u32,
-    pub n_chunks: u32,
+shm_struct! {
+    /// FREE_LOOKUP_LOCKS: ends the lease's holds on chunks
+    /// `first_chunk .. first_chunk + n_chunks` (`n_chunks` u32::MAX: to the end).
+    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+    pub struct FreeLocksRequest {
+        [0] pub lease: JobId,
+        [16] pub first_chunk: u32,
+        [20] pub n_chunks: u32,
+    }
 }
 
-/// END_SESSION: ends everything the lease still holds and marks its objects
-/// recently used.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
-pub struct EndSessionRequest {
-    pub lease: JobId,
+shm_struct! {
+    /// END_SESSION: ends everything the lease still holds and marks its objects
+    /// recently used.
+    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+    pub struct EndSessionRequest {
+        [0] pub lease: JobId,
+    }
 }
 
-/// Completion of CLEAR.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
-pub struct ClearReply {
-    pub objects: u64,
-    pub bytes: u64,
+shm_struct! {
+    /// Completion of CLEAR.
+    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+    pub struct ClearReply {
+        [0] pub objects: u64,
+        [8] pub bytes: u64,
+    }
 }
 
-/// Completion of GET_CONFIG: what an engine must agree with.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
-pub struct ConfigReply {
-    pub chunk_tokens: u32,
-    pub copy_threads: u32,
-    pub pool_bytes: u64,
-    pub max_request_bytes: u32,
-    pub lease_ttl_ms: u32,
-    /// 1 host, 2 cuda.
-    pub backend: u32,
-    pub _reserved: u32,
+shm_struct! {
+    /// Completion of GET_CONFIG: what an engine must agree with.
+    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+    pub struct ConfigReply {
+        [0] pub chunk_tokens: u32,
+        [4] pub copy_threads: u32,
+        [8] pub pool_bytes: u64,
+        [16] pub max_request_bytes: u32,
+        [20] pub lease_ttl_ms: u32,
+        /// 1 host, 2 cuda.
+        [24] pub backend: u32,
+        [28] pub _reserved: u32,
+    }
 }
 
-/// Completion of STATS: the cache counters, as the segment header has them.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable, serde::Serialize)]
-pub struct StatsReply {
-    pub pool_bytes: u64,
-    pub pool_used_bytes: u64,
-    pub objects: u64,
-    pub leases: u64,
-    pub instances: u64,
-    pub lookups: u64,
-    pub lookup_chunks: u64,
-    pub lookup_hit_chunks: u64,
-    pub stores: u64,
-    pub stored_chunks: u64,
-    pub stored_bytes: u64,
-    pub store_no_space_chunks: u64,
-    pub retrieves: u64,
-    pub retrieved_chunks: u64,
-    pub retrieved_bytes: u64,
-    pub evicted_objects: u64,
-    pub evicted_bytes: u64,
-    pub leases_expired: u64,
+shm_struct! {
+    /// Completion of STATS: the cache counters, as the segment header has them.
+    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable, serde::Serialize)]
+    pub struct StatsReply {
+        [0] pub pool_bytes: u64,
+        [8] pub pool_used_bytes: u64,
+        [16] pub objects: u64,
+        [24] pub leases: u64,
+        [32] pub instances: u64,
+        [40] pub lookups: u64,
+        [48] pub lookup_chunks: u64,
+        [56] pub lookup_hit_chunks: u64,
+        [64] pub stores: u64,
+        [72] pub stored_chunks: u64,
+        [80] pub stored_bytes: u64,
+        [88] pub store_no_space_chunks: u64,
+        [96] pub retrieves: u64,
+        [104] pub retrieved_chunks: u64,
+        [112] pub retrieved_bytes: u64,
+        [120] pub evicted_objects: u64,
+        [128] pub evicted_bytes: u64,
+        [136] pub leases_expired: u64,
+    }
 }
 
-/// `RegisterKv::mem_kind`: how the tensors' memory is handed over.
-#[repr(u32)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum MemKind {
-    /// Host memory: sealed memfds passed with the message (SCM_RIGHTS).
-    HostFd = 1,
-    /// Device memory: a legacy CUDA IPC handle per tensor ([`CudaRegion`]).
-    CudaIpc = 2,
-    /// Device memory: a CUDA VMM allocation exported as a POSIX fd, passed
-    /// with the message ([`CudaRegion`]).
-    CudaVmmFd = 3,
+wire_enum! {
+    /// `RegisterKv::mem_kind`: how the tensors' memory is handed over.
+    pub enum MemKind: u32 {
+        /// Host memory: sealed memfds passed with the message (SCM_RIGHTS).
+        HostFd = 1 => "host_fd",
+        /// Device memory: a legacy CUDA IPC handle per tensor ([`CudaRegion`]).
+        CudaIpc = 2 => "cuda_ipc",
+        /// Device memory: a CUDA VMM allocation exported as a POSIX fd, passed
+        /// with the message ([`CudaRegion`]).
+        CudaVmmFd = 3 => "cuda_vmm_fd",
+    }
 }
 
-/// Where one tensor of a device registration lives: `offset` bytes into an
-/// allocation of `alloc_bytes`, named by `ipc_handle` (kind 2) or by
-/// descriptor `fd_index` (kind 3). The server checks `offset + tensor bytes`
-/// against the size the driver reports (IPC) or maps exactly `alloc_bytes`
-/// (VMM, which fails if the allocation is smaller).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
-pub struct CudaRegion {
-    pub ipc_handle: [u8; 64],
-    pub offset: u64,
-    pub alloc_bytes: u64,
-    pub fd_index: u32,
-    pub _reserved: u32,
+shm_struct! {
+    /// Where one tensor of a device registration lives: `offset` bytes into an
+    /// allocation of `alloc_bytes`, named by `ipc_handle` (kind 2) or by
+    /// descriptor `fd_index` (kind 3). The server checks `offset + tensor bytes`
+    /// against the size the driver reports (IPC) or maps exactly `alloc_bytes`
+    /// (VMM, which fails if the allocation is smaller).
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+    pub struct CudaRegion {
+        [0] pub ipc_handle: [u8; 64],
+        [64] pub offset: u64,
+        [72] pub alloc_bytes: u64,
+        [80] pub fd_index: u32,
+        [84] pub _reserved: u32,
+    }
 }
 
-/// Bootstrap message: register an engine instance's KV cache. Followed by
-/// `n_tensors` [`TensorRegion`]s; the memory's descriptors travel with this
-/// message and any [`AttachFds`] messages sent just before it.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
-pub struct RegisterKv {
-    pub magic: u64,
-    /// `BootKind::Register`.
-    pub kind: u32,
-    /// [`MemKind`].
-    pub mem_kind: u32,
-    pub model_id: u64,
-    pub world_size: u32,
-    pub rank: u32,
-    pub layout: KvLayout,
-    pub n_tensors: u32,
-    pub _reserved: u32,
-    /// Device memory: the device's UUID (memory kinds 2 and 3). Host
-    /// memory: zero, or the device the engine's worker runs on (its copies
-    /// go to that device's copy lane).
-    pub device_uuid: [u8; 16],
+shm_struct! {
+    /// Bootstrap message: register an engine instance's KV cache. Followed by
+    /// `n_tensors` [`TensorRegion`]s; the memory's descriptors travel with this
+    /// message and any [`AttachFds`] messages sent just before it.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+    pub struct RegisterKv {
+        [0] pub magic: u64,
+        /// `BootKind::Register`.
+        [8] pub kind: u32,
+        /// [`MemKind`].
+        [12] pub mem_kind: u32,
+        [16] pub model_id: u64,
+        [24] pub world_size: u32,
+        [28] pub rank: u32,
+        [32] pub layout: KvLayout,
+        [64] pub n_tensors: u32,
+        [68] pub _reserved: u32,
+        /// Device memory: the device's UUID (memory kinds 2 and 3). Host
+        /// memory: zero, or the device the engine's worker runs on (its copies
+        /// go to that device's copy lane).
+        [72] pub device_uuid: [u8; 16],
+    }
 }
 
-/// Where one tensor of a registration lives: `layout.tensor_bytes()` bytes
-/// at `offset` of descriptor `fd_index` (counting the descriptors of the
-/// preceding `AttachFds` messages first, then this message's).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
-pub struct TensorRegion {
-    pub fd_index: u32,
-    pub _reserved: u32,
-    pub offset: u64,
+shm_struct! {
+    /// Where one tensor of a registration lives: `layout.tensor_bytes()` bytes
+    /// at `offset` of descriptor `fd_index` (counting the descriptors of the
+    /// preceding `AttachFds` messages first, then this message's).
+    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+    pub struct TensorRegion {
+        [0] pub fd_index: u32,
+        [4] pub _reserved: u32,
+        [8] pub offset: u64,
+    }
 }
 
-/// Bootstrap message: descriptors for the next `RegisterKv` (when it needs
-/// more than one message can carry).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
-pub struct AttachFds {
-    pub magic: u64,
-    /// `BootKind::AttachFds`.
-    pub kind: u32,
-    pub count: u32,
+shm_struct! {
+    /// Bootstrap message: descriptors for the next `RegisterKv` (when it needs
+    /// more than one message can carry).
+    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+    pub struct AttachFds {
+        [0] pub magic: u64,
+        /// `BootKind::AttachFds`.
+        [8] pub kind: u32,
+        [12] pub count: u32,
+    }
 }
 
-/// Bootstrap message: unregister an instance.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
-pub struct UnregisterKv {
-    pub magic: u64,
-    /// `BootKind::Unregister`.
-    pub kind: u32,
-    pub instance: u32,
+shm_struct! {
+    /// Bootstrap message: unregister an instance.
+    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+    pub struct UnregisterKv {
+        [0] pub magic: u64,
+        /// `BootKind::Unregister`.
+        [8] pub kind: u32,
+        [12] pub instance: u32,
+    }
 }
 
 /// Bytes of a reply's message text.
 pub const REPLY_TEXT: usize = 200;
 
-/// Bootstrap reply to `RegisterKv`, `UnregisterKv` and `AttachFds`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
-pub struct RegisterReply {
-    pub magic: u64,
-    /// `BootKind::RegisterReply`.
-    pub kind: u32,
-    /// 0 ok, else a `Status` code; `text` says why.
-    pub status: i32,
-    /// The instance handle for STORE and RETRIEVE.
-    pub instance: u32,
-    /// The server's chunk size in tokens.
-    pub chunk_tokens: u32,
-    /// UTF-8, zero-padded.
-    pub text: [u8; REPLY_TEXT],
+shm_struct! {
+    /// Bootstrap reply to `RegisterKv`, `UnregisterKv` and `AttachFds`.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+    pub struct RegisterReply {
+        [0] pub magic: u64,
+        /// `BootKind::RegisterReply`.
+        [8] pub kind: u32,
+        /// 0 ok, else a `Status` code; `text` says why.
+        [12] pub status: i32,
+        /// The instance handle for STORE and RETRIEVE.
+        [16] pub instance: u32,
+        /// The server's chunk size in tokens.
+        [20] pub chunk_tokens: u32,
+        /// UTF-8, zero-padded.
+        [24] pub text: [u8; REPLY_TEXT],
+    }
 }
 
 const _: () = {
     assert!(size_of::<LookupRequest>() == 24);
-    assert!(offset_of!(LookupRequest, world_size) == 16);
     assert!(size_of::<StoreRequest>() == 88);
-    assert!(offset_of!(StoreRequest, salt) == 8);
-    assert!(offset_of!(StoreRequest, event) == 24);
     assert!(size_of::<RetrieveRequest>() == 104);
-    assert!(offset_of!(RetrieveRequest, instance) == 16);
-    assert!(offset_of!(RetrieveRequest, skip_tokens) == 28);
-    assert!(offset_of!(RetrieveRequest, event) == 40);
     assert!(size_of::<CudaRegion>() == 88);
     assert!(size_of::<FreeLocksRequest>() == 24);
     assert!(size_of::<EndSessionRequest>() == 16);
@@ -245,8 +267,6 @@ const _: () = {
     assert!(size_of::<ConfigReply>() == 32);
     assert!(size_of::<StatsReply>() == 18 * 8);
     assert!(size_of::<RegisterKv>() == 88);
-    assert!(offset_of!(RegisterKv, layout) == 32);
-    assert!(offset_of!(RegisterKv, n_tensors) == 64);
     assert!(size_of::<TensorRegion>() == 16);
     assert!(size_of::<AttachFds>() == 16);
     assert!(size_of::<UnregisterKv>() == 16);

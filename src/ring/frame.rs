@@ -43,11 +43,19 @@ const _: () = {
     assert!(core::mem::offset_of!(FrameHeader, user_data) == 16);
 };
 
-/// `FrameHeader::flags` bit: more frames of the same request follow. The
-/// receiver appends this frame's payload and answers only the last frame,
-/// so a request may exceed the frame bound (up to the server's
-/// `max_request_bytes`).
-pub const FLAG_MORE: u16 = 1;
+bitflags::bitflags! {
+    /// `FrameHeader::flags` bits (the field stays a `u16`).
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+    pub struct FrameFlags: u16 {
+        /// More frames of the same request follow. The receiver appends this
+        /// frame's payload and answers only the last frame, so a request may
+        /// exceed the frame bound (up to the server's `max_request_bytes`).
+        const MORE = 1;
+    }
+}
+
+/// [`FrameFlags::MORE`] as the raw field value.
+pub const FLAG_MORE: u16 = FrameFlags::MORE.bits();
 
 /// Size of the header in bytes.
 pub const HEADER_BYTES: usize = core::mem::size_of::<FrameHeader>();

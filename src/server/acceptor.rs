@@ -11,10 +11,10 @@
 use super::{RingEvent, Shared};
 use crate::bootstrap::{Conn, Listener};
 use crate::jobs::FailReason;
-use crate::layout::{DisconnectReason, SlotState, LAYOUT_VERSION};
 use crate::liveness::{self, PidFd};
 use crate::proto::kv::{split_header, RegisterKv, RegisterReply, UnregisterKv};
 use crate::proto::{BootKind, Hello, Status, Welcome, BOOT_MAGIC, PROTOCOL_VERSION};
+use crate::shm::{DisconnectReason, SlotState, LAYOUT_VERSION};
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -71,6 +71,7 @@ impl<'a> Acceptor<'a> {
     }
 
     fn refuse(&self, conn: Conn, status: Status) {
+        tracing::debug!(status = status.name(), "connection refused");
         let w = self.welcome(status, u32::MAX, 0);
         let _ = conn.send(bytemuck::bytes_of(&w), &[]);
         self.shared
@@ -139,7 +140,9 @@ impl<'a> Acceptor<'a> {
             .store(liveness::process_start_ticks(cred.pid).unwrap_or(0), r);
         sb.connected_unix_ns.store(liveness::unix_ns(), r);
         sb.session.store(session, r);
-        // Release: observers that see Active see the fields above.
+        // Release pairs with the inspector's Acquire load of `state`
+        // (`inspect::read_clients`): an observer that sees Active sees the
+        // occupant's identity above.
         sb.state.store(SlotState::Active as u32, Ordering::Release);
 
         let w = self.welcome(Status::Ok, slot, session);
@@ -176,6 +179,8 @@ impl<'a> Acceptor<'a> {
         drop(conn);
         let sb = self.shared.seg.mapping.server_client(slot);
         sb.disconnect_reason.store(reason as u32, Ordering::Relaxed);
+        // Release pairs with the inspector's Acquire load of `state`: a slot
+        // seen Closing shows why.
         sb.state.store(SlotState::Closing as u32, Ordering::Release);
         let clean = reason == DisconnectReason::Goodbye;
         self.slots[slot as usize] = Phase::Closing { pidfd, clean };
@@ -213,6 +218,7 @@ impl<'a> Acceptor<'a> {
         h.clients_reclaimed.fetch_add(1, Ordering::Relaxed);
         let exited = pidfd.as_ref().is_none_or(|p| p.exited());
         let sb = m.server_client(slot);
+        // Release pairs with the inspector's Acquire load of `state`.
         if clean || exited {
             sb.state.store(SlotState::Free as u32, Ordering::Release);
         } else {
@@ -273,11 +279,12 @@ impl<'a> Acceptor<'a> {
             let r = RegisterReply::new(status as i32, instance, chunk, text);
             let _ = conn.send(bytemuck::bytes_of(&r), &[]);
         };
-        match kind {
-            k if k == BootKind::Goodbye as u32 => {
+        // An unknown kind, or one a client never sends, ends the connection.
+        match BootKind::decode(kind) {
+            Ok(BootKind::Goodbye) => {
                 return self.goodbye(slot);
             }
-            k if k == BootKind::AttachFds as u32 => {
+            Ok(BootKind::AttachFds) => {
                 // No reply: a problem is reported at the registration.
                 if pending.len() + fds.len() > MAX_PENDING_FDS {
                     pending.clear();
@@ -285,7 +292,7 @@ impl<'a> Acceptor<'a> {
                 }
                 pending.extend(fds);
             }
-            k if k == BootKind::Register as u32 => {
+            Ok(BootKind::Register) => {
                 let mut all = std::mem::take(pending);
                 all.extend(fds);
                 let Some((req, rest)) = split_header::<RegisterKv>(msg) else {
@@ -308,7 +315,7 @@ impl<'a> Acceptor<'a> {
                     Err((status, text)) => reply(conn, status, 0, &text),
                 }
             }
-            k if k == BootKind::Unregister as u32 => {
+            Ok(BootKind::Unregister) => {
                 if msg.len() != std::mem::size_of::<UnregisterKv>() {
                     reply(conn, Status::Malformed, 0, "bad unregister message");
                     return true;
@@ -328,7 +335,9 @@ impl<'a> Acceptor<'a> {
                     );
                 }
             }
-            _ => return false,
+            Ok(BootKind::Hello | BootKind::Welcome | BootKind::RegisterReply) | Err(_) => {
+                return false
+            }
         }
         true
     }
@@ -413,6 +422,8 @@ impl<'a> Acceptor<'a> {
                 if pidfd.as_ref().is_none_or(|p| p.exited()) {
                     self.slots[i] = Phase::Free;
                     let sb = self.shared.seg.mapping.server_client(i as u32);
+                    // Release pairs with the inspector's Acquire load of
+                    // `state`.
                     sb.state.store(SlotState::Free as u32, Ordering::Release);
                 }
             }
@@ -429,6 +440,8 @@ pub(super) fn run(shared: &Shared, listener: Listener, tick: Duration) {
         buf: Vec::new(),
     };
     let h = shared.seg.mapping.header();
+    // Acquire pairs with the Release store in `ServerHandle::shutdown`, which
+    // comes after every job has ended.
     while !shared.stop_acceptor.load(Ordering::Acquire) {
         // Heartbeat: observers compare it with their own CLOCK_MONOTONIC.
         h.heartbeat_ns

@@ -76,8 +76,8 @@ impl DevBuf {
     fn new(ctx: &Arc<Context>, bytes: usize) -> Result<DevBuf, String> {
         ctx.bind()?;
         let mut ptr = 0;
-        // SAFETY: valid out-pointer.
         ck(
+            // SAFETY: valid out-pointer.
             unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes.max(16)) },
             "cuMemAlloc",
         )?;
@@ -425,8 +425,8 @@ impl Backend for CudaBackend {
             }));
         }
         let table = DevBuf::new(&dev.ctx, bases.len() * 8).map_err(refuse)?;
-        // SAFETY: `table` holds `bases.len()` words.
         ck(
+            // SAFETY: `table` holds `bases.len()` words.
             unsafe {
                 sys::cuMemcpyHtoD_v2(table.ptr, bases.as_ptr() as *const c_void, bases.len() * 8)
             },
@@ -691,8 +691,8 @@ impl Engine for CudaEngine {
         if let (Some(p), Some(je)) = (&c.publish, gate) {
             // The gate waits for this chunk now (capturing this record); the
             // last chunk queued records the job event after all of them.
-            // SAFETY: live stream and event of this context.
             ck(
+                // SAFETY: live stream and event of this context.
                 unsafe { sys::cuStreamWaitEvent(je.gate, slot_event, 0) },
                 "cuStreamWaitEvent gate",
             )?;
@@ -700,8 +700,8 @@ impl Engine for CudaEngine {
             // decrement, so the record below comes after all of them.
             if p.left.fetch_sub(1, Ordering::AcqRel) == 1 {
                 let k = je.next.fetch_add(1, Ordering::Relaxed) as usize % je.events.len();
-                // SAFETY: as above.
                 ck(
+                    // SAFETY: live event and stream of this context.
                     unsafe { sys::cuEventRecord(je.events[k], je.gate) },
                     "cuEventRecord job event",
                 )?;

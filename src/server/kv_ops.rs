@@ -161,7 +161,7 @@ impl KvState {
 
 /// Copies the counters into the segment header for observers.
 pub fn publish(shared: &Shared, stats: &StatsReply) {
-    let words: [u64; crate::layout::CACHE_STATS_WORDS] = bytemuck::cast(*stats);
+    let words: [u64; crate::shm::CACHE_STATS_WORDS] = bytemuck::cast(*stats);
     for (a, w) in shared.seg.mapping.header().cache_stats.iter().zip(words) {
         // Observers only: Relaxed.
         a.store(w, Ordering::Relaxed);
@@ -262,17 +262,17 @@ fn request_event(
     flags: u32,
     event: [u8; 64],
 ) -> Result<(Option<[u8; 64]>, bool), Status> {
-    use crate::proto::kv::{FLAG_EVENT, FLAG_PUBLISH_EVENT};
-    if flags & !(FLAG_EVENT | FLAG_PUBLISH_EVENT) != 0 {
+    use crate::proto::kv::KvFlags;
+    let Some(flags) = KvFlags::from_bits(flags) else {
         return Err(Status::InvalidArgument);
-    }
+    };
     // Host memory has no device stream to order against.
-    if flags != 0 && kv.copier.backend.code() != 2 {
+    if !flags.is_empty() && kv.copier.backend.code() != 2 {
         return Err(Status::InvalidArgument);
     }
     Ok((
-        (flags & FLAG_EVENT != 0).then_some(event),
-        flags & FLAG_PUBLISH_EVENT != 0,
+        flags.contains(KvFlags::EVENT).then_some(event),
+        flags.contains(KvFlags::PUBLISH_EVENT),
     ))
 }
 

@@ -1,15 +1,19 @@
 //! The cache server process: owns the segment, accepts clients on the
 //! bootstrap socket, serves their rings, and reclaims what dead clients held.
 //!
-//! Two threads:
-//! * the **acceptor** ([`acceptor`]) polls the listening socket, every client
-//!   connection and every quarantined client's pidfd; it assigns and reclaims
-//!   slots and keeps the heartbeat;
-//! * the **ring loop** ([`ring_loop`]) serves every active client's request
-//!   ring; it never blocks on anything but its own doorbell, with a timeout.
+//! Two threads serve the protocol:
+//! * the **acceptor** (`acceptor.rs`, thread `kvring-accept`) polls the
+//!   listening socket, every client connection and every quarantined client's
+//!   pidfd; it assigns and reclaims slots and keeps the heartbeat;
+//! * the **ring loop** (`ring_loop.rs`, thread `kvring-rings`) serves every
+//!   active client's request ring; it never blocks on anything but its own
+//!   doorbell, with a timeout.
 //!
-//! They talk through [`Shared`]: slot attach/detach events one way, kicks (a
-//! client broke its ring) and detach acknowledgements the other.
+//! They talk through `Shared`: slot attach/detach events one way, kicks (a
+//! client broke its ring) and detach acknowledgements the other. Copies run
+//! on the copy workers (`kvring-copy-LANE.N`: per copy lane, `copy_threads`
+//! of them), and the CUDA backend pins the pool on a thread of its own
+//! (`kvring-pin`).
 
 mod acceptor;
 mod cache;
@@ -25,11 +29,11 @@ mod stream_copy;
 pub use copier::{Backend, HostBackend};
 
 use crate::error::{Error, Result};
-use crate::jobs::{FailReason, JobId, JobKind, JobTable};
-use crate::layout::{DisconnectReason, Geometry, ServerState};
+use crate::jobs::{FailReason, JobId, JobTable};
 use crate::proto::Opcode;
 use crate::rundir::{ensure_runtime_dir, ServerPaths};
 use crate::segment::ServerSegment;
+use crate::shm::{DisconnectReason, Geometry, ServerState};
 use crate::wait::{Parking, WaitPolicy};
 use std::fs::File;
 use std::path::PathBuf;
@@ -66,14 +70,19 @@ pub enum BackendChoice {
     Cuda,
 }
 
+/// A backend name that is not `auto`, `host` or `cuda`.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("unknown backend {0:?} (auto, host or cuda)")]
+pub struct UnknownBackend(pub String);
+
 impl std::str::FromStr for BackendChoice {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
+    type Err = UnknownBackend;
+    fn from_str(s: &str) -> std::result::Result<Self, UnknownBackend> {
         match s {
             "auto" => Ok(BackendChoice::Auto),
             "host" => Ok(BackendChoice::Host),
             "cuda" => Ok(BackendChoice::Cuda),
-            o => Err(format!("unknown backend {o:?} (auto, host or cuda)")),
+            o => Err(UnknownBackend(o.to_string())),
         }
     }
 }
@@ -143,47 +152,55 @@ pub fn simulated_device_uuid(index: u32) -> [u8; 16] {
     u
 }
 
+/// A [`KvConfig`] setting out of its bounds.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum KvConfigError {
+    #[error("{0} simulated devices: at most {MAX_SIMULATED_DEVICES}")]
+    SimulatedDevices(u32),
+    #[error("chunk size {0} tokens: must be 1..=1048576")]
+    ChunkTokens(u32),
+    #[error("pool of {0} bytes: must be at least 1 MiB")]
+    PoolBytes(u64),
+    #[error("{0} copy threads: must be 1..=256")]
+    CopyThreads(u32),
+    #[error("max request of {0} bytes: must be 4096..=1073741824")]
+    MaxRequestBytes(u32),
+    #[error("lease TTL must be positive")]
+    LeaseTtl,
+    #[error("watermarks {low} (low) and {high} (high): need 0 < low <= high <= 1")]
+    Watermarks { low: f64, high: f64 },
+}
+
 impl KvConfig {
-    /// Checks the settings; the message names the one that is wrong.
-    pub fn validate(&self) -> std::result::Result<(), String> {
+    /// Checks the settings; the error names the one that is wrong.
+    pub fn validate(&self) -> std::result::Result<(), KvConfigError> {
         if self.simulated_devices > MAX_SIMULATED_DEVICES {
-            return Err(format!(
-                "{} simulated devices: at most {MAX_SIMULATED_DEVICES}",
-                self.simulated_devices
-            ));
+            return Err(KvConfigError::SimulatedDevices(self.simulated_devices));
         }
         if self.chunk_tokens == 0 || self.chunk_tokens > 1 << 20 {
-            return Err(format!(
-                "chunk size {} tokens: must be 1..=1048576",
-                self.chunk_tokens
-            ));
+            return Err(KvConfigError::ChunkTokens(self.chunk_tokens));
         }
         if self.pool_bytes < 1 << 20 {
-            return Err(format!(
-                "pool of {} bytes: must be at least 1 MiB",
-                self.pool_bytes
-            ));
+            return Err(KvConfigError::PoolBytes(self.pool_bytes));
         }
         if let Some(n) = self.copy_threads.filter(|&n| n == 0 || n > 256) {
-            return Err(format!("{n} copy threads: must be 1..=256"));
+            return Err(KvConfigError::CopyThreads(n));
         }
         if self.max_request_bytes < 4096 || self.max_request_bytes > 1 << 30 {
-            return Err(format!(
-                "max request of {} bytes: must be 4096..=1073741824",
-                self.max_request_bytes
-            ));
+            return Err(KvConfigError::MaxRequestBytes(self.max_request_bytes));
         }
         if self.lease_ttl.is_zero() {
-            return Err("lease TTL must be positive".into());
+            return Err(KvConfigError::LeaseTtl);
         }
         if !(0.0 < self.low_watermark
             && self.low_watermark <= self.high_watermark
             && self.high_watermark <= 1.0)
         {
-            return Err(format!(
-                "watermarks {} (low) and {} (high): need 0 < low <= high <= 1",
-                self.low_watermark, self.high_watermark
-            ));
+            return Err(KvConfigError::Watermarks {
+                low: self.low_watermark,
+                high: self.high_watermark,
+            });
         }
         Ok(())
     }
@@ -274,13 +291,7 @@ impl Shared {
             h.jobs_failed.fetch_add(1, Ordering::Relaxed);
         }
         if let Some((kind, submitted, finished)) = self.jobs.timing(id) {
-            let op = match kind {
-                JobKind::Delay => Opcode::DelayJob,
-                JobKind::Lookup => Opcode::Lookup,
-                JobKind::Store => Opcode::Store,
-                JobKind::Retrieve => Opcode::Retrieve,
-            };
-            let st = &h.op_stats[crate::layout::op_index(op)];
+            let st = self.seg.mapping.op_stats().of(Opcode::of_job(kind));
             st.record(finished.saturating_sub(submitted));
             if !done {
                 st.errors.fetch_add(1, Ordering::Relaxed);
@@ -336,6 +347,7 @@ impl ServerHandle {
         h.server_state
             .store(ServerState::ShuttingDown as u32, Ordering::Relaxed);
         // The ring loop first: no job starts or is submitted after this.
+        // Release pairs with the ring loop's Acquire loads of `stop`.
         sh.stop.store(true, Ordering::Release);
         sh.wake_ring_loop();
         let mut threads = self.threads.drain(..);
@@ -358,6 +370,8 @@ impl ServerHandle {
         for owner in owners {
             sh.wake_client(owner);
         }
+        // Release pairs with the acceptor loop's Acquire load: it stops
+        // after the jobs above have ended.
         sh.stop_acceptor.store(true, Ordering::Release);
         for t in threads {
             let _ = t.join();
@@ -394,7 +408,9 @@ pub fn start(cfg: ServerConfig) -> Result<ServerHandle> {
             pid,
         });
     }
-    cfg.kv.validate().map_err(Error::Config)?;
+    cfg.kv
+        .validate()
+        .map_err(|e| Error::Config(e.to_string()))?;
     let kv = kv_ops::KvState::new(&cfg.kv, cfg.geometry.max_clients)?;
     let seg = ServerSegment::create(&paths.shm_name, cfg.geometry)?;
     let slots = seg.mapping.job_slots();

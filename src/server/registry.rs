@@ -145,7 +145,7 @@ fn map_region(fd: &OwnedFd, offset: u64, bytes: u64) -> Result<TensorMem, Refusa
             "region [{offset}, {end}) exceeds the memory object's {size} bytes"
         )));
     }
-    let page = crate::layout::PAGE as u64;
+    let page = crate::shm::PAGE as u64;
     let start = offset / page * page;
     // Populated: the page tables are built once here, not by faults in the
     // first copies.

@@ -11,10 +11,10 @@ use super::delay::DelayJobs;
 use super::kv_ops;
 use super::{RingEvent, Shared};
 use crate::jobs::{JobId, JobKind, NewJob, Released};
-use crate::layout::DisconnectReason;
 use crate::liveness::monotonic_ns;
 use crate::proto::{DelayJobRequest, Opcode, Status};
-use crate::ring::{Consumer, FrameHeader, Producer, RingError, RingPtrs, FLAG_MORE, HEADER_BYTES};
+use crate::ring::{Consumer, FrameFlags, FrameHeader, Producer, RingError, RingPtrs, HEADER_BYTES};
+use crate::shm::DisconnectReason;
 use crate::wait::{self, Parking, WaitPolicy};
 use std::borrow::Cow;
 use std::mem::size_of;
@@ -49,7 +49,7 @@ fn attach<'a>(shared: &'a Shared, slot: u32, session: u32) -> Result<RingClient<
     let cb = m.client_block(slot);
     let sc_off = m.server_client_off(slot);
     let cb_off = m.client_block_off(slot);
-    let page = crate::layout::PAGE as u64;
+    let page = crate::shm::PAGE as u64;
     let req = RingPtrs {
         head: &*sb.req_head,
         tail: &*cb.req_tail,
@@ -214,7 +214,7 @@ fn serve(
             c.stalled_on = Some(bound);
             break;
         }
-        if h.flags & FLAG_MORE != 0 {
+        if FrameFlags::from_bits_retain(h.flags).contains(FrameFlags::MORE) {
             // A piece of a request larger than one frame: gather it, answer
             // nothing until the last piece.
             let h = c.req.pop(buf)?.expect("peeked frame");
@@ -238,18 +238,7 @@ fn serve(
             || (gathered && (c.pending_op != h.opcode || whole.len() + last.len() > max_request));
         // Service time of operations that are not jobs (a job's latency is
         // recorded when it ends); PING is the client's round trip.
-        let timed = matches!(
-            op,
-            Some(
-                Opcode::ReleaseJob
-                    | Opcode::FreeLookupLocks
-                    | Opcode::EndSession
-                    | Opcode::Clear
-                    | Opcode::Stats
-                    | Opcode::GetConfig
-                    | Opcode::JobEvents
-            )
-        );
+        let timed = op.is_some_and(Opcode::timed);
         let t0 = if timed { monotonic_ns() } else { 0 };
         let status = {
             let reply = if bad || (gathered && op == Some(Opcode::Ping)) {
@@ -287,7 +276,7 @@ fn serve(
             c.pending = whole;
         }
         if let Some(o) = op {
-            let st = &shared.seg.mapping.header().op_stats[crate::layout::op_index(o)];
+            let st = shared.seg.mapping.op_stats().of(o);
             // Counters for observers only: Relaxed.
             st.count.fetch_add(1, Ordering::Relaxed);
             if status != Status::Ok {
@@ -357,6 +346,8 @@ pub(super) fn run(shared: &Shared, policy: WaitPolicy) {
                 }
             }
         }
+        // Acquire pairs with the Release store of `stop` in
+        // `ServerHandle::shutdown`.
         if shared.stop.load(Ordering::Acquire) {
             break;
         }
@@ -368,7 +359,8 @@ pub(super) fn run(shared: &Shared, policy: WaitPolicy) {
             }
             match serve(shared, &mut delays, c, &mut buf) {
                 Ok(n) => work += n,
-                Err(_) => {
+                Err(e) => {
+                    tracing::warn!(slot, error = %e, "client broke a ring invariant; disconnecting it");
                     c.broken = true;
                     shared
                         .kicks
@@ -396,6 +388,9 @@ pub(super) fn run(shared: &Shared, policy: WaitPolicy) {
             parking,
             deadline,
             || {
+                // Acquire pairs with the Release stores in `push_event` and
+                // `ServerHandle::shutdown` (the events themselves are taken
+                // under their lock).
                 if shared.events_pending.load(Ordering::Acquire)
                     || shared.stop.load(Ordering::Acquire)
                 {

@@ -246,21 +246,21 @@ pub fn run(json_out: bool, passes: usize, copy_threads: Option<u32>, devices: Op
         ck(sys::cuMemAlloc_v2(&mut dev, bytes as usize), "alloc").unwrap();
     }
     let host = Pinned::new(bytes as usize);
-    // SAFETY (both closures): the device buffer and the pinned host buffer
-    // hold `bytes` bytes.
-    let d2h = timed(stream, bytes as usize, reps, || unsafe {
-        ck(
-            sys::cuMemcpyDtoHAsync_v2(host.p as *mut c_void, dev, bytes as usize, stream),
-            "d2h",
-        )
-        .unwrap();
+    let d2h = timed(stream, bytes as usize, reps, || {
+        // SAFETY: the device buffer and the pinned host buffer hold `bytes`
+        // bytes.
+        let r = unsafe {
+            sys::cuMemcpyDtoHAsync_v2(host.p as *mut c_void, dev, bytes as usize, stream)
+        };
+        ck(r, "d2h").unwrap();
     });
-    let h2d = timed(stream, bytes as usize, reps, || unsafe {
-        ck(
-            sys::cuMemcpyHtoDAsync_v2(dev, host.p as *const c_void, bytes as usize, stream),
-            "h2d",
-        )
-        .unwrap();
+    let h2d = timed(stream, bytes as usize, reps, || {
+        // SAFETY: the device buffer and the pinned host buffer hold `bytes`
+        // bytes.
+        let r = unsafe {
+            sys::cuMemcpyHtoDAsync_v2(dev, host.p as *const c_void, bytes as usize, stream)
+        };
+        ck(r, "h2d").unwrap();
     });
     // One cuMemcpyAsync per 32 KiB piece of the cache's random blocks.
     let slab = l.slab_bytes() as usize;

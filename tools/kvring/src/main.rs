@@ -3,7 +3,7 @@
 mod demo;
 
 use clap::{Args, Parser, Subcommand};
-use kvring::layout::Geometry;
+use kvring::shm::Geometry;
 use kvring::{Client, ServerConfig};
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -6,7 +6,7 @@
 mod render;
 
 use clap::{Parser, Subcommand};
-use kvring::observe::{self, Snapshot, Thresholds};
+use kvring::inspect::{self, Snapshot, Thresholds};
 use kvring::segment::ReadOnlySegment;
 use std::process::ExitCode;
 use std::time::Duration;
@@ -90,17 +90,17 @@ fn main() -> ExitCode {
 }
 
 fn two_readings(seg: &ReadOnlySegment, th: Thresholds, gap: Duration) -> Snapshot {
-    let first = observe::snapshot(seg, th);
+    let first = inspect::snapshot(seg, th);
     std::thread::sleep(gap);
-    let mut second = observe::snapshot(seg, th);
-    observe::compare(&first, &mut second);
+    let mut second = inspect::snapshot(seg, th);
+    inspect::compare(&first, &mut second);
     second
 }
 
 fn run(cli: Cli) -> kvring::Result<()> {
     match cli.cmd {
         Cmd::List { json } => {
-            let entries = observe::list();
+            let entries = inspect::list();
             if json {
                 print_json(&serde_json::json!({ "segments": entries }));
             } else {
@@ -130,12 +130,12 @@ fn run(cli: Cli) -> kvring::Result<()> {
             json,
         } => {
             let seg = open(&name)?;
-            let snap = observe::snapshot(&seg, Thresholds::default());
-            let rows: Vec<&observe::JobRow> = snap
+            let snap = inspect::snapshot(&seg, Thresholds::default());
+            let rows: Vec<&inspect::JobRow> = snap
                 .rows
                 .iter()
                 .filter(|r| match &state {
-                    Some(s) => &r.state == s,
+                    Some(s) => r.state == s.as_str(),
                     None => all || r.state != "tombstoned",
                 })
                 .filter(|r| client.is_none_or(|c| r.owner_slot == c))

@@ -1,6 +1,6 @@
 //! Text rendering of the inspector's views, and the live `watch` screen.
 
-use kvring::observe::{self, JobRow, Rates, SegmentEntry, Snapshot, Thresholds};
+use kvring::inspect::{self, JobRow, Rates, SegmentEntry, Snapshot, Thresholds};
 use kvring::segment::ReadOnlySegment;
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
@@ -102,7 +102,7 @@ pub fn show(s: &Snapshot, rates: Option<Rates>) -> String {
             "rejected"
         );
         for c in &s.clients {
-            let ring = |r: &observe::RingView| {
+            let ring = |r: &inspect::RingView| {
                 if r.consistent {
                     format!("{}/{}", r.used, r.capacity)
                 } else {
@@ -248,7 +248,7 @@ pub fn watch(seg: &ReadOnlySegment, th: Thresholds, every: Duration) -> std::io:
     let _restore = Restore;
     let mut out = std::io::stdout();
     execute!(out, terminal::EnterAlternateScreen, cursor::Hide)?;
-    let mut prev = observe::snapshot(seg, th);
+    let mut prev = inspect::snapshot(seg, th);
     let mut next = Instant::now();
     loop {
         let wait = next.saturating_duration_since(Instant::now());
@@ -263,9 +263,9 @@ pub fn watch(seg: &ReadOnlySegment, th: Thresholds, every: Duration) -> std::io:
             continue;
         }
         next = Instant::now() + every;
-        let mut cur = observe::snapshot(seg, th);
-        observe::compare(&prev, &mut cur);
-        let rates = observe::rates(&prev, &cur);
+        let mut cur = inspect::snapshot(seg, th);
+        inspect::compare(&prev, &mut cur);
+        let rates = inspect::rates(&prev, &cur);
         let text = show(&cur, Some(rates));
         queue!(
             out,

@@ -7,18 +7,80 @@
 //! is trusted: each word is read once, impossible combinations are reported
 //! as inconsistencies, and a job slot a writer holds too long is reported
 //! busy rather than waited for.
+//!
+//! Loads are Relaxed unless they say otherwise: each word is read once and
+//! judged on its own, nothing is concluded from the order in which two words
+//! were written, so there is no store for them to pair with.
+
+mod anomalies;
+
+pub use anomalies::{compare, Anomaly, AnomalyKind, HEARTBEAT_STALE_MS};
 
 use crate::jobs::{FailReason, JobKind, JobState};
-use crate::layout::{OpStat, ServerState, SlotState, CACHE_STATS_WORDS, HIST_BUCKETS, OP_NAMES};
 use crate::liveness::{monotonic_ns, process_start_ticks, unix_ns};
 use crate::proto::kv::StatsReply;
+use crate::proto::Opcode;
 use crate::segment::ReadOnlySegment;
+use crate::shm::{
+    DisconnectReason, OpStat, ServerState, SlotState, CACHE_STATS_WORDS, HIST_BUCKETS,
+};
+use crate::wire::WireEnum;
 use serde::Serialize;
 use std::collections::BTreeMap;
-use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::Ordering::{Acquire, Relaxed};
 
-/// A heartbeat older than this (the server beats every 50 ms) is stale.
-pub const HEARTBEAT_STALE_MS: f64 = 1000.0;
+/// A wire code as read from the segment: its variant (serialized as the
+/// variant's stable name), or the text saying which code this build does not
+/// know.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(untagged)]
+pub enum Field<E: WireEnum> {
+    Known(E),
+    Unknown(String),
+}
+
+impl<E: WireEnum> Field<E> {
+    /// `decoded`, or `unknown(raw)` as the text.
+    fn read<R: Copy>(
+        raw: R,
+        decode: impl FnOnce(R) -> Option<E>,
+        unknown: impl FnOnce(R) -> String,
+    ) -> Self {
+        decode(raw).map_or_else(|| Field::Unknown(unknown(raw)), Field::Known)
+    }
+
+    /// The variant, when the code was known.
+    pub fn known(&self) -> Option<E> {
+        match self {
+            Field::Known(e) => Some(*e),
+            Field::Unknown(_) => None,
+        }
+    }
+}
+
+impl<E: WireEnum> std::fmt::Display for Field<E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Field::Known(e) => f.pad(e.wire_name()),
+            Field::Unknown(s) => f.pad(s),
+        }
+    }
+}
+
+impl<E: WireEnum> PartialEq<str> for Field<E> {
+    fn eq(&self, other: &str) -> bool {
+        match self {
+            Field::Known(e) => e.wire_name() == other,
+            Field::Unknown(s) => s == other,
+        }
+    }
+}
+
+impl<E: WireEnum> PartialEq<&str> for Field<E> {
+    fn eq(&self, other: &&str) -> bool {
+        self == *other
+    }
+}
 
 /// One kvring segment of this user, as `list` shows it.
 #[derive(Clone, Debug, Serialize)]
@@ -87,7 +149,7 @@ pub struct ServerView {
     pub uid: u32,
     /// Proven by the liveness lock (the kernel drops it at exit).
     pub alive: bool,
-    pub state: String,
+    pub state: Field<ServerState>,
     pub epoch: u64,
     pub layout_version: u32,
     pub age_s: f64,
@@ -100,8 +162,9 @@ pub struct ServerView {
     pub clients_refused: u64,
 }
 
+/// The segment's sizes, as the inspector reports them.
 #[derive(Clone, Debug, Serialize)]
-pub struct Geometry {
+pub struct SegmentGeometry {
     pub max_clients: u32,
     pub job_slots: u32,
     pub req_ring_bytes: u32,
@@ -135,7 +198,7 @@ fn ring(head: u64, tail: u64, capacity: u64) -> RingView {
 #[derive(Clone, Debug, Serialize)]
 pub struct ClientView {
     pub slot: u32,
-    pub state: String,
+    pub state: Field<SlotState>,
     pub session: u32,
     pub pid: u32,
     /// The process with this pid and start time still exists.
@@ -144,7 +207,7 @@ pub struct ClientView {
     pub requests_served: u64,
     pub requests_rejected: u64,
     pub completions_posted: u64,
-    pub disconnect_reason: String,
+    pub disconnect_reason: Field<DisconnectReason>,
     pub request_ring: RingView,
     pub completion_ring: RingView,
     pub in_flight: u32,
@@ -160,8 +223,8 @@ pub struct JobRow {
     pub generation: u64,
     /// `epoch:key`, as the client library prints it.
     pub id: String,
-    pub kind: String,
-    pub state: String,
+    pub kind: Field<JobKind>,
+    pub state: Field<JobState>,
     pub owner_slot: u32,
     pub owner_session: u32,
     pub fail_reason: Option<String>,
@@ -201,22 +264,12 @@ pub struct OpView {
     pub samples: u64,
 }
 
-#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
-pub struct Anomaly {
-    /// `server_dead`, `heartbeat_stopped`, `ring_stalled`,
-    /// `completions_unread`, `job_stuck`, `dead_client_not_reclaimed`,
-    /// `inconsistent`.
-    pub kind: &'static str,
-    pub message: String,
-    pub client_slot: Option<u32>,
-}
-
 /// Everything `show` reports.
 #[derive(Clone, Debug, Serialize)]
 pub struct Snapshot {
     pub name: String,
     pub server: ServerView,
-    pub geometry: Geometry,
+    pub geometry: SegmentGeometry,
     pub clients: Vec<ClientView>,
     pub jobs: JobsSummary,
     pub ops: Vec<OpView>,
@@ -251,7 +304,7 @@ fn percentile(hist: &[u64; HIST_BUCKETS], q: f64) -> Option<f64> {
 }
 
 fn job_row(epoch: u64, index: u32, s: &crate::jobs::slot::SlotSnapshot, now: u64) -> JobRow {
-    let st = JobState::from_u32(s.status.state);
+    let st = JobState::decode(s.status.state).ok();
     let finished = matches!(
         st,
         Some(JobState::Done | JobState::Failed | JobState::Tombstoned)
@@ -264,12 +317,10 @@ fn job_row(epoch: u64, index: u32, s: &crate::jobs::slot::SlotSnapshot, now: u64
             "{epoch}:{}",
             (s.status.generation << crate::jobs::INDEX_BITS) | u64::from(index)
         ),
-        kind: JobKind::from_u32(s.kind)
-            .map_or_else(|| format!("kind {}", s.kind), |k| k.name().to_string()),
-        state: st.map_or_else(
-            || format!("state {} (unknown)", s.status.state),
-            |s| s.name().to_string(),
-        ),
+        kind: Field::read(s.kind, JobKind::from_u32, |k| format!("kind {k}")),
+        state: Field::read(s.status.state, JobState::from_u32, |v| {
+            format!("state {v} (unknown)")
+        }),
         owner_slot: s.owner_slot,
         owner_session: s.owner_session,
         fail_reason: (s.status.fail_reason != 0)
@@ -298,32 +349,11 @@ impl Default for Thresholds {
 
 /// Reads the whole segment once.
 pub fn snapshot(seg: &ReadOnlySegment, th: Thresholds) -> Snapshot {
-    let m = &seg.mapping;
-    let info = m.info();
-    let h = m.header();
+    let info = seg.mapping.info();
     let now = monotonic_ns();
-    let alive = seg.server_alive().unwrap_or(false);
-    let state = h.server_state.load(Relaxed);
-    let server = ServerView {
-        pid: info.server_pid,
-        uid: info.server_uid,
-        alive,
-        state: ServerState::from_u32(state).map_or_else(
-            || format!("state {state} (unknown)"),
-            |s| format!("{s:?}").to_lowercase(),
-        ),
-        epoch: info.epoch,
-        layout_version: info.layout_version,
-        age_s: unix_ns().saturating_sub(info.created_unix_ns) as f64 / 1e9,
-        heartbeat_age_ms: age_ms(now, h.heartbeat_ns.load(Relaxed)),
-        ring_thread_sleeping: h.server_sleeping.load(Relaxed) != 0,
-        clients_connected: h.clients_connected.load(Relaxed),
-        clients_accepted: h.clients_accepted.load(Relaxed),
-        clients_reclaimed: h.clients_reclaimed.load(Relaxed),
-        clients_refused: h.clients_refused.load(Relaxed),
-    };
+    let server = read_server(seg, now);
     let g = info.geometry;
-    let geometry = Geometry {
+    let geometry = SegmentGeometry {
         max_clients: g.max_clients,
         job_slots: g.job_slots,
         req_ring_bytes: g.req_ring_bytes,
@@ -331,201 +361,15 @@ pub fn snapshot(seg: &ReadOnlySegment, th: Thresholds) -> Snapshot {
         max_frame_bytes: g.max_frame_bytes,
         segment_bytes: info.segment_bytes,
     };
+    let clients = read_clients(seg, now);
+    let (jobs, rows) = read_jobs(seg, now);
+    let ops = read_ops(seg);
+    let cache = read_cache(seg);
     let mut anomalies = Vec::new();
-    let mut clients = Vec::new();
-    for slot in 0..g.max_clients {
-        let sb = m.server_client(slot);
-        let raw_state = sb.state.load(Relaxed);
-        if raw_state == SlotState::Free as u32 {
-            continue;
-        }
-        let cb = m.client_block(slot);
-        let pid = sb.pid.load(Relaxed);
-        let start = sb.pid_start_ticks.load(Relaxed);
-        let proc_alive = process_start_ticks(pid).is_some_and(|t| start == 0 || t == start);
-        let reason = sb.disconnect_reason.load(Relaxed);
-        let v = ClientView {
-            slot,
-            state: SlotState::from_u32(raw_state).map_or_else(
-                || format!("state {raw_state} (unknown)"),
-                |s| format!("{s:?}").to_lowercase(),
-            ),
-            session: sb.session.load(Relaxed),
-            pid,
-            alive: proc_alive,
-            kv_instances: sb.kv_instances.load(Relaxed),
-            requests_served: sb.requests_served.load(Relaxed),
-            requests_rejected: sb.requests_rejected.load(Relaxed),
-            completions_posted: sb.completions_posted.load(Relaxed),
-            disconnect_reason: match reason {
-                0 => "none".into(),
-                1 => "goodbye".into(),
-                2 => "socket closed".into(),
-                3 => "ring corrupt".into(),
-                4 => "server shutdown".into(),
-                r => format!("reason {r} (unknown)"),
-            },
-            request_ring: ring(
-                sb.req_head.load(Relaxed),
-                cb.req_tail.load(Relaxed),
-                u64::from(g.req_ring_bytes),
-            ),
-            completion_ring: ring(
-                cb.cq_head.load(Relaxed),
-                sb.cq_tail.load(Relaxed),
-                u64::from(g.cq_ring_bytes),
-            ),
-            in_flight: cb.in_flight.load(Relaxed),
-            credits: cb.credits.load(Relaxed),
-            sleeping: cb.client_sleeping.load(Relaxed) != 0,
-            heartbeat_age_ms: age_ms(now, cb.heartbeat_ns.load(Relaxed)),
-            connected_age_s: unix_ns().saturating_sub(sb.connected_unix_ns.load(Relaxed)) as f64
-                / 1e9,
-        };
-        for (name, r) in [
-            ("request", &v.request_ring),
-            ("completion", &v.completion_ring),
-        ] {
-            if !r.consistent {
-                anomalies.push(Anomaly {
-                    kind: "inconsistent",
-                    message: format!(
-                        "slot {slot}: {name} ring head {} tail {} capacity {} cannot all be true",
-                        r.head, r.tail, r.capacity
-                    ),
-                    client_slot: Some(slot),
-                });
-            }
-        }
-        if !proc_alive && alive && raw_state != SlotState::Free as u32 {
-            anomalies.push(Anomaly {
-                kind: "dead_client_not_reclaimed",
-                message: format!(
-                    "slot {slot} ({}) still held for pid {pid}, which has exited",
-                    v.state
-                ),
-                client_slot: Some(slot),
-            });
-        }
-        clients.push(v);
-    }
-
-    // Jobs.
-    let reader = m.job_reader();
-    let mut jobs = JobsSummary {
-        submitted: h.jobs_submitted.load(Relaxed),
-        done: h.jobs_done.load(Relaxed),
-        failed: h.jobs_failed.load(Relaxed),
-        released: h.jobs_released.load(Relaxed),
-        refused: h.jobs_refused.load(Relaxed),
-        ..Default::default()
-    };
-    let mut rows = Vec::new();
-    for index in 0..g.job_slots {
-        let snap = match reader.snapshot(index) {
-            Ok(Some(s)) => s,
-            Ok(None) => continue,
-            Err(_) => {
-                jobs.busy_slots += 1;
-                continue;
-            }
-        };
-        let name = JobState::from_u32(snap.status.state)
-            .map_or_else(|| "unknown".to_string(), |s| s.name().to_string());
-        *jobs.by_state.entry(name).or_default() += 1;
-        if snap.status.generation == 0 {
-            continue;
-        }
-        let row = job_row(info.epoch, index, &snap, now);
-        let unfinished = matches!(
-            JobState::from_u32(snap.status.state),
-            Some(JobState::Pending | JobState::Running)
-        );
-        if unfinished
-            && jobs
-                .oldest_unfinished
-                .as_ref()
-                .is_none_or(|o| o.age_s < row.age_s)
-        {
-            jobs.oldest_unfinished = Some(row.clone());
-        }
-        rows.push(row);
-    }
-    if let Some(o) = &jobs.oldest_unfinished {
-        if o.age_s > th.job_age_s {
-            anomalies.push(Anomaly {
-                kind: "job_stuck",
-                message: format!(
-                    "{} job {} (slot {}) of client slot {} {} for {:.1} s",
-                    o.kind, o.id, o.index, o.owner_slot, o.state, o.age_s
-                ),
-                client_slot: Some(o.owner_slot),
-            });
-        }
-    }
-    if jobs.busy_slots > 0 {
-        anomalies.push(Anomaly {
-            kind: "inconsistent",
-            message: format!(
-                "{} job slots stayed locked by a writer past the read bound",
-                jobs.busy_slots
-            ),
-            client_slot: None,
-        });
-    }
-
-    let ops = OP_NAMES
-        .iter()
-        .zip(h.op_stats.iter())
-        .map(|(name, st)| {
-            let hist: [u64; HIST_BUCKETS] = std::array::from_fn(|i| st.hist[i].load(Relaxed));
-            OpView {
-                name,
-                count: st.count.load(Relaxed),
-                errors: st.errors.load(Relaxed),
-                p50_us: percentile(&hist, 0.5),
-                p99_us: percentile(&hist, 0.99),
-                samples: hist.iter().sum(),
-            }
-        })
-        .collect();
-    let words: [u64; CACHE_STATS_WORDS] = std::array::from_fn(|i| h.cache_stats[i].load(Relaxed));
-    let cache: StatsReply = bytemuck::cast(words);
-    if cache.pool_used_bytes > cache.pool_bytes {
-        anomalies.push(Anomaly {
-            kind: "inconsistent",
-            message: format!(
-                "pool usage {} exceeds the pool's {} bytes",
-                cache.pool_used_bytes, cache.pool_bytes
-            ),
-            client_slot: None,
-        });
-    }
-    if !alive {
-        anomalies.push(Anomaly {
-            kind: "server_dead",
-            message: format!(
-                "server pid {} is gone (its liveness lock is free): this is a post-mortem view",
-                info.server_pid
-            ),
-            client_slot: None,
-        });
-    } else if server
-        .heartbeat_age_ms
-        .is_none_or(|a| a > HEARTBEAT_STALE_MS)
-    {
-        anomalies.push(Anomaly {
-            kind: "heartbeat_stopped",
-            message: format!(
-                "server pid {} is alive but its heartbeat is {} old: wedged or stopped",
-                info.server_pid,
-                server
-                    .heartbeat_age_ms
-                    .map_or("unreadable".to_string(), |a| format!("{:.0} ms", a))
-            ),
-            client_slot: None,
-        });
-    }
+    anomalies::check_clients(&clients, server.alive, &mut anomalies);
+    anomalies::check_jobs(&jobs, th, &mut anomalies);
+    anomalies::check_cache(&cache, &mut anomalies);
+    anomalies::check_server(&server, &mut anomalies);
     Snapshot {
         name: {
             let shm = info.name.trim_start_matches('/');
@@ -545,49 +389,158 @@ pub fn snapshot(seg: &ReadOnlySegment, th: Thresholds) -> Snapshot {
     }
 }
 
-/// Adds what only two readings show: a ring whose consumer did not move
-/// while it had bytes to consume.
-pub fn compare(prev: &Snapshot, cur: &mut Snapshot) {
-    let secs = cur.taken_mono_ns.saturating_sub(prev.taken_mono_ns) as f64 / 1e9;
-    for c in cur.clients.iter() {
-        let Some(p) = prev
-            .clients
-            .iter()
-            .find(|p| p.slot == c.slot && p.session == c.session)
-        else {
-            continue;
-        };
-        if c.request_ring.used > 0
-            && p.request_ring.used > 0
-            && c.request_ring.head == p.request_ring.head
-        {
-            cur.anomalies.push(Anomaly {
-                kind: "ring_stalled",
-                message: format!(
-                    "slot {}: {} request bytes waiting and the server consumed none in {:.0} ms",
-                    c.slot,
-                    c.request_ring.used,
-                    secs * 1e3
-                ),
-                client_slot: Some(c.slot),
-            });
-        }
-        if c.completion_ring.used > 0
-            && p.completion_ring.used > 0
-            && c.completion_ring.head == p.completion_ring.head
-        {
-            cur.anomalies.push(Anomaly {
-                kind: "completions_unread",
-                message: format!(
-                    "slot {}: {} completion bytes waiting and the client read none in {:.0} ms",
-                    c.slot,
-                    c.completion_ring.used,
-                    secs * 1e3
-                ),
-                client_slot: Some(c.slot),
-            });
-        }
+/// The server's identity, state and counters.
+fn read_server(seg: &ReadOnlySegment, now: u64) -> ServerView {
+    let info = seg.mapping.info();
+    let h = seg.mapping.header();
+    ServerView {
+        pid: info.server_pid,
+        uid: info.server_uid,
+        alive: seg.server_alive().unwrap_or(false),
+        state: Field::read(
+            h.server_state.load(Relaxed),
+            |v| ServerState::decode(v).ok(),
+            |v| format!("state {v} (unknown)"),
+        ),
+        epoch: info.epoch,
+        layout_version: info.layout_version,
+        age_s: unix_ns().saturating_sub(info.created_unix_ns) as f64 / 1e9,
+        heartbeat_age_ms: age_ms(now, h.heartbeat_ns.load(Relaxed)),
+        ring_thread_sleeping: h.server_sleeping.load(Relaxed) != 0,
+        clients_connected: h.clients_connected.load(Relaxed),
+        clients_accepted: h.clients_accepted.load(Relaxed),
+        clients_reclaimed: h.clients_reclaimed.load(Relaxed),
+        clients_refused: h.clients_refused.load(Relaxed),
     }
+}
+
+/// Every occupied client slot.
+fn read_clients(seg: &ReadOnlySegment, now: u64) -> Vec<ClientView> {
+    let m = &seg.mapping;
+    let g = m.info().geometry;
+    let mut clients = Vec::new();
+    for slot in 0..g.max_clients {
+        let sb = m.server_client(slot);
+        // Acquire pairs with the acceptor's Release stores of `state`: a slot
+        // seen Active shows the occupant's identity written before it.
+        let raw_state = sb.state.load(Acquire);
+        if raw_state == SlotState::Free.raw() {
+            continue;
+        }
+        let cb = m.client_block(slot);
+        let pid = sb.pid.load(Relaxed);
+        let start = sb.pid_start_ticks.load(Relaxed);
+        let proc_alive = process_start_ticks(pid).is_some_and(|t| start == 0 || t == start);
+        clients.push(ClientView {
+            slot,
+            state: Field::read(
+                raw_state,
+                |v| SlotState::decode(v).ok(),
+                |v| format!("state {v} (unknown)"),
+            ),
+            session: sb.session.load(Relaxed),
+            pid,
+            alive: proc_alive,
+            kv_instances: sb.kv_instances.load(Relaxed),
+            requests_served: sb.requests_served.load(Relaxed),
+            requests_rejected: sb.requests_rejected.load(Relaxed),
+            completions_posted: sb.completions_posted.load(Relaxed),
+            disconnect_reason: Field::read(
+                sb.disconnect_reason.load(Relaxed),
+                |v| DisconnectReason::decode(v).ok(),
+                |v| format!("reason {v} (unknown)"),
+            ),
+            request_ring: ring(
+                sb.req_head.load(Relaxed),
+                cb.req_tail.load(Relaxed),
+                u64::from(g.req_ring_bytes),
+            ),
+            completion_ring: ring(
+                cb.cq_head.load(Relaxed),
+                sb.cq_tail.load(Relaxed),
+                u64::from(g.cq_ring_bytes),
+            ),
+            in_flight: cb.in_flight.load(Relaxed),
+            credits: cb.credits.load(Relaxed),
+            sleeping: cb.client_sleeping.load(Relaxed) != 0,
+            heartbeat_age_ms: age_ms(now, cb.heartbeat_ns.load(Relaxed)),
+            connected_age_s: unix_ns().saturating_sub(sb.connected_unix_ns.load(Relaxed)) as f64
+                / 1e9,
+        });
+    }
+    clients
+}
+
+/// The job counters, slots per state, and a row per job ever allocated.
+fn read_jobs(seg: &ReadOnlySegment, now: u64) -> (JobsSummary, Vec<JobRow>) {
+    let m = &seg.mapping;
+    let h = m.header();
+    let info = m.info();
+    let reader = m.job_reader();
+    let mut jobs = JobsSummary {
+        submitted: h.jobs_submitted.load(Relaxed),
+        done: h.jobs_done.load(Relaxed),
+        failed: h.jobs_failed.load(Relaxed),
+        released: h.jobs_released.load(Relaxed),
+        refused: h.jobs_refused.load(Relaxed),
+        ..Default::default()
+    };
+    let mut rows = Vec::new();
+    for index in 0..info.geometry.job_slots {
+        let snap = match reader.snapshot(index) {
+            Ok(Some(s)) => s,
+            Ok(None) => continue,
+            Err(_) => {
+                jobs.busy_slots += 1;
+                continue;
+            }
+        };
+        let state = JobState::from_u32(snap.status.state);
+        let name = state.map_or("unknown", JobState::name);
+        *jobs.by_state.entry(name.to_string()).or_default() += 1;
+        if snap.status.generation == 0 {
+            continue;
+        }
+        let row = job_row(info.epoch, index, &snap, now);
+        let unfinished = matches!(state, Some(JobState::Pending | JobState::Running));
+        if unfinished
+            && jobs
+                .oldest_unfinished
+                .as_ref()
+                .is_none_or(|o| o.age_s < row.age_s)
+        {
+            jobs.oldest_unfinished = Some(row.clone());
+        }
+        rows.push(row);
+    }
+    (jobs, rows)
+}
+
+/// Per operation, its counters and latency percentiles.
+fn read_ops(seg: &ReadOnlySegment) -> Vec<OpView> {
+    let stats = seg.mapping.op_stats();
+    Opcode::ALL
+        .iter()
+        .map(|&op| {
+            let st = stats.of(op);
+            let hist: [u64; HIST_BUCKETS] = std::array::from_fn(|i| st.hist[i].load(Relaxed));
+            OpView {
+                name: op.name(),
+                count: st.count.load(Relaxed),
+                errors: st.errors.load(Relaxed),
+                p50_us: percentile(&hist, 0.5),
+                p99_us: percentile(&hist, 0.99),
+                samples: hist.iter().sum(),
+            }
+        })
+        .collect()
+}
+
+/// The cache's counters, word by word.
+fn read_cache(seg: &ReadOnlySegment) -> StatsReply {
+    let h = seg.mapping.header();
+    let words: [u64; CACHE_STATS_WORDS] = std::array::from_fn(|i| h.cache_stats[i].load(Relaxed));
+    bytemuck::cast(words)
 }
 
 /// Rates between two readings (per second).

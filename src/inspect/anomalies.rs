@@ -1,0 +1,213 @@
+//! What the inspector flags: states a healthy server never shows, each with
+//! its [`AnomalyKind`].
+
+use super::{ClientView, JobsSummary, RingView, ServerView, Snapshot, Thresholds};
+use crate::proto::kv::StatsReply;
+use serde::Serialize;
+
+/// A heartbeat older than this (the server beats every 50 ms) is stale.
+pub const HEARTBEAT_STALE_MS: f64 = 1000.0;
+
+/// The kinds of anomaly (their JSON names are the snake_case variant names).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AnomalyKind {
+    /// The server's liveness lock is free: a post-mortem view.
+    ServerDead,
+    /// The server is alive but its heartbeat stopped (wedged or stopped).
+    HeartbeatStopped,
+    /// Requests waited and the server consumed none between two readings.
+    RingStalled,
+    /// Completions waited and the client read none between two readings.
+    CompletionsUnread,
+    /// A job unfinished for longer than the threshold.
+    JobStuck,
+    /// A slot still held for a process that has exited.
+    DeadClientNotReclaimed,
+    /// Words that cannot all be true at once.
+    Inconsistent,
+}
+
+impl AnomalyKind {
+    /// The JSON name.
+    pub fn name(self) -> &'static str {
+        match self {
+            AnomalyKind::ServerDead => "server_dead",
+            AnomalyKind::HeartbeatStopped => "heartbeat_stopped",
+            AnomalyKind::RingStalled => "ring_stalled",
+            AnomalyKind::CompletionsUnread => "completions_unread",
+            AnomalyKind::JobStuck => "job_stuck",
+            AnomalyKind::DeadClientNotReclaimed => "dead_client_not_reclaimed",
+            AnomalyKind::Inconsistent => "inconsistent",
+        }
+    }
+}
+
+impl std::fmt::Display for AnomalyKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.pad(self.name())
+    }
+}
+
+/// One thing the inspector flags.
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct Anomaly {
+    pub kind: AnomalyKind,
+    pub message: String,
+    pub client_slot: Option<u32>,
+}
+
+/// Rings whose words contradict each other, and slots of exited processes.
+pub(super) fn check_clients(clients: &[ClientView], server_alive: bool, out: &mut Vec<Anomaly>) {
+    for c in clients {
+        let slot = c.slot;
+        for (name, r) in [
+            ("request", &c.request_ring),
+            ("completion", &c.completion_ring),
+        ] {
+            if !r.consistent {
+                out.push(Anomaly {
+                    kind: AnomalyKind::Inconsistent,
+                    message: format!(
+                        "slot {slot}: {name} ring head {} tail {} capacity {} cannot all be true",
+                        r.head, r.tail, r.capacity
+                    ),
+                    client_slot: Some(slot),
+                });
+            }
+        }
+        // (Free slots are not listed.)
+        if !c.alive && server_alive {
+            out.push(Anomaly {
+                kind: AnomalyKind::DeadClientNotReclaimed,
+                message: format!(
+                    "slot {slot} ({}) still held for pid {}, which has exited",
+                    c.state, c.pid
+                ),
+                client_slot: Some(slot),
+            });
+        }
+    }
+}
+
+/// The oldest unfinished job past the threshold, and slots held too long.
+pub(super) fn check_jobs(jobs: &JobsSummary, th: Thresholds, out: &mut Vec<Anomaly>) {
+    if let Some(o) = &jobs.oldest_unfinished {
+        if o.age_s > th.job_age_s {
+            out.push(Anomaly {
+                kind: AnomalyKind::JobStuck,
+                message: format!(
+                    "{} job {} (slot {}) of client slot {} {} for {:.1} s",
+                    o.kind, o.id, o.index, o.owner_slot, o.state, o.age_s
+                ),
+                client_slot: Some(o.owner_slot),
+            });
+        }
+    }
+    if jobs.busy_slots > 0 {
+        out.push(Anomaly {
+            kind: AnomalyKind::Inconsistent,
+            message: format!(
+                "{} job slots stayed locked by a writer past the read bound",
+                jobs.busy_slots
+            ),
+            client_slot: None,
+        });
+    }
+}
+
+/// Cache counters that contradict each other.
+pub(super) fn check_cache(cache: &StatsReply, out: &mut Vec<Anomaly>) {
+    if cache.pool_used_bytes > cache.pool_bytes {
+        out.push(Anomaly {
+            kind: AnomalyKind::Inconsistent,
+            message: format!(
+                "pool usage {} exceeds the pool's {} bytes",
+                cache.pool_used_bytes, cache.pool_bytes
+            ),
+            client_slot: None,
+        });
+    }
+}
+
+/// A dead server, or a live one whose heartbeat stopped.
+pub(super) fn check_server(server: &ServerView, out: &mut Vec<Anomaly>) {
+    if !server.alive {
+        out.push(Anomaly {
+            kind: AnomalyKind::ServerDead,
+            message: format!(
+                "server pid {} is gone (its liveness lock is free): this is a post-mortem view",
+                server.pid
+            ),
+            client_slot: None,
+        });
+    } else if server
+        .heartbeat_age_ms
+        .is_none_or(|a| a > HEARTBEAT_STALE_MS)
+    {
+        out.push(Anomaly {
+            kind: AnomalyKind::HeartbeatStopped,
+            message: format!(
+                "server pid {} is alive but its heartbeat is {} old: wedged or stopped",
+                server.pid,
+                server
+                    .heartbeat_age_ms
+                    .map_or("unreadable".to_string(), |a| format!("{:.0} ms", a))
+            ),
+            client_slot: None,
+        });
+    }
+}
+
+/// A ring with bytes waiting in both readings whose consumer did not move.
+fn stalled(prev: &RingView, cur: &RingView) -> bool {
+    cur.used > 0 && prev.used > 0 && cur.head == prev.head
+}
+
+/// Adds what only two readings show: a ring whose consumer did not move
+/// while it had bytes to consume.
+pub fn compare(prev: &Snapshot, cur: &mut Snapshot) {
+    let secs = cur.taken_mono_ns.saturating_sub(prev.taken_mono_ns) as f64 / 1e9;
+    for c in cur.clients.iter() {
+        let Some(p) = prev
+            .clients
+            .iter()
+            .find(|p| p.slot == c.slot && p.session == c.session)
+        else {
+            continue;
+        };
+        let checks = [
+            (
+                &p.request_ring,
+                &c.request_ring,
+                AnomalyKind::RingStalled,
+                "request bytes waiting and the server",
+            ),
+            (
+                &p.completion_ring,
+                &c.completion_ring,
+                AnomalyKind::CompletionsUnread,
+                "completion bytes waiting and the client",
+            ),
+        ];
+        for (before, now, kind, what) in checks {
+            if stalled(before, now) {
+                cur.anomalies.push(Anomaly {
+                    kind,
+                    message: format!(
+                        "slot {}: {} {what} {} none in {:.0} ms",
+                        c.slot,
+                        now.used,
+                        if kind == AnomalyKind::RingStalled {
+                            "consumed"
+                        } else {
+                            "read"
+                        },
+                        secs * 1e3
+                    ),
+                    client_slot: Some(c.slot),
+                });
+            }
+        }
+    }
+}
