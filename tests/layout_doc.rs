@@ -35,10 +35,14 @@ fn doc_tables(md: &str) -> BTreeMap<String, Vec<(String, usize, usize)>> {
     out
 }
 
+/// The repository's shm_layout.md (this test belongs to tools/kvring).
+fn shm_layout_md() -> String {
+    std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shm_layout.md")).unwrap()
+}
+
 #[test]
 fn shm_layout_md_matches_the_structs() {
-    let md = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shm_layout.md"))
-        .unwrap();
+    let md = shm_layout_md();
     let doc = doc_tables(&md);
     let code = kvring::shm::doc::field_tables();
     assert!(!code.is_empty());
@@ -65,8 +69,7 @@ fn shm_layout_md_matches_the_structs() {
 
 #[test]
 fn documented_version_is_the_code_version() {
-    let md = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shm_layout.md"))
-        .unwrap();
+    let md = shm_layout_md();
     let first = md.lines().next().unwrap();
     assert!(
         first.contains(&format!("(layout version {})", kvring::shm::LAYOUT_VERSION)),
@@ -97,8 +100,7 @@ fn doc_opcodes(md: &str) -> Vec<(u16, String, String)> {
 fn opcode_table_lists_every_operation() {
     use kvring::proto::{Opcode, OPS};
     use kvring::ring::{frame_bytes, HEADER_BYTES};
-    let md =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/shm_layout.md")).unwrap();
+    let md = shm_layout_md();
     let doc = doc_opcodes(&md);
     let listed: Vec<(u16, String)> = doc.iter().map(|(c, n, _)| (*c, n.clone())).collect();
     let code: Vec<(u16, String)> = Opcode::ALL
