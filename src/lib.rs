@@ -23,8 +23,6 @@ pub mod bootstrap;
 #[cfg(not(loom))]
 pub mod client;
 #[cfg(not(loom))]
-pub mod cuda;
-#[cfg(not(loom))]
 pub mod demo;
 #[cfg(not(loom))]
 pub mod error;
@@ -33,6 +31,8 @@ pub mod futex;
 #[cfg(not(loom))]
 #[doc(hidden)]
 pub mod fuzz;
+#[cfg(all(feature = "cuda", not(loom)))]
+pub mod gpu;
 #[cfg(not(loom))]
 pub mod kv;
 #[cfg(not(loom))]
