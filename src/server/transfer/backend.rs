@@ -139,3 +139,18 @@ pub trait CopyExecutor {
     /// flight).
     fn poll(&mut self, wait: bool, out: &mut Vec<(usize, Result<u64, CopyError>)>);
 }
+
+/// Why the CUDA backend could not be started.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CudaUnavailable {
+    #[cfg(feature = "cuda")]
+    #[error(transparent)]
+    Gpu(#[from] crate::gpu::GpuError),
+    #[cfg(feature = "cuda")]
+    #[error("spawn the pinning thread: {0}")]
+    Spawn(std::io::Error),
+    #[cfg(not(feature = "cuda"))]
+    #[error("this build of kvring has no CUDA support (the `cuda` feature is off)")]
+    NotBuilt,
+}

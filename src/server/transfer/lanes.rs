@@ -1,19 +1,11 @@
 //! The copy lanes: one queue per device (plus one for engines with no
 //! device), each holding per-client queues served round robin.
 
-use super::worker::JobRun;
+use super::backend::Backend;
+use super::job::Task;
 use std::collections::VecDeque;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::Duration;
-
-/// One chunk of a job.
-pub struct Task {
-    pub job: Arc<JobRun>,
-    /// Pool offset of the object.
-    pub pool_off: u64,
-    pub blocks: Vec<u32>,
-    pub skip_blocks: u32,
-}
 
 #[derive(Default)]
 struct Queues {
@@ -84,13 +76,13 @@ impl Lane {
 /// with.
 pub struct Copier {
     lanes: Vec<Lane>,
-    pub backend: Box<dyn super::Backend>,
+    pub backend: Box<dyn Backend>,
 }
 
 impl Copier {
     /// A copier with a lane for engines with no device and one per entry
     /// of `devices`.
-    pub fn new(max_clients: u32, backend: Box<dyn super::Backend>, devices: &[[u8; 16]]) -> Copier {
+    pub fn new(max_clients: u32, backend: Box<dyn Backend>, devices: &[[u8; 16]]) -> Copier {
         let lane = |uuid| Lane {
             uuid,
             q: Mutex::new(Queues {

@@ -27,31 +27,18 @@ mod backend;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod host;
+mod job;
 mod lanes;
 mod nt_copy;
 mod worker;
 
-pub use backend::{Backend, BackendKind, Dir};
+pub use backend::{Backend, BackendKind, CudaUnavailable, Dir};
 pub use host::HostBackend;
-pub use lanes::{Copier, Task};
-pub use worker::{run, JobRun};
+pub use job::{JobRun, Task};
+pub use lanes::Copier;
+pub use worker::run;
 
 use super::pool::PoolMemory;
-
-/// Why the CUDA backend could not be started.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum CudaUnavailable {
-    #[cfg(feature = "cuda")]
-    #[error(transparent)]
-    Gpu(#[from] crate::gpu::GpuError),
-    #[cfg(feature = "cuda")]
-    #[error("spawn the pinning thread: {0}")]
-    Spawn(std::io::Error),
-    #[cfg(not(feature = "cuda"))]
-    #[error("this build of kvring has no CUDA support (the `cuda` feature is off)")]
-    NotBuilt,
-}
 
 /// The CUDA backend over `pool` (zero-copy kernels with at most
 /// `zero_copy_ctas` CTAs, 0 for the staged path; `depth` chunks in flight

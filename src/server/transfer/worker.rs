@@ -1,67 +1,11 @@
 //! The copy worker loop, and how a job's chunks add up to its end.
 
 use super::backend::{ChunkCopy, ChunkOutcome, Dir, Publish};
-use crate::jobs::{FailReason, JobId, JobResult};
+use super::job::{JobRun, Task};
+use crate::jobs::{FailReason, JobResult};
 use crate::liveness::monotonic_ns;
-use crate::server::registry::Registration;
 use crate::server::Shared;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::Arc;
-
-/// A STORE or RETRIEVE job in flight.
-pub struct JobRun {
-    pub id: JobId,
-    pub owner: u32,
-    pub dir: Dir,
-    pub inst: Arc<Registration>,
-    /// Objects written (store) or held (retrieve).
-    pub objs: Vec<u32>,
-    /// The job's result words (store: present chunks and no-space chunks;
-    /// retrieve: chunk count; bytes are added as the copies finish).
-    pub value: u64,
-    pub aux: u64,
-    /// The inference engine's CUDA IPC event every chunk copy waits for.
-    pub event: Option<[u8; 64]>,
-    /// Chunks still to be queued before the job event is published (None:
-    /// no job event asked for).
-    pub publish_left: Option<AtomicU32>,
-    remaining: AtomicU32,
-    started: AtomicBool,
-    failed: AtomicBool,
-    bytes: AtomicU64,
-}
-
-impl JobRun {
-    #[allow(clippy::too_many_arguments)]
-    pub fn new(
-        id: JobId,
-        owner: u32,
-        dir: Dir,
-        inst: Arc<Registration>,
-        objs: Vec<u32>,
-        value: u64,
-        aux: u64,
-        tasks: u32,
-        event: Option<[u8; 64]>,
-        publish: bool,
-    ) -> Arc<JobRun> {
-        Arc::new(JobRun {
-            publish_left: publish.then(|| AtomicU32::new(tasks)),
-            id,
-            owner,
-            dir,
-            inst,
-            objs,
-            value,
-            aux,
-            event,
-            remaining: AtomicU32::new(tasks),
-            started: AtomicBool::new(false),
-            failed: AtomicBool::new(false),
-            bytes: AtomicU64::new(0),
-        })
-    }
-}
+use std::sync::atomic::Ordering;
 
 /// Accounts one chunk of `job`; the last one ends it.
 fn chunk_done(shared: &Shared, job: &JobRun, outcome: ChunkOutcome) {
@@ -98,7 +42,7 @@ pub fn run(shared: &Shared, lane: usize) {
         }
     };
     let depth = executor.depth().max(1);
-    let mut inflight: Vec<Option<super::Task>> = (0..depth).map(|_| None).collect();
+    let mut inflight: Vec<Option<Task>> = (0..depth).map(|_| None).collect();
     let mut busy = 0usize;
     let mut done = Vec::new();
     loop {

@@ -3,7 +3,7 @@
 //!
 //! [`DEPTH`]: super::DEPTH
 
-use super::backend::{BackendState, CudaDevice, DeviceTable};
+use super::devices::{BackendState, CudaDevice, DeviceTable};
 use super::COPY_DEADLINE;
 use crate::gpu::kernels::KvCopyArgs;
 use crate::gpu::{DeviceBuffer, Event, EventKind, IpcEventHandle, PinnedHostBuffer, Stream};

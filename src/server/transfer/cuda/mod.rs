@@ -19,8 +19,9 @@
 //! ~30 ns), never from a host callback: the deadlock of a callback needing a
 //! lock held by a thread that waits on the stream cannot happen.
 //!
-//! * [`backend`]: the devices, engines' device memory opened by IPC handle
-//!   or VMM fd, registration;
+//! * [`backend`]: the devices found at start, engines' device memory opened
+//!   by IPC handle or VMM fd at registration;
+//! * [`devices`]: what the backend and the executors share;
 //! * [`executor`]: one worker's streams and staging slots; submit and poll;
 //! * [`job_events`]: per-client interprocess events published on a gate
 //!   stream once all of a job's chunks are queued;
@@ -31,6 +32,7 @@
 //!   it.
 
 pub mod backend;
+mod devices;
 mod executor;
 mod job_events;
 mod pool_pin;
