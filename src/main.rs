@@ -99,7 +99,7 @@ enum Cmd {
         #[arg(long, default_value_t = 0)]
         cuda_zero_copy_ctas: u32,
         /// CUDA: chunks each copy worker keeps in flight per device (one
-        /// staging slot each), 1 to 8; default: the backend's (4).
+        /// staging slot each), 1 to 8; default: the CUDA backend's.
         #[arg(long, env = "KVRING_CUDA_DEPTH", value_parser = clap::value_parser!(u32).range(1..=8))]
         cuda_depth: Option<u32>,
         /// Host backend: give this many simulated devices their own copy

@@ -104,7 +104,7 @@ impl From<Result<u64, CopyError>> for ChunkOutcome {
 }
 
 /// What moves the bytes: it gives each copy worker its own executor, and
-/// opens engines' device memory at registration ([`DeviceOpener`]).
+/// opens engines' device memory at registration (`DeviceOpener`).
 pub trait Backend: DeviceOpener + Send + Sync {
     fn name(&self) -> &'static str;
     fn kind(&self) -> BackendKind;

@@ -12,12 +12,13 @@
 //!   pool object -> staging -> `kv_copy` scatters the slabs into the paged
 //!   cache -> record an event.
 //!
-//! Each worker keeps [`DEPTH`] chunks in flight per device by default (one
-//! staging slot each; `--cuda-depth`), so one chunk's transfer overlaps the
-//! next one's kernel, and several workers keep the copy engines busy. The
-//! worker learns a chunk is done by polling its event (`cuEventQuery`,
-//! ~30 ns), never from a host callback: the deadlock of a callback needing a
-//! lock held by a thread that waits on the stream cannot happen.
+//! Each worker keeps four chunks in flight per device by default
+//! ([`DEPTH`], one staging slot each; `--cuda-depth`), so one chunk's
+//! transfer overlaps the next one's kernel, and several workers keep the
+//! copy engines busy. The worker learns a chunk is done by polling its event
+//! (`cuEventQuery`, ~30 ns), never from a host callback: the deadlock of a
+//! callback needing a lock held by a thread that waits on the stream cannot
+//! happen.
 //!
 //! * [`backend`]: the devices found at start, engines' device memory opened
 //!   by IPC handle or VMM fd at registration;
