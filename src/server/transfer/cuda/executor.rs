@@ -151,33 +151,41 @@ impl DeviceQueue {
         // not touched again until the slot's event completes; `ids_dev`
         // holds `MAX_CHUNK_BLOCKS` >= n ids.
         unsafe { stream.copy_htod_async(ids, slot.ids_host.as_ptr(), n * 4) }?;
-        // Every address below stays valid until the slot's event completes:
-        // the registration's tensors and address table (the worker holds
-        // the task, which holds the registration), the pool object (pinned,
-        // allocated to this job, `obj_bytes` long), the slot's buffers
-        // (staging holds `obj_bytes`); the block ids were checked against
-        // `num_blocks` at acceptance.
+        // Every address below stays valid until the slot's event completes
+        // (recorded after them on this stream): the registration's tensors
+        // and their address table `bases` (the worker holds the task, which
+        // holds the registration), the pool object (pinned, allocated to
+        // this job for `obj_bytes` bytes; no other copy touches it until the
+        // job ends), the slot's `ids` and `staging` (`staging` holds
+        // `obj_bytes`, reused only once the slot is free again).
         match c.dir {
             // Zero-copy: the kernel reads or writes the pinned pool object
             // itself (registered device-mapped; with unified addressing its
             // device address is its host address).
             _ if zero_copy_ctas > 0 => {
-                // SAFETY: as stated above the match.
+                // SAFETY: `bases` and `ids` are live device tables of this
+                // registration and slot; the block ids are below
+                // `num_blocks` (checked at acceptance); the pool object is
+                // device-mapped and `object_bytes` long, what the kernel
+                // addresses for these `args`.
                 unsafe {
                     kernels.launch(stream, bases, ids, c.object as u64, args, zero_copy_ctas)
                 }?;
             }
             Dir::ToPool => {
-                // SAFETY: as stated above the match.
+                // SAFETY: as for the zero-copy launch, with the slot's
+                // `staging` (`obj_bytes` of device memory) as the object.
                 unsafe { kernels.launch(stream, bases, ids, staging, args, 0) }?;
-                // SAFETY: staging holds `obj_bytes`, the pinned object as
-                // many; nothing else touches the object until the job ends.
+                // SAFETY: `staging` holds `obj_bytes` device bytes, the
+                // pinned pool object as many host bytes.
                 unsafe { stream.copy_dtoh_async(c.object, staging, obj_bytes as usize) }?;
             }
             Dir::FromPool => {
-                // SAFETY: as for the store, the other way.
+                // SAFETY: the pinned pool object holds `obj_bytes` host
+                // bytes, `staging` as many device bytes.
                 unsafe { stream.copy_htod_async(staging, c.object, obj_bytes as usize) }?;
-                // SAFETY: as stated above the match.
+                // SAFETY: as for the zero-copy launch, with the slot's
+                // `staging` (`obj_bytes` of device memory) as the object.
                 unsafe { kernels.launch(stream, bases, ids, staging, args, 0) }?;
             }
         }

@@ -100,7 +100,9 @@ fn concurrent_ceiling(ndev: usize, bytes: usize, reps: usize, d2h: bool) -> (Vec
                             // outlive the synchronize below.
                             unsafe { stream.copy_dtoh_async(host.p, dev.ptr(), bytes) }.unwrap();
                         } else {
-                            // SAFETY: as above.
+                            // SAFETY: the device buffer and the pinned host
+                            // buffer hold `bytes` bytes each and outlive the
+                            // synchronize below.
                             unsafe { stream.copy_htod_async(dev.ptr(), host.p, bytes) }.unwrap();
                         }
                         stream.synchronize().unwrap();
