@@ -323,7 +323,7 @@ impl Registry {
         ids.len()
     }
 
-    /// Instance `id` if client `slot`/`session` owns it.
+    /// Registration `id` if client `slot`/`session` owns it.
     pub fn get(&self, slot: u32, session: u32, id: u32) -> Option<Arc<Registration>> {
         self.instances
             .get(&id)
