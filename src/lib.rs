@@ -25,7 +25,6 @@ pub mod bootstrap;
 #[cfg(not(loom))]
 pub mod client;
 #[cfg(not(loom))]
-pub mod cuda;
 #[cfg(not(loom))]
 pub mod error;
 #[cfg(not(loom))]
@@ -33,6 +32,8 @@ pub mod futex;
 #[cfg(all(not(loom), feature = "fuzzing"))]
 #[doc(hidden)]
 pub mod fuzz;
+#[cfg(all(feature = "cuda", not(loom)))]
+pub mod gpu;
 #[cfg(not(loom))]
 pub mod inspect;
 #[cfg(not(loom))]

@@ -6,12 +6,14 @@
 //! transfers run next to a stream of telemetry (STATS and the inspector)
 //! under a watchdog.
 //!
-//! Without a usable GPU (CI) every test prints why and returns.
+//! Without a usable GPU (CI) every test prints why and returns; without the
+//! `cuda` feature there is nothing to test.
+#![cfg(feature = "cuda")]
 
 mod common;
 
 use common::*;
-use kvring::cuda::engine_cache::{CudaKvCache, EngineStream, Export, IpcEvent};
+use kvring::client::cuda_cache::{CudaKvCache, EngineStream, Export, IpcEvent};
 use kvring::jobs::{JobId, JobResult, JobStatus};
 use kvring::kv::pattern::{self, Slabs};
 use kvring::kv::{chunk_hashes, model_id, ChunkHash, KvLayout, KvLayoutKind};
@@ -21,7 +23,7 @@ use std::time::{Duration, Instant};
 const CHUNK: u32 = 64;
 
 fn gpu() -> bool {
-    match kvring::cuda::probe() {
+    match kvring::gpu::probe() {
         Ok(d) => {
             eprintln!("GPU: {} ({} devices)", d[0].name, d.len());
             true
@@ -388,7 +390,7 @@ fn the_engines_stream_waits_for_a_retrieve_through_the_published_job_event() {
     let mirror = CudaKvCache::new(l, CHUNK, 0, Export::Ipc).unwrap();
     mirror.fill(0).unwrap();
     let dinst = c.register_cuda_cache(model_id("pub"), 1, 0, &dst).unwrap();
-    let events = kvring::cuda::engine_cache::ServerEvents::open(
+    let events = kvring::client::cuda_cache::ServerEvents::open(
         &dst,
         &c.job_events(dst.device_uuid()).unwrap(),
     )
@@ -483,7 +485,7 @@ fn two_engine_processes_on_two_gpus_store_and_retrieve_concurrently() {
         rank_main(&role, &name, &dir);
         return;
     }
-    let n = match kvring::cuda::probe() {
+    let n = match kvring::gpu::probe() {
         Ok(d) => d.len(),
         Err(e) => {
             eprintln!("skipped: no usable GPU: {e}");

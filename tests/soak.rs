@@ -70,8 +70,8 @@ impl Caches for HostCaches {
 }
 
 struct GpuCaches(
-    kvring::cuda::engine_cache::CudaKvCache,
-    kvring::cuda::engine_cache::CudaKvCache,
+    kvring::client::cuda_cache::CudaKvCache,
+    kvring::client::cuda_cache::CudaKvCache,
 );
 
 impl Caches for GpuCaches {
@@ -233,7 +233,7 @@ fn many_engines_at_full_rate_with_telemetry() {
     let secs = env_u64("KVRING_SOAK_SECS", 5);
     let clients = env_u64("KVRING_SOAK_CLIENTS", 32);
     let cuda = match std::env::var("KVRING_SOAK_BACKEND").as_deref() {
-        Ok("cuda") => match kvring::cuda::probe() {
+        Ok("cuda") => match kvring::gpu::probe() {
             Ok(_) => true,
             Err(e) => {
                 eprintln!("skipped: no usable GPU: {e}");
@@ -259,7 +259,7 @@ fn many_engines_at_full_rate_with_telemetry() {
     let caches: Vec<Box<dyn Caches>> = (0..clients)
         .map(|_| -> Box<dyn Caches> {
             if cuda {
-                use kvring::cuda::engine_cache::{CudaKvCache, Export};
+                use kvring::client::cuda_cache::{CudaKvCache, Export};
                 Box::new(GpuCaches(
                     CudaKvCache::new(small_layout(), CHUNK, 0, Export::Ipc).unwrap(),
                     CudaKvCache::new(small_layout(), CHUNK, 0, Export::Ipc).unwrap(),

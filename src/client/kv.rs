@@ -158,13 +158,14 @@ impl Client {
         )
     }
 
-    /// Registers a `CudaKvCache` (see `kvring::cuda::engine_cache`).
+    /// Registers a `CudaKvCache` (see `kvring::client::cuda_cache`).
+    #[cfg(feature = "cuda")]
     pub fn register_cuda_cache(
         &mut self,
         model_id: u64,
         world_size: u32,
         rank: u32,
-        cache: &crate::cuda::engine_cache::CudaKvCache,
+        cache: &crate::client::cuda_cache::CudaKvCache,
     ) -> Result<Instance> {
         let spec = KvSpec {
             model_id,
@@ -174,8 +175,8 @@ impl Client {
         };
         let fds: Vec<BorrowedFd<'_>> = cache.fd().into_iter().collect();
         let kind = match cache.export() {
-            crate::cuda::engine_cache::Export::Ipc => MemKind::CudaIpc,
-            crate::cuda::engine_cache::Export::VmmFd => MemKind::CudaVmmFd,
+            crate::client::cuda_cache::Export::Ipc => MemKind::CudaIpc,
+            crate::client::cuda_cache::Export::VmmFd => MemKind::CudaVmmFd,
         };
         self.register_device_kv(&spec, kind, cache.device_uuid(), &cache.regions(), &fds)
     }
@@ -469,7 +470,7 @@ impl Client {
     }
 
     /// The handles of this client's job events on device `uuid` (open them
-    /// with `kvring::cuda::engine_cache::ServerEvents`).
+    /// with `kvring::client::cuda_cache::ServerEvents`).
     pub fn job_events(&mut self, uuid: [u8; 16]) -> Result<Vec<[u8; 64]>> {
         let r = self.call(Opcode::JobEvents, &uuid, self.opts.call_timeout)?;
         if r.len() != crate::proto::kv::JOB_EVENTS * 64 {

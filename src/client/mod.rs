@@ -12,6 +12,7 @@
 //! client's ring in order and answers every request it serves at once); the
 //! library checks this and treats anything else as a protocol error.
 
+pub mod cuda_cache;
 mod host_cache;
 mod jobs;
 mod kv;

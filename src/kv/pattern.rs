@@ -26,20 +26,6 @@ impl Slabs for HostKvCache {
     }
 }
 
-impl Slabs for crate::cuda::engine_cache::CudaKvCache {
-    fn slab_layout(&self) -> &KvLayout {
-        self.layout()
-    }
-    fn put_slab(&self, layer: u32, part: u32, block: u32, bytes: &[u8]) {
-        self.write_slab(layer, part, block, bytes)
-            .expect("write a slab to the device")
-    }
-    fn get_slab(&self, layer: u32, part: u32, block: u32, out: &mut [u8]) {
-        self.read_slab(layer, part, block, out)
-            .expect("read a slab from the device")
-    }
-}
-
 fn splitmix(x: &mut u64) -> u64 {
     *x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
     let mut z = *x;

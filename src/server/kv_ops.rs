@@ -4,9 +4,9 @@
 //! become jobs whose chunk copies run on the copy workers.
 
 use super::cache::{Cache, LeaseError, LeaseMeta, ObjectKey};
-use super::copier::{Copier, Dir, JobRun, Task};
 use super::pool::PoolMemory;
-use super::registry::{Instance, Registry};
+use super::registry::{Registration, Registry};
+use super::transfer::{BackendKind, Copier, Dir, JobRun, Task};
 use super::Shared;
 use crate::jobs::{JobId, JobKind, JobResult, NewJob};
 use crate::kv::ChunkHash;
@@ -47,7 +47,7 @@ impl KvState {
         let pool = PoolMemory::new(cfg.pool_bytes, cfg.prefault).map_err(crate::error::io(
             format!("allocate a pool of {} bytes", cfg.pool_bytes),
         ))?;
-        let (backend, backend_note, segment): (Box<dyn super::copier::Backend>, String, u64) =
+        let (backend, backend_note, segment): (Box<dyn super::transfer::Backend>, String, u64) =
             match cfg.backend {
                 BackendChoice::Host => (
                     Box::new(super::HostBackend),
@@ -55,11 +55,9 @@ impl KvState {
                     u64::MAX,
                 ),
                 choice => {
-                    match super::cuda_backend::CudaBackend::new(&pool, cfg.cuda_zero_copy_ctas) {
-                        Ok(b) => {
-                            let note = format!("cuda: {}", b.summary);
-                            (Box::new(b), note, super::cuda_backend::PIN_SEGMENT)
-                        }
+                    match super::transfer::open_cuda(&pool, cfg.cuda_zero_copy_ctas, cfg.cuda_depth)
+                    {
+                        Ok(b) => b,
                         Err(e) if choice == BackendChoice::Auto => (
                             Box::new(super::HostBackend),
                             format!("host (CUDA not used: {e})"),
@@ -69,7 +67,7 @@ impl KvState {
                     }
                 }
             };
-        let devices = if backend.code() == 2 {
+        let devices = if backend.kind() == BackendKind::Cuda {
             if cfg.simulated_devices > 0 {
                 return Err(crate::Error::Config(
                     "--simulated-devices is for the host backend (this server copies with CUDA)"
@@ -87,12 +85,14 @@ impl KvState {
             chunk_tokens: cfg.chunk_tokens,
             lease_ttl: cfg.lease_ttl,
             max_request_bytes: cfg.max_request_bytes,
-            copy_threads: cfg.copy_threads.unwrap_or(if backend.code() == 2 {
-                4
-            } else {
-                let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as u32;
-                (cores / 2).clamp(1, 8)
-            }),
+            copy_threads: cfg
+                .copy_threads
+                .unwrap_or(if backend.kind() == BackendKind::Cuda {
+                    4
+                } else {
+                    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as u32;
+                    (cores / 2).clamp(1, 8)
+                }),
             registry: Mutex::new(Registry::default()),
             instances: AtomicU64::new(0),
             cache: Mutex::new(Cache::new(
@@ -267,7 +267,7 @@ fn request_event(
         return Err(Status::InvalidArgument);
     };
     // Host memory has no device stream to order against.
-    if !flags.is_empty() && kv.copier.backend.code() != 2 {
+    if !flags.is_empty() && kv.copier.backend.kind() != BackendKind::Cuda {
         return Err(Status::InvalidArgument);
     }
     Ok((
@@ -278,7 +278,7 @@ fn request_event(
 
 /// An instance, the engine event to wait for, and whether to publish a job
 /// event.
-type CallerInstance = (Arc<Instance>, Option<[u8; 64]>, bool);
+type CallerInstance = (Arc<Registration>, Option<[u8; 64]>, bool);
 
 /// The caller's instance `id`, with the request's engine event and whether
 /// it asks for a job event (which only device memory can give).
@@ -518,7 +518,7 @@ pub fn config(shared: &Shared, req: &[u8]) -> Outcome {
         pool_bytes: kv.pool.len(),
         max_request_bytes: kv.max_request_bytes,
         lease_ttl_ms: kv.lease_ttl.as_millis().min(u128::from(u32::MAX)) as u32,
-        backend: kv.copier.backend.code(),
+        backend: kv.copier.backend.kind().code(),
         _reserved: 0,
     })
     .to_vec())

@@ -17,16 +17,14 @@
 
 mod acceptor;
 mod cache;
-mod copier;
-mod cuda_backend;
 mod delay;
 mod kv_ops;
 mod pool;
 pub(crate) mod registry;
 mod ring_loop;
-mod stream_copy;
+mod transfer;
 
-pub use copier::{Backend, HostBackend};
+pub use transfer::{Backend, BackendKind, HostBackend};
 
 use crate::error::{Error, Result};
 use crate::jobs::{FailReason, JobId, JobTable};
@@ -98,8 +96,9 @@ pub struct KvConfig {
     pub prefault: bool,
     /// Copy worker threads per copy lane (one lane for engines with no
     /// device, one per device); `None`: half the CPUs (1 to 8) on the host
-    /// backend, 4 on the CUDA backend (four workers with four chunks in
-    /// flight each keep the copy engines fed; more only contend for them).
+    /// backend, 4 on the CUDA backend (four workers, each with
+    /// `cuda_depth` chunks in flight, keep the copy engines fed; more only
+    /// contend for them).
     pub copy_threads: Option<u32>,
     /// Largest request (all frames of it together).
     pub max_request_bytes: u32,
@@ -112,6 +111,9 @@ pub struct KvConfig {
     /// move the bytes between GPU memory and the pinned pool themselves,
     /// with at most N CTAs.
     pub cuda_zero_copy_ctas: u32,
+    /// CUDA: chunks each copy worker keeps in flight per device (one
+    /// staging slot each), 1..=8; `None`: the CUDA backend's default.
+    pub cuda_depth: Option<u32>,
     /// Host backend: copy lanes for this many simulated devices (engines
     /// name one with [`simulated_device_uuid`]), scheduled as a CUDA server
     /// schedules its GPUs; 0: none.
@@ -133,6 +135,7 @@ impl Default for KvConfig {
             lease_ttl: Duration::from_secs(300),
             backend: BackendChoice::Auto,
             cuda_zero_copy_ctas: 0,
+            cuda_depth: None,
             simulated_devices: 0,
             high_watermark: 0.9,
             low_watermark: 0.8,
@@ -162,6 +165,8 @@ pub enum KvConfigError {
     ChunkTokens(u32),
     #[error("pool of {0} bytes: must be at least 1 MiB")]
     PoolBytes(u64),
+    #[error("CUDA depth {0}: must be 1..=8")]
+    CudaDepth(u32),
     #[error("{0} copy threads: must be 1..=256")]
     CopyThreads(u32),
     #[error("max request of {0} bytes: must be 4096..=1073741824")]
@@ -183,6 +188,9 @@ impl KvConfig {
         }
         if self.pool_bytes < 1 << 20 {
             return Err(KvConfigError::PoolBytes(self.pool_bytes));
+        }
+        if let Some(d) = self.cuda_depth.filter(|&d| d == 0 || d > 8) {
+            return Err(KvConfigError::CudaDepth(d));
         }
         if let Some(n) = self.copy_threads.filter(|&n| n == 0 || n > 256) {
             return Err(KvConfigError::CopyThreads(n));
@@ -472,7 +480,7 @@ pub fn start(cfg: ServerConfig) -> Result<ServerHandle> {
             workers.push(
                 std::thread::Builder::new()
                     .name(format!("kvring-copy-{lane}.{i}"))
-                    .spawn(move || copier::run(&shared, lane))
+                    .spawn(move || transfer::run(&shared, lane))
                     .map_err(crate::error::io("spawn copy worker"))?,
             );
         }

@@ -1,14 +1,19 @@
-//! Registered engine instances: each a KV cache whose memory the server has
-//! mapped once (host backend: sealed memfds received over the bootstrap
-//! socket), with its layout, model, world size and rank.
+//! Registrations: each an engine's KV cache whose memory the server has
+//! mapped once (host memory: sealed memfds received over the bootstrap
+//! socket; device memory: opened by the copy backend through
+//! [`DeviceOpener`]), with its layout, model, world size and rank.
 //!
-//! An instance is shared (`Arc`) with the copy tasks that use it, so its
+//! A registration is shared (`Arc`) with the copy tasks that use it, so its
 //! mappings outlive an unregister or the client's death until the last copy
 //! that reads them has finished.
+//!
+//! This module knows no copy backend: the backend implements
+//! [`DeviceOpener`], and what it opens is kept here opaque.
 
 use crate::kv::KvLayout;
-use crate::proto::kv::{MemKind, RegisterKv, TensorRegion};
+use crate::proto::kv::{CudaRegion, MemKind, RegisterKv, TensorRegion};
 use memmap2::{MmapOptions, MmapRaw};
+use std::any::Any;
 use std::collections::HashMap;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::Arc;
@@ -19,38 +24,38 @@ pub const MAX_WORLD_SIZE: u32 = 4096;
 /// Rank tag of objects every rank shares (MLA).
 pub const SHARED_RANK: u32 = 0xffff;
 
-/// One mapped tensor.
-pub struct TensorMem {
+/// One tensor in host memory, mapped into the server.
+pub struct HostTensor {
     _map: MmapRaw,
     ptr: *mut u8,
     bytes: u64,
 }
 
-/// Where one registered tensor lives, as the server reaches it.
-pub enum Tensor {
-    /// Host memory mapped into the server.
-    Host(TensorMem),
-    /// Device memory opened in the server's context of that device.
-    Device(#[allow(dead_code)] crate::cuda::DeviceTensor),
-}
-
-impl Tensor {
-    /// The host mapping, if this is host memory.
-    pub fn host(&self) -> Option<&TensorMem> {
-        match self {
-            Tensor::Host(t) => Some(t),
-            Tensor::Device(_) => None,
-        }
-    }
-}
-
 // SAFETY: the mapping is owned here and only accessed through raw pointers
 // by copy code that stays in bounds (`bytes`).
-unsafe impl Send for TensorMem {}
-// SAFETY: as above.
-unsafe impl Sync for TensorMem {}
+unsafe impl Send for HostTensor {}
+// SAFETY: `&HostTensor` gives only the address and size.
+unsafe impl Sync for HostTensor {}
 
-impl TensorMem {
+/// What the copy backend opened for a registration in device memory (its
+/// device, the tensors' memory and address table), kept until the
+/// registration goes; only the backend that made it looks inside.
+pub type DeviceMemory = Box<dyn Any + Send + Sync>;
+
+/// Opens the device memory a registration names (the copy backend).
+pub trait DeviceOpener {
+    /// Opens the device memory of registration `req` of client `slot`:
+    /// `regions` as sent, `fds` the descriptors that came with it.
+    fn open_device(
+        &self,
+        slot: u32,
+        req: &RegisterKv,
+        regions: &[CudaRegion],
+        fds: &[OwnedFd],
+    ) -> Result<DeviceMemory, Refusal>;
+}
+
+impl HostTensor {
     pub fn ptr(&self) -> *mut u8 {
         self.ptr
     }
@@ -60,7 +65,7 @@ impl TensorMem {
 }
 
 /// A registered KV cache.
-pub struct Instance {
+pub struct Registration {
     pub id: u32,
     pub owner_slot: u32,
     pub owner_session: u32,
@@ -69,15 +74,16 @@ pub struct Instance {
     pub rank: u32,
     pub layout: KvLayout,
     pub fingerprint: u64,
-    pub tensors: Vec<Tensor>,
-    /// For device memory: the device and the tensor address table there.
-    pub device: Option<super::cuda_backend::InstanceDevice>,
+    /// Host memory: the tensors' mappings (empty for device memory).
+    pub tensors: Vec<HostTensor>,
+    /// Device memory: what the copy backend opened.
+    pub device: Option<DeviceMemory>,
     /// The device the registration named ([0; 16]: none): its copies go
     /// to that device's copy lane.
     pub device_uuid: [u8; 16],
 }
 
-impl Instance {
+impl Registration {
     /// Whether every rank shares one object per chunk (MLA).
     pub fn shared_objects(&self) -> bool {
         self.layout.parts() == 1
@@ -114,7 +120,7 @@ pub struct Group {
 #[derive(Default)]
 pub struct Registry {
     next_id: u32,
-    instances: HashMap<u32, Arc<Instance>>,
+    instances: HashMap<u32, Arc<Registration>>,
     groups: HashMap<(u64, u32), Group>,
 }
 
@@ -127,7 +133,7 @@ fn bad(text: impl Into<String>) -> Refusal {
 
 /// Maps `bytes` at `offset` of a sealed memfd, after checking the seal and
 /// the size, so the mapping can never fault (the engine cannot shrink it).
-fn map_region(fd: &OwnedFd, offset: u64, bytes: u64) -> Result<TensorMem, Refusal> {
+fn map_region(fd: &OwnedFd, offset: u64, bytes: u64) -> Result<HostTensor, Refusal> {
     // SAFETY: F_GET_SEALS only reads the descriptor's seal set.
     let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
     if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
@@ -157,7 +163,7 @@ fn map_region(fd: &OwnedFd, offset: u64, bytes: u64) -> Result<TensorMem, Refusa
         .map_err(|e| bad(format!("mmap: {e}")))?;
     // SAFETY: `offset - start` < one page, inside the mapping.
     let ptr = unsafe { map.as_mut_ptr().add((offset - start) as usize) };
-    Ok(TensorMem {
+    Ok(HostTensor {
         _map: map,
         ptr,
         bytes,
@@ -165,7 +171,8 @@ fn map_region(fd: &OwnedFd, offset: u64, bytes: u64) -> Result<TensorMem, Refusa
 }
 
 impl Registry {
-    /// Registers an instance for client `slot`/`session`.
+    /// Registers a KV cache for client `slot`/`session`; `backend` opens
+    /// device memory.
     #[allow(clippy::too_many_arguments)]
     pub fn register(
         &mut self,
@@ -175,8 +182,8 @@ impl Registry {
         req: &RegisterKv,
         table: &[u8],
         fds: &[OwnedFd],
-        backend: &dyn super::copier::Backend,
-    ) -> Result<Arc<Instance>, Refusal> {
+        backend: &(impl DeviceOpener + ?Sized),
+    ) -> Result<Arc<Registration>, Refusal> {
         let host = req.mem_kind == MemKind::HostFd as u32;
         let device =
             req.mem_kind == MemKind::CudaIpc as u32 || req.mem_kind == MemKind::CudaVmmFd as u32;
@@ -186,7 +193,7 @@ impl Registry {
         let region_bytes = if host {
             std::mem::size_of::<TensorRegion>()
         } else {
-            std::mem::size_of::<crate::proto::kv::CudaRegion>()
+            std::mem::size_of::<CudaRegion>()
         };
         if table.len() != req.n_tensors as usize * region_bytes {
             return Err((
@@ -233,25 +240,27 @@ impl Registry {
                         fds.len()
                     ))
                 })?;
-                tensors.push(Tensor::Host(
+                tensors.push(
                     map_region(fd, r.offset, layout.tensor_bytes())
                         .map_err(|(s, t)| (s, format!("tensor {i}: {t}")))?,
-                ));
+                );
             }
             (tensors, None)
         } else {
-            let regions: Vec<crate::proto::kv::CudaRegion> = table
+            let regions: Vec<CudaRegion> = table
                 .chunks_exact(region_bytes)
                 .map(bytemuck::pod_read_unaligned)
                 .collect();
-            let (t, d) = backend.open_device(slot, req, &regions, fds)?;
-            (t, Some(d))
+            (
+                Vec::new(),
+                Some(backend.open_device(slot, req, &regions, fds)?),
+            )
         };
         self.next_id = self.next_id.wrapping_add(1).max(1);
         while self.instances.contains_key(&self.next_id) {
             self.next_id = self.next_id.wrapping_add(1).max(1);
         }
-        let inst = Arc::new(Instance {
+        let inst = Arc::new(Registration {
             id: self.next_id,
             owner_slot: slot,
             owner_session: session,
@@ -314,8 +323,8 @@ impl Registry {
         ids.len()
     }
 
-    /// Instance `id` if client `slot`/`session` owns it.
-    pub fn get(&self, slot: u32, session: u32, id: u32) -> Option<Arc<Instance>> {
+    /// Registration `id` if client `slot`/`session` owns it.
+    pub fn get(&self, slot: u32, session: u32, id: u32) -> Option<Arc<Registration>> {
         self.instances
             .get(&id)
             .filter(|i| i.owner_slot == slot && i.owner_session == session)

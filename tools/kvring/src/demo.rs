@@ -473,26 +473,34 @@ pub fn worker(name: &str, dir: &Path, rank: u32) -> Result<()> {
 /// A worker's KV cache: in GPU memory when the machine has one, else host.
 enum EngineCache {
     Host(HostKvCache),
-    Cuda(kvring::cuda::engine_cache::CudaKvCache),
+    #[cfg(feature = "cuda")]
+    Cuda(kvring::client::cuda_cache::CudaKvCache),
 }
 
 impl EngineCache {
     fn new(layout: KvLayout, gpu: bool) -> Result<EngineCache> {
-        Ok(if gpu {
-            EngineCache::Cuda(kvring::cuda::engine_cache::CudaKvCache::new(
-                layout,
-                CHUNK,
-                0,
-                kvring::cuda::engine_cache::Export::Ipc,
-            )?)
-        } else {
-            EngineCache::Host(HostKvCache::new(layout, CHUNK)?)
-        })
+        #[cfg(not(feature = "cuda"))]
+        if gpu {
+            return Err(Error::Cuda("this build has no CUDA support".into()));
+        }
+        #[cfg(feature = "cuda")]
+        if gpu {
+            return Ok(EngineCache::Cuda(
+                kvring::client::cuda_cache::CudaKvCache::new(
+                    layout,
+                    CHUNK,
+                    0,
+                    kvring::client::cuda_cache::Export::Ipc,
+                )?,
+            ));
+        }
+        Ok(EngineCache::Host(HostKvCache::new(layout, CHUNK)?))
     }
 
     fn register(&self, c: &mut Client, rank: u32) -> Result<kvring::Instance> {
         match self {
             EngineCache::Host(h) => c.register_host_cache(model_id(MODEL), WORLD, rank, h),
+            #[cfg(feature = "cuda")]
             EngineCache::Cuda(d) => c.register_cuda_cache(model_id(MODEL), WORLD, rank, d),
         }
     }
@@ -503,6 +511,7 @@ impl EngineCache {
                 h.fill(byte);
                 Ok(())
             }
+            #[cfg(feature = "cuda")]
             EngineCache::Cuda(d) => d.fill(byte),
         }
     }
@@ -510,6 +519,7 @@ impl EngineCache {
     fn slabs(&self) -> &dyn pattern::Slabs {
         match self {
             EngineCache::Host(h) => h,
+            #[cfg(feature = "cuda")]
             EngineCache::Cuda(d) => d,
         }
     }

@@ -100,6 +100,10 @@ enum Cmd {
         /// pinned pool with at most N CTAs.
         #[arg(long, default_value_t = 0)]
         cuda_zero_copy_ctas: u32,
+        /// CUDA: chunks each copy worker keeps in flight per device (one
+        /// staging slot each), 1 to 8; default: the CUDA backend's.
+        #[arg(long, env = "KVRING_CUDA_DEPTH", value_parser = clap::value_parser!(u32).range(1..=8))]
+        cuda_depth: Option<u32>,
         /// Host backend: give this many simulated devices their own copy
         /// lanes (workers), as a CUDA server does for each GPU; engines name
         /// device i by `kvring::server::simulated_device_uuid(i)` when they
@@ -251,6 +255,7 @@ fn run(cli: Cli) -> kvring::Result<()> {
             evict_to_percent,
             backend,
             cuda_zero_copy_ctas,
+            cuda_depth,
             simulated_devices,
         } => {
             let mut cfg = ServerConfig::new(&target.name);
@@ -277,6 +282,7 @@ fn run(cli: Cli) -> kvring::Result<()> {
             cfg.kv.low_watermark = f64::from(evict_to_percent) / 100.0;
             cfg.kv.backend = backend;
             cfg.kv.cuda_zero_copy_ctas = cuda_zero_copy_ctas;
+            cfg.kv.cuda_depth = cuda_depth;
             cfg.kv.simulated_devices = simulated_devices;
             install_signal_handlers();
             let server = kvring::server::start(cfg)?;

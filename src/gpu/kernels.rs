@@ -2,8 +2,8 @@
 //! device's architecture at first use and cached on disk, so later server
 //! starts only load the PTX.
 
-use super::{ck, sys, Context};
-use std::ffi::{c_void, CString};
+use super::{Context, CudaError, Function, GpuError, LaunchConfig, Module, Stream};
+use std::ffi::c_void;
 use std::path::PathBuf;
 
 /// The kernels' source, embedded in the binary.
@@ -26,18 +26,11 @@ pub struct KvCopyArgs {
 
 /// A loaded module and its `kv_copy` function, in one context.
 pub struct Kernels {
-    ctx: std::sync::Arc<Context>,
-    module: sys::CUmodule,
-    pub kv_copy: sys::CUfunction,
+    module: Module,
+    kv_copy: Function,
     /// Where the PTX came from ("compiled in N ms" or "cached at PATH").
     pub origin: String,
 }
-
-// SAFETY: module and function handles are usable from any thread with the
-// context current.
-unsafe impl Send for Kernels {}
-// SAFETY: as above.
-unsafe impl Sync for Kernels {}
 
 /// Where compiled PTX is kept: `$KVRING_CACHE_DIR`, else
 /// `$XDG_CACHE_HOME/kvring`, else `~/.cache/kvring`, else the temp dir.
@@ -55,7 +48,7 @@ pub fn cache_dir() -> PathBuf {
 }
 
 /// PTX of the kernels for `sm_XY`, from the disk cache or NVRTC.
-pub fn ptx_for(major: i32, minor: i32) -> Result<(String, String), String> {
+pub fn ptx_for(major: i32, minor: i32) -> Result<(String, String), GpuError> {
     let arch = format!("sm_{major}{minor}");
     let key = blake3::hash(format!("{arch}\n{KV_COPY_SRC}").as_bytes());
     let path = cache_dir().join(format!("kv_copy-{arch}-{}.ptx", &key.to_hex()[..16]));
@@ -64,10 +57,10 @@ pub fn ptx_for(major: i32, minor: i32) -> Result<(String, String), String> {
     }
     // SAFETY: only tries to load the library.
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-        return Err(format!(
+        return Err(GpuError::Kernels(format!(
             "libnvrtc is not installed and {} holds no compiled kernels",
             path.display()
-        ));
+        )));
     }
     let t = std::time::Instant::now();
     let ptx = cudarc::nvrtc::compile_ptx_with_opts(
@@ -78,7 +71,7 @@ pub fn ptx_for(major: i32, minor: i32) -> Result<(String, String), String> {
             ..Default::default()
         },
     )
-    .map_err(|e| format!("NVRTC: {e:?}"))?
+    .map_err(|e| GpuError::Kernels(format!("NVRTC: {e:?}")))?
     .to_src();
     let origin = format!("compiled for {arch} in {} ms", t.elapsed().as_millis());
     // A failed cache write only costs the next start a compile.
@@ -93,33 +86,19 @@ pub fn ptx_for(major: i32, minor: i32) -> Result<(String, String), String> {
 
 impl Kernels {
     /// Loads the kernels into `ctx` (compiling them if needed).
-    pub fn load(ctx: &std::sync::Arc<Context>) -> Result<Kernels, String> {
+    pub fn load(ctx: &std::sync::Arc<Context>) -> Result<Kernels, GpuError> {
         let (major, minor) = ctx.info.compute_capability;
         let (ptx, origin) = ptx_for(major, minor)?;
-        ctx.bind()?;
-        let src = CString::new(ptx).map_err(|_| "PTX with a NUL byte".to_string())?;
-        // SAFETY: a NUL-terminated PTX image; out-pointers valid.
-        unsafe {
-            let mut module = std::ptr::null_mut();
-            ck(
-                sys::cuModuleLoadData(&mut module, src.as_ptr() as *const c_void),
-                "cuModuleLoadData",
-            )?;
-            let mut f = std::ptr::null_mut();
-            ck(
-                sys::cuModuleGetFunction(&mut f, module, c"kv_copy".as_ptr()),
-                "cuModuleGetFunction kv_copy",
-            )?;
-            Ok(Kernels {
-                ctx: ctx.clone(),
-                module,
-                kv_copy: f,
-                origin,
-            })
-        }
+        let module = Module::load(ctx, &ptx)?;
+        let kv_copy = module.function(c"kv_copy")?;
+        Ok(Kernels {
+            module,
+            kv_copy,
+            origin,
+        })
     }
 
-    /// Launches `kv_copy` for one chunk on `stream`: one CTA per slab, or at
+    /// Queues `kv_copy` for one chunk on `stream`: one CTA per slab, or at
     /// most `max_ctas` (each then striding over several).
     ///
     /// # Safety
@@ -127,16 +106,16 @@ impl Kernels {
     /// `blocks_per_chunk` block ids (both in device memory of this context,
     /// valid until the launch completes); `object` must address
     /// `parts * num_layers * blocks_per_chunk * slab_bytes` bytes the device
-    /// can access.
+    /// can access, and every block id must be below `num_blocks`.
     pub unsafe fn launch(
         &self,
-        stream: sys::CUstream,
+        stream: &Stream,
         bases: u64,
         blocks: u64,
         object: u64,
         args: KvCopyArgs,
         max_ctas: u32,
-    ) -> Result<(), String> {
+    ) -> Result<(), CudaError> {
         let slabs = args.parts * args.num_layers * args.blocks_per_chunk;
         let ctas = if max_ctas == 0 {
             slabs
@@ -151,34 +130,14 @@ impl Kernels {
             &mut o as *mut u64 as *mut c_void,
             &mut a as *mut KvCopyArgs as *mut c_void,
         ];
-        // SAFETY: the caller's contract; parameters match the kernel's.
-        ck(
-            unsafe {
-                sys::cuLaunchKernel(
-                    self.kv_copy,
-                    ctas,
-                    1,
-                    1,
-                    256,
-                    1,
-                    1,
-                    0,
-                    stream,
-                    params.as_mut_ptr(),
-                    std::ptr::null_mut(),
-                )
-            },
-            "cuLaunchKernel kv_copy",
-        )
-    }
-}
-
-impl Drop for Kernels {
-    fn drop(&mut self) {
-        let _ = self.ctx.bind();
-        // SAFETY: unloads the module loaded in `load`, in its context.
-        unsafe {
-            let _ = sys::cuModuleUnload(self.module);
-        }
+        let cfg = LaunchConfig {
+            grid: ctas,
+            block: 256,
+            shared_bytes: 0,
+        };
+        // SAFETY: one value per parameter of `kv_copy(const u64*, const
+        // u32*, u8*, KvCopyArgs)`, of those types, living through the call
+        // (the driver copies them); the addresses are the caller's contract.
+        unsafe { self.module.launch(self.kv_copy, stream, cfg, &mut params) }
     }
 }

@@ -1,0 +1,500 @@
+//! Memory: device buffers, pinned host memory, VMM allocations exported as
+//! POSIX fds, and other processes' device memory opened here.
+
+use super::{check, sys, Context, CudaError};
+use std::ffi::c_void;
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::sync::Arc;
+
+impl Context {
+    /// Copies `src` to device address `dst` and returns once it is there.
+    ///
+    /// # Safety
+    /// `dst` must address `src.len()` bytes of device memory of this
+    /// context that nothing else writes meanwhile.
+    pub unsafe fn copy_htod(&self, dst: u64, src: &[u8]) -> Result<(), CudaError> {
+        self.bind()?;
+        check(
+            // SAFETY: the caller's contract; `src` is a live slice.
+            unsafe { sys::cuMemcpyHtoD_v2(dst, src.as_ptr() as *const c_void, src.len()) },
+            "cuMemcpyHtoD",
+        )?;
+        // From pageable memory the copy returns once the bytes are staged,
+        // possibly before the DMA into device memory is done; another
+        // process (another stream) may read them right after this returns,
+        // so wait for it.
+        self.synchronize()
+    }
+
+    /// Copies `dst.len()` bytes from device address `src` into `dst`.
+    ///
+    /// # Safety
+    /// `src` must address `dst.len()` bytes of device memory of this
+    /// context.
+    pub unsafe fn copy_dtoh(&self, dst: &mut [u8], src: u64) -> Result<(), CudaError> {
+        self.bind()?;
+        // SAFETY: the caller's contract; `dst` is a live, exclusive slice.
+        check(
+            unsafe { sys::cuMemcpyDtoH_v2(dst.as_mut_ptr() as *mut c_void, src, dst.len()) },
+            "cuMemcpyDtoH",
+        )
+    }
+
+    /// Sets `bytes` bytes at `dst` to `byte` and returns once done.
+    ///
+    /// # Safety
+    /// `dst` must address `bytes` bytes of device memory of this context
+    /// that nothing else accesses meanwhile.
+    pub unsafe fn memset_d8(&self, dst: u64, byte: u8, bytes: usize) -> Result<(), CudaError> {
+        self.bind()?;
+        check(
+            // SAFETY: the caller's contract.
+            unsafe { sys::cuMemsetD8_v2(dst, byte, bytes) },
+            "cuMemsetD8",
+        )?;
+        self.synchronize()
+    }
+}
+
+/// Device memory from `cuMemAlloc` (which, unlike stream-ordered memory,
+/// can be exported by IPC handle), freed on drop.
+pub struct DeviceBuffer {
+    ctx: Arc<Context>,
+    ptr: u64,
+    bytes: usize,
+}
+
+// SAFETY: a device address, used with its context bound.
+unsafe impl Send for DeviceBuffer {}
+// SAFETY: `&DeviceBuffer` gives only the address and size, and synchronous
+// copies the driver serializes.
+unsafe impl Sync for DeviceBuffer {}
+
+impl DeviceBuffer {
+    /// Allocates `bytes` bytes (at least 16) in `ctx`.
+    pub fn new(ctx: &Arc<Context>, bytes: usize) -> Result<DeviceBuffer, CudaError> {
+        ctx.bind()?;
+        let mut ptr = 0;
+        check(
+            // SAFETY: `ptr` is a valid out-pointer; freed in `Drop`.
+            unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes.max(16)) },
+            "cuMemAlloc",
+        )?;
+        Ok(DeviceBuffer {
+            ctx: ctx.clone(),
+            ptr,
+            bytes,
+        })
+    }
+
+    /// The device address of the first byte.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// Copies `src` to the start of the buffer (synchronously).
+    pub fn write(&self, src: &[u8]) -> Result<(), CudaError> {
+        assert!(src.len() <= self.bytes, "a write past a device buffer");
+        // SAFETY: `src.len()` bytes fit in this allocation (checked above).
+        unsafe { self.ctx.copy_htod(self.ptr, src) }
+    }
+
+    /// The 64-byte legacy IPC handle other processes open this buffer with.
+    pub fn ipc_handle(&self) -> Result<[u8; 64], CudaError> {
+        self.ctx.bind()?;
+        // SAFETY: `CUipcMemHandle` is 64 plain bytes; all-zero is valid.
+        let mut h: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
+        check(
+            // SAFETY: `h` is a valid out-pointer; `ptr` is this allocation.
+            unsafe { sys::cuIpcGetMemHandle(&mut h, self.ptr) },
+            "cuIpcGetMemHandle",
+        )?;
+        Ok(h.reserved.map(|b| b as u8))
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind();
+        // SAFETY: frees what `new` allocated, once.
+        let _ = unsafe { sys::cuMemFree_v2(self.ptr) };
+    }
+}
+
+/// Pinned host memory from `cuMemAllocHost`, freed on drop.
+pub struct PinnedHostBuffer {
+    ctx: Arc<Context>,
+    ptr: *mut u8,
+    bytes: usize,
+}
+
+// SAFETY: host memory owned by this value; access goes through `&mut self`
+// or raw pointers whose users follow the asynchronous-copy contracts.
+unsafe impl Send for PinnedHostBuffer {}
+
+impl PinnedHostBuffer {
+    /// Allocates `bytes` bytes of pinned host memory in `ctx`.
+    pub fn new(ctx: &Arc<Context>, bytes: usize) -> Result<PinnedHostBuffer, CudaError> {
+        ctx.bind()?;
+        let mut ptr = std::ptr::null_mut();
+        check(
+            // SAFETY: `ptr` is a valid out-pointer; freed in `Drop`.
+            unsafe { sys::cuMemAllocHost_v2(&mut ptr, bytes.max(1)) },
+            "cuMemAllocHost",
+        )?;
+        Ok(PinnedHostBuffer {
+            ctx: ctx.clone(),
+            ptr: ptr as *mut u8,
+            bytes,
+        })
+    }
+
+    pub fn as_ptr(&self) -> *const u8 {
+        self.ptr
+    }
+
+    pub fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.ptr
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+impl Drop for PinnedHostBuffer {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind();
+        // SAFETY: frees what `new` allocated, once.
+        let _ = unsafe { sys::cuMemFreeHost(self.ptr as *mut c_void) };
+    }
+}
+
+/// A host range registered with the driver (`cuMemHostRegister`, portable
+/// and device-mapped), so copies to and from it run at the link's speed;
+/// unregistered on drop.
+pub struct HostRegistration {
+    ptr: *mut u8,
+    bytes: usize,
+}
+
+// SAFETY: only the address of a registration the driver keeps; unregistering
+// needs no particular thread or context (the registration is portable).
+unsafe impl Send for HostRegistration {}
+// SAFETY: `&HostRegistration` exposes nothing but the range.
+unsafe impl Sync for HostRegistration {}
+
+impl HostRegistration {
+    /// Registers `[ptr, ptr + bytes)` while `ctx` is bound.
+    ///
+    /// # Safety
+    /// The range must be mapped, readable and writable, and stay mapped
+    /// until this registration is dropped (or the process exits).
+    pub unsafe fn new(
+        ctx: &Context,
+        ptr: *mut u8,
+        bytes: usize,
+    ) -> Result<HostRegistration, CudaError> {
+        ctx.bind()?;
+        check(
+            // SAFETY: the caller's contract; portable, so every context sees
+            // the range pinned.
+            unsafe {
+                sys::cuMemHostRegister_v2(
+                    ptr as *mut c_void,
+                    bytes,
+                    sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP,
+                )
+            },
+            "cuMemHostRegister",
+        )?;
+        Ok(HostRegistration { ptr, bytes })
+    }
+
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+impl Drop for HostRegistration {
+    fn drop(&mut self) {
+        // SAFETY: unregisters what `new` registered, once.
+        let _ = unsafe { sys::cuMemHostUnregister(self.ptr as *mut c_void) };
+    }
+}
+
+/// A VMM allocation mapped at a reserved range with read-write access for
+/// its device: unmapped, freed and released on drop.
+struct VmmMapping {
+    ctx: Arc<Context>,
+    va: u64,
+    size: u64,
+    handle: sys::CUmemGenericAllocationHandle,
+}
+
+impl VmmMapping {
+    /// Maps `size` bytes of `handle` (taking it over: released on every
+    /// path) for `ctx`'s device.
+    fn map(
+        ctx: &Arc<Context>,
+        handle: sys::CUmemGenericAllocationHandle,
+        size: u64,
+    ) -> Result<VmmMapping, CudaError> {
+        let release = |e: CudaError| {
+            // SAFETY: the handle this call took over, released once.
+            let _ = unsafe { sys::cuMemRelease(handle) };
+            e
+        };
+        ctx.bind().map_err(release)?;
+        let mut va = 0;
+        check(
+            // SAFETY: `va` is a valid out-pointer; the range is freed below or
+            // in `Drop`.
+            unsafe { sys::cuMemAddressReserve(&mut va, size as usize, 0, 0, 0) },
+            "cuMemAddressReserve",
+        )
+        .map_err(release)?;
+        let free = |e: CudaError| {
+            // SAFETY: the range reserved above, freed once.
+            let _ = unsafe { sys::cuMemAddressFree(va, size as usize) };
+            release(e)
+        };
+        check(
+            // SAFETY: maps the handle into the range reserved above (the driver
+            // fails it if the allocation is smaller than `size`).
+            unsafe { sys::cuMemMap(va, size as usize, 0, handle, 0) },
+            "cuMemMap",
+        )
+        .map_err(free)?;
+        // From here `Drop` undoes all three steps.
+        let mapping = VmmMapping {
+            ctx: ctx.clone(),
+            va,
+            size,
+            handle,
+        };
+        // SAFETY: `CUmemAccessDesc` is plain data; all-zero is valid.
+        let mut desc: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
+        desc.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        desc.location.id = ctx.info.ordinal;
+        desc.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+        check(
+            // SAFETY: the range mapped above; `desc` is one valid descriptor.
+            unsafe { sys::cuMemSetAccess(va, size as usize, &desc, 1) },
+            "cuMemSetAccess",
+        )?;
+        Ok(mapping)
+    }
+}
+
+impl Drop for VmmMapping {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind();
+        // SAFETY: undoes `map` once: the mapping, the range, the handle.
+        unsafe {
+            let _ = sys::cuMemUnmap(self.va, self.size as usize);
+            let _ = sys::cuMemAddressFree(self.va, self.size as usize);
+            let _ = sys::cuMemRelease(self.handle);
+        }
+    }
+}
+
+/// Device memory allocated with `cuMemCreate` for export as a POSIX fd (what
+/// PyTorch's expandable segments hand out), mapped here.
+pub struct ExportedVmm {
+    mapping: VmmMapping,
+    fd: OwnedFd,
+}
+
+// SAFETY: a device address and an fd, used with the context bound.
+unsafe impl Send for ExportedVmm {}
+// SAFETY: `&ExportedVmm` gives only the address, size and fd.
+unsafe impl Sync for ExportedVmm {}
+
+impl ExportedVmm {
+    /// Allocates at least `want` bytes (rounded up to the allocation
+    /// granularity) on `ctx`'s device and exports them.
+    pub fn new(ctx: &Arc<Context>, want: u64) -> Result<ExportedVmm, CudaError> {
+        ctx.bind()?;
+        // SAFETY: `CUmemAllocationProp` is plain data; all-zero is valid.
+        let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+        prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        prop.requestedHandleTypes =
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+        prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        prop.location.id = ctx.info.ordinal;
+        let mut gran = 0usize;
+        check(
+            // SAFETY: `gran` is a valid out-pointer, `prop` a valid property.
+            unsafe {
+                sys::cuMemGetAllocationGranularity(
+                    &mut gran,
+                    &prop,
+                    sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+                )
+            },
+            "cuMemGetAllocationGranularity",
+        )?;
+        let size = want.div_ceil(gran as u64) * gran as u64;
+        let mut handle = 0;
+        check(
+            // SAFETY: `handle` is a valid out-pointer; `VmmMapping::map` takes
+            // it over.
+            unsafe { sys::cuMemCreate(&mut handle, size as usize, &prop, 0) },
+            "cuMemCreate",
+        )?;
+        let mapping = VmmMapping::map(ctx, handle, size)?;
+        let mut fd: i32 = -1;
+        check(
+            // SAFETY: for the POSIX fd handle type the out-pointer is an `int`.
+            unsafe {
+                sys::cuMemExportToShareableHandle(
+                    &mut fd as *mut i32 as *mut c_void,
+                    handle,
+                    sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                    0,
+                )
+            },
+            "cuMemExportToShareableHandle",
+        )?;
+        // SAFETY: a fresh descriptor the driver just made for us.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        Ok(ExportedVmm { mapping, fd })
+    }
+
+    pub fn ptr(&self) -> u64 {
+        self.mapping.va
+    }
+
+    pub fn bytes(&self) -> u64 {
+        self.mapping.size
+    }
+
+    pub fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        std::os::fd::AsFd::as_fd(&self.fd)
+    }
+}
+
+/// How this process reached another's allocation.
+enum Opened {
+    /// `cuIpcOpenMemHandle`.
+    Ipc,
+    /// A VMM allocation imported from a POSIX fd and mapped (undone when
+    /// the mapping drops).
+    Vmm { _mapping: VmmMapping },
+}
+
+/// One allocation of another process, opened here; closed when dropped.
+pub struct OpenedMemory {
+    pub base: u64,
+    pub size: u64,
+    how: Opened,
+    ctx: Arc<Context>,
+}
+
+// SAFETY: device addresses, used under the owning context.
+unsafe impl Send for OpenedMemory {}
+// SAFETY: `&OpenedMemory` gives only the address and size.
+unsafe impl Sync for OpenedMemory {}
+
+impl OpenedMemory {
+    /// Opens a legacy IPC handle in `ctx`; the size is what the driver says
+    /// the allocation is (never what the exporter claims).
+    pub fn open_ipc(ctx: &Arc<Context>, handle: &[u8; 64]) -> Result<OpenedMemory, CudaError> {
+        ctx.bind()?;
+        // SAFETY: `CUipcMemHandle` is 64 plain bytes; all-zero is valid.
+        let mut h: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
+        for (d, s) in h.reserved.iter_mut().zip(handle) {
+            *d = *s as _;
+        }
+        let mut base = 0;
+        check(
+            // SAFETY: `base` is a valid out-pointer; the handle is passed by
+            // value and checked by the driver; closed below or in `Drop`.
+            unsafe {
+                sys::cuIpcOpenMemHandle_v2(
+                    &mut base,
+                    h,
+                    sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+                )
+            },
+            "cuIpcOpenMemHandle",
+        )?;
+        let mut opened = OpenedMemory {
+            base,
+            size: 0,
+            how: Opened::Ipc,
+            ctx: ctx.clone(),
+        };
+        let (mut b, mut size) = (0, 0usize);
+        check(
+            // SAFETY: valid out-pointers; `base` lies in the mapping just opened.
+            unsafe { sys::cuMemGetAddressRange_v2(&mut b, &mut size, base) },
+            "cuMemGetAddressRange",
+        )?;
+        opened.size = size as u64;
+        Ok(opened)
+    }
+
+    /// Imports a VMM allocation exported as a POSIX fd and maps `size` bytes
+    /// of it (the mapping fails if the allocation is smaller).
+    pub fn import_vmm_fd(
+        ctx: &Arc<Context>,
+        fd: i32,
+        size: u64,
+    ) -> Result<OpenedMemory, CudaError> {
+        ctx.bind()?;
+        let mut handle = 0;
+        check(
+            // SAFETY: `handle` is a valid out-pointer; for the POSIX fd handle
+            // type the "handle" argument is the fd itself, which the driver
+            // duplicates; `VmmMapping::map` takes the handle over.
+            unsafe {
+                sys::cuMemImportFromShareableHandle(
+                    &mut handle,
+                    fd as isize as *mut c_void,
+                    sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                )
+            },
+            "cuMemImportFromShareableHandle",
+        )?;
+        let mapping = VmmMapping::map(ctx, handle, size)?;
+        Ok(OpenedMemory {
+            base: mapping.va,
+            size,
+            how: Opened::Vmm { _mapping: mapping },
+            ctx: ctx.clone(),
+        })
+    }
+
+    pub fn context(&self) -> &Arc<Context> {
+        &self.ctx
+    }
+}
+
+impl Drop for OpenedMemory {
+    fn drop(&mut self) {
+        if let Opened::Ipc = self.how {
+            let _ = self.ctx.bind();
+            // SAFETY: closes what `open_ipc` opened, once. (A VMM import is
+            // undone by its `VmmMapping`'s drop.)
+            let _ = unsafe { sys::cuIpcCloseMemHandle(self.base) };
+        }
+    }
+}
+
+/// One registered tensor in device memory.
+pub struct DeviceTensor {
+    /// Device address of the tensor's first byte.
+    pub dptr: u64,
+    pub bytes: u64,
+    pub memory: Arc<OpenedMemory>,
+}

@@ -1,0 +1,156 @@
+//! What the lanes and workers need from a copy backend: the [`Backend`]
+//! (one per server) and the [`CopyExecutor`] it gives each worker.
+
+use crate::kv::KvLayout;
+use crate::proto::Status;
+use crate::server::registry::{DeviceOpener, Registration};
+use std::sync::atomic::AtomicU32;
+use std::time::Duration;
+
+/// Which way a copy goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dir {
+    /// Engine cache -> pool object (STORE).
+    ToPool,
+    /// Pool object -> engine cache (RETRIEVE).
+    FromPool,
+}
+
+/// One chunk to copy: `blocks` of the engine's cache <-> the object at
+/// `object`. Blocks before `skip_blocks` are left alone.
+pub struct ChunkCopy<'a> {
+    pub layout: &'a KvLayout,
+    pub inst: &'a Registration,
+    pub chunk_tokens: u32,
+    pub blocks: &'a [u32],
+    pub skip_blocks: u32,
+    pub object: *mut u8,
+    pub dir: Dir,
+    /// The inference engine's CUDA IPC event the copy must wait for.
+    pub event: Option<[u8; 64]>,
+    /// Publish a job event once every chunk of the job is queued.
+    pub publish: Option<Publish<'a>>,
+}
+
+/// A job that publishes a job event: which client's events, how many chunks
+/// are still to be queued, and how to publish the event's index + 1.
+pub struct Publish<'a> {
+    pub owner_slot: u32,
+    pub chunks_left: &'a AtomicU32,
+    pub publish_progress: &'a dyn Fn(u64),
+}
+
+/// Which backend a server copies with, as `ConfigReply::backend` carries it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u32)]
+pub enum BackendKind {
+    Host = 1,
+    Cuda = 2,
+}
+
+impl BackendKind {
+    /// The wire code.
+    pub fn code(self) -> u32 {
+        self as u32
+    }
+}
+
+/// Why a chunk copy did not happen.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CopyError {
+    /// A driver call failed, or the copy failed on the device.
+    #[cfg(feature = "cuda")]
+    #[error(transparent)]
+    Device(#[from] crate::gpu::CudaError),
+    /// The device did not finish the copy in time.
+    #[error("the device did not finish the copy in {} s", .0.as_secs())]
+    Timeout(Duration),
+    #[error("object outside the pool")]
+    OutsidePool,
+    #[error("a pool object spans two registrations")]
+    SpansPinSegments,
+    #[error("the pool was not pinned in time")]
+    PinTimeout,
+    #[error("pinning the pool failed: {0}")]
+    PinFailed(String),
+    #[error("host copy of device memory")]
+    NotHostMemory,
+    #[error("{blocks} blocks per chunk exceed {capacity}")]
+    TooManyBlocks { blocks: usize, capacity: usize },
+    #[error("no free staging slot")]
+    NoFreeSlot,
+}
+
+/// How one chunk of a job ended.
+#[derive(Debug)]
+pub enum ChunkOutcome {
+    /// Copied: this many bytes moved.
+    Copied(u64),
+    /// The copy failed (the job fails).
+    Failed(CopyError),
+    /// Not copied because the job had already ended (failed, or its owner
+    /// is gone): nothing to report.
+    Skipped,
+}
+
+impl From<Result<u64, CopyError>> for ChunkOutcome {
+    fn from(r: Result<u64, CopyError>) -> Self {
+        match r {
+            Ok(bytes) => ChunkOutcome::Copied(bytes),
+            Err(e) => ChunkOutcome::Failed(e),
+        }
+    }
+}
+
+/// What moves the bytes: it gives each copy worker its own executor, and
+/// opens engines' device memory at registration (`DeviceOpener`).
+pub trait Backend: DeviceOpener + Send + Sync {
+    fn name(&self) -> &'static str;
+    fn kind(&self) -> BackendKind;
+    /// A copy executor for one worker thread (its streams, staging buffers).
+    fn executor(&self) -> Result<Box<dyn CopyExecutor>, CopyError>;
+    /// The handles of client `slot`'s job events on device `uuid`.
+    fn job_events(&self, _slot: u32, _uuid: &[u8; 16]) -> Result<Vec<[u8; 64]>, Status> {
+        Err(Status::InvalidArgument)
+    }
+    /// Client `slot` left: drop what the backend keeps for it.
+    fn client_gone(&self, _slot: u32) {}
+    /// The UUIDs of the devices this backend copies with (one copy lane
+    /// each).
+    fn device_uuids(&self) -> Vec<[u8; 16]> {
+        Vec::new()
+    }
+}
+
+/// One worker's copy executor. A copy may finish after `submit` returns (on
+/// a GPU stream); finished copies are collected with `poll`, which never
+/// runs a callback: the worker polls, so no lock is ever taken on a
+/// driver's thread.
+pub trait CopyExecutor {
+    /// Most copies this executor keeps in flight.
+    fn depth(&self) -> usize;
+    /// Starts copying one chunk; `token` comes back from `poll`. The
+    /// registration and the pool object stay valid until then (the worker
+    /// holds the task).
+    fn submit(&mut self, c: &ChunkCopy<'_>, token: usize) -> Result<(), CopyError>;
+    /// Appends finished copies (token, bytes moved or why not) to `out`;
+    /// with `wait`, returns only once at least one finished (or none is in
+    /// flight).
+    fn poll(&mut self, wait: bool, out: &mut Vec<(usize, Result<u64, CopyError>)>);
+}
+
+/// Why the CUDA backend could not be started.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CudaUnavailable {
+    #[cfg(feature = "cuda")]
+    #[error(transparent)]
+    Gpu(#[from] crate::gpu::GpuError),
+    #[cfg(feature = "cuda")]
+    #[error("spawn the pinning thread: {0}")]
+    Spawn(std::io::Error),
+    #[cfg(not(feature = "cuda"))]
+    #[error("this build of kvring has no CUDA support (the `cuda` feature is off)")]
+    NotBuilt,
+}

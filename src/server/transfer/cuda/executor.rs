@@ -1,0 +1,345 @@
+//! One worker's CUDA executor: per device a stream and [`DEPTH`] staging
+//! slots, each slot one chunk in flight.
+//!
+//! [`DEPTH`]: super::DEPTH
+
+use super::devices::{BackendState, CudaDevice, DeviceTable};
+use super::COPY_DEADLINE;
+use crate::gpu::kernels::KvCopyArgs;
+use crate::gpu::{DeviceBuffer, Event, EventKind, IpcEventHandle, PinnedHostBuffer, Stream};
+use crate::server::transfer::backend::{ChunkCopy, CopyError, CopyExecutor, Dir};
+use crate::server::transfer::host::host_copy;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Most block ids one chunk may carry (the slots' id buffers).
+const MAX_CHUNK_BLOCKS: usize = 4096;
+
+/// Where a staging slot stands.
+enum SlotState {
+    Free,
+    /// A chunk's copy is queued: its token, the bytes it moves, since when.
+    Busy {
+        token: usize,
+        moved: u64,
+        started: Instant,
+    },
+    /// The device never finished a copy here: the slot's buffers may still
+    /// be in use, so it is never used again.
+    Wedged,
+}
+
+/// One chunk in flight on a device: its staging buffer (grown to the
+/// largest object; none on the zero-copy path), its block ids in pinned
+/// host memory and on the device, and the event recorded after its copy.
+struct StagingSlot {
+    staging: Option<DeviceBuffer>,
+    ids_dev: DeviceBuffer,
+    ids_host: PinnedHostBuffer,
+    event: Event,
+    state: SlotState,
+}
+
+/// One worker's queue on one device: a stream and its staging slots.
+struct DeviceQueue {
+    /// Drained and destroyed first (declaration order), so no queued copy
+    /// still uses the slots' buffers when they are freed.
+    stream: Stream,
+    device: Arc<CudaDevice>,
+    slots: Vec<StagingSlot>,
+}
+
+impl DeviceQueue {
+    fn new(device: &Arc<CudaDevice>, depth: usize) -> Result<DeviceQueue, CopyError> {
+        let ctx = &device.ctx;
+        let stream = Stream::new(ctx)?;
+        let mut slots = Vec::with_capacity(depth);
+        for _ in 0..depth {
+            slots.push(StagingSlot {
+                staging: None,
+                ids_dev: DeviceBuffer::new(ctx, MAX_CHUNK_BLOCKS * 4)?,
+                ids_host: PinnedHostBuffer::new(ctx, MAX_CHUNK_BLOCKS * 4)?,
+                event: Event::new(ctx, EventKind::Local)?,
+                state: SlotState::Free,
+            });
+        }
+        Ok(DeviceQueue {
+            stream,
+            device: device.clone(),
+            slots,
+        })
+    }
+
+    /// Stage: takes a free slot, puts the chunk's block ids in its pinned
+    /// buffer and makes sure its staging buffer holds `obj_bytes`.
+    fn stage(
+        &mut self,
+        c: &ChunkCopy<'_>,
+        obj_bytes: u64,
+        zero_copy: bool,
+    ) -> Result<usize, CopyError> {
+        let k = self
+            .slots
+            .iter()
+            .position(|s| matches!(s.state, SlotState::Free))
+            .ok_or(CopyError::NoFreeSlot)?;
+        let slot = &mut self.slots[k];
+        if !zero_copy
+            && slot
+                .staging
+                .as_ref()
+                .is_none_or(|s| (s.bytes() as u64) < obj_bytes)
+        {
+            slot.staging = None;
+            slot.staging = Some(DeviceBuffer::new(&self.device.ctx, obj_bytes as usize)?);
+        }
+        let n = c.blocks.len();
+        if n > MAX_CHUNK_BLOCKS {
+            return Err(CopyError::TooManyBlocks {
+                blocks: n,
+                capacity: MAX_CHUNK_BLOCKS,
+            });
+        }
+        // SAFETY: `ids_host` holds `MAX_CHUNK_BLOCKS` u32s (n fit, checked
+        // above), and the previous transfer from it finished (the slot is
+        // free: its event completed); the two buffers cannot overlap.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                c.blocks.as_ptr() as *const u8,
+                slot.ids_host.as_mut_ptr(),
+                n * 4,
+            )
+        };
+        Ok(k)
+    }
+
+    /// Enqueue copy: on the stream, [wait for the engine's event], the
+    /// block ids to the device, the kernel and the transfer (or the
+    /// zero-copy kernel), then the slot's event.
+    fn enqueue_copy(
+        &mut self,
+        k: usize,
+        c: &ChunkCopy<'_>,
+        table: &DeviceTable,
+        client_ready: Option<&Event>,
+        obj_bytes: u64,
+        zero_copy_ctas: u32,
+    ) -> Result<(), CopyError> {
+        let l = c.layout;
+        let n = c.blocks.len();
+        let slot = &self.slots[k];
+        let stream = &self.stream;
+        let kernels = &self.device.kernels;
+        let staging = slot.staging.as_ref().map_or(0, |s| s.ptr());
+        let (bases, ids) = (table.bases.ptr(), slot.ids_dev.ptr());
+        let args = KvCopyArgs {
+            kind: l.kind,
+            num_layers: l.num_layers,
+            parts: l.parts(),
+            num_blocks: l.num_blocks,
+            blocks_per_chunk: n as u32,
+            skip_blocks: c.skip_blocks,
+            slab_bytes: l.slab_bytes(),
+            to_engine: u32::from(c.dir == Dir::FromPool),
+            _pad: 0,
+        };
+        if let Some(ev) = client_ready {
+            stream.wait_event(ev)?;
+        }
+        // SAFETY: `ids_host` holds the `n` ids staged for this slot and is
+        // not touched again until the slot's event completes; `ids_dev`
+        // holds `MAX_CHUNK_BLOCKS` >= n ids.
+        unsafe { stream.copy_htod_async(ids, slot.ids_host.as_ptr(), n * 4) }?;
+        // Every address below stays valid until the slot's event completes
+        // (recorded after them on this stream): the registration's tensors
+        // and their address table `bases` (the worker holds the task, which
+        // holds the registration), the pool object (pinned, allocated to
+        // this job for `obj_bytes` bytes; no other copy touches it until the
+        // job ends), the slot's `ids` and `staging` (`staging` holds
+        // `obj_bytes`, reused only once the slot is free again).
+        match c.dir {
+            // Zero-copy: the kernel reads or writes the pinned pool object
+            // itself (registered device-mapped; with unified addressing its
+            // device address is its host address).
+            _ if zero_copy_ctas > 0 => {
+                // SAFETY: `bases` and `ids` are live device tables of this
+                // registration and slot; the block ids are below
+                // `num_blocks` (checked at acceptance); the pool object is
+                // device-mapped and `object_bytes` long, what the kernel
+                // addresses for these `args`.
+                unsafe {
+                    kernels.launch(stream, bases, ids, c.object as u64, args, zero_copy_ctas)
+                }?;
+            }
+            Dir::ToPool => {
+                // SAFETY: as for the zero-copy launch, with the slot's
+                // `staging` (`obj_bytes` of device memory) as the object.
+                unsafe { kernels.launch(stream, bases, ids, staging, args, 0) }?;
+                // SAFETY: `staging` holds `obj_bytes` device bytes, the
+                // pinned pool object as many host bytes.
+                unsafe { stream.copy_dtoh_async(c.object, staging, obj_bytes as usize) }?;
+            }
+            Dir::FromPool => {
+                // SAFETY: the pinned pool object holds `obj_bytes` host
+                // bytes, `staging` as many device bytes.
+                unsafe { stream.copy_htod_async(staging, c.object, obj_bytes as usize) }?;
+                // SAFETY: as for the zero-copy launch, with the slot's
+                // `staging` (`obj_bytes` of device memory) as the object.
+                unsafe { kernels.launch(stream, bases, ids, staging, args, 0) }?;
+            }
+        }
+        slot.event.record(stream)?;
+        Ok(())
+    }
+}
+
+/// One worker's CUDA executor: a stream and [`super::DEPTH`] staging slots
+/// per device it has copied on.
+pub(super) struct CudaExecutor {
+    per_dev: HashMap<i32, DeviceQueue>,
+    backend: Arc<BackendState>,
+    /// Inference engines' IPC events opened by this worker.
+    client_events: HashMap<[u8; 64], Arc<Event>>,
+    /// Copies of engines in host memory, done in `submit`.
+    host_done: Vec<(usize, Result<u64, CopyError>)>,
+}
+
+impl CudaExecutor {
+    pub(super) fn new(backend: Arc<BackendState>) -> CudaExecutor {
+        CudaExecutor {
+            per_dev: HashMap::new(),
+            backend,
+            client_events: HashMap::new(),
+            host_done: Vec::new(),
+        }
+    }
+
+    fn device_queue(&mut self, dev: &Arc<CudaDevice>) -> Result<&mut DeviceQueue, CopyError> {
+        let depth = self.backend.depth;
+        match self.per_dev.entry(dev.ctx.info.ordinal) {
+            std::collections::hash_map::Entry::Occupied(e) => Ok(e.into_mut()),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                Ok(e.insert(DeviceQueue::new(dev, depth)?))
+            }
+        }
+    }
+
+    /// The inference engine's event `h` (that its writes are done), opened
+    /// in `dev`'s context at first use.
+    fn client_ready_event(
+        &mut self,
+        dev: &CudaDevice,
+        h: &[u8; 64],
+    ) -> Result<Arc<Event>, CopyError> {
+        if let Some(e) = self.client_events.get(h) {
+            return Ok(e.clone());
+        }
+        let ev = Arc::new(Event::open_ipc(&dev.ctx, &IpcEventHandle(*h))?);
+        self.client_events.insert(*h, ev.clone());
+        Ok(ev)
+    }
+}
+
+impl CopyExecutor for CudaExecutor {
+    fn depth(&self) -> usize {
+        self.backend.depth
+    }
+
+    fn submit(&mut self, c: &ChunkCopy<'_>, token: usize) -> Result<(), CopyError> {
+        let Some(table) = c
+            .inst
+            .device
+            .as_ref()
+            .and_then(|d| d.downcast_ref::<DeviceTable>())
+        else {
+            // An engine in host memory: the host copy, done now.
+            let r = host_copy(c);
+            self.host_done.push((token, r));
+            return Ok(());
+        };
+        let l = c.layout;
+        let obj_bytes = l.object_bytes(c.chunk_tokens);
+        self.backend.pinned_pool_offset(c.object, obj_bytes)?;
+        let client_ready = match c.event {
+            Some(h) => Some(self.client_ready_event(&table.device, &h)?),
+            None => None,
+        };
+        let gate = match &c.publish {
+            Some(p) => Some(self.backend.events_of(p.owner_slot, &table.device)?),
+            None => None,
+        };
+        let zero_copy_ctas = self.backend.zero_copy_ctas;
+        let queue = self.device_queue(&table.device)?;
+        let k = queue.stage(c, obj_bytes, zero_copy_ctas > 0)?;
+        queue.enqueue_copy(
+            k,
+            c,
+            table,
+            client_ready.as_deref(),
+            obj_bytes,
+            zero_copy_ctas,
+        )?;
+        // Publish gate: the job event after the job's last chunk.
+        if let (Some(p), Some(je)) = (&c.publish, gate) {
+            je.publish_after(&queue.slots[k].event, p)?;
+        }
+        let n = c.blocks.len() as u64;
+        let moved = u64::from(l.parts())
+            * u64::from(l.num_layers)
+            * (n - u64::from(c.skip_blocks).min(n))
+            * l.slab_bytes();
+        queue.slots[k].state = SlotState::Busy {
+            token,
+            moved,
+            started: Instant::now(),
+        };
+        Ok(())
+    }
+
+    fn poll(&mut self, wait: bool, out: &mut Vec<(usize, Result<u64, CopyError>)>) {
+        out.append(&mut self.host_done);
+        let mut spins = 0u32;
+        loop {
+            let mut any_busy = false;
+            for q in self.per_dev.values_mut() {
+                for s in q.slots.iter_mut() {
+                    let SlotState::Busy {
+                        token,
+                        moved,
+                        started,
+                    } = s.state
+                    else {
+                        continue;
+                    };
+                    match s.event.query() {
+                        Ok(true) => {
+                            s.state = SlotState::Free;
+                            out.push((token, Ok(moved)));
+                        }
+                        Ok(false) if started.elapsed() > COPY_DEADLINE => {
+                            s.state = SlotState::Wedged;
+                            out.push((token, Err(CopyError::Timeout(COPY_DEADLINE))));
+                        }
+                        Ok(false) => any_busy = true,
+                        Err(e) => {
+                            s.state = SlotState::Free;
+                            out.push((token, Err(CopyError::Device(e))));
+                        }
+                    }
+                }
+            }
+            if !wait || !out.is_empty() || !any_busy {
+                return;
+            }
+            // Spin briefly (a chunk takes ~0.1-1 ms), then sleep in short
+            // steps: the worker has nothing else to do.
+            spins += 1;
+            if spins < 2000 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::sleep(Duration::from_micros(5));
+            }
+        }
+    }
+}
