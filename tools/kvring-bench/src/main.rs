@@ -45,6 +45,10 @@ enum Cmd {
         /// Rounds; each runs a block of every transport.
         #[arg(long, default_value_t = 5)]
         rounds: usize,
+        /// Leave out blocks during which other processes used more than
+        /// this share of all CPUs (unless that leaves none).
+        #[arg(long, default_value_t = 0.25)]
+        max_other_load: f64,
     },
     /// Job status polls (a shared-memory read) while the server writes the
     /// slot, next to a status query as a kvring ring or ZeroMQ round trip;
@@ -114,7 +118,8 @@ fn main() {
             iters,
             pipelined,
             rounds,
-        } => ring::run(json, iters, pipelined, rounds),
+            max_other_load,
+        } => ring::run(json, iters, pipelined, rounds, max_other_load),
         Cmd::Jobs { json, iters } => jobs::run(json, iters),
         Cmd::Kv {
             json,

@@ -105,6 +105,11 @@ struct Block {
     value: f64,
     /// Floor probe p50s (ns) just before and just after.
     probes: (f64, f64),
+    /// Other processes' share of all CPUs while the block ran (the kernel
+    /// counts in ticks of 10 ms or so: coarse for a short block).
+    other: Option<f64>,
+    /// Times one of the block's processes lost its CPU to another task.
+    preempted: u64,
 }
 
 /// CPU seconds the whole machine was busy (steal included: time a vCPU of
@@ -114,25 +119,39 @@ struct CpuClock {
     wall: Instant,
     busy: Option<f64>,
     own: f64,
+    preempted: u64,
 }
 
 impl CpuClock {
     fn now() -> CpuClock {
+        let (own, preempted) = own_usage();
         CpuClock {
             wall: Instant::now(),
             busy: machine_busy_secs(),
-            own: own_cpu_secs(),
+            own,
+            preempted,
         }
     }
 
     /// Share of all CPUs that other processes used since `self`.
     fn other_share(&self) -> Option<f64> {
+        self.since().0
+    }
+
+    /// Other processes' share of all CPUs, and our preemptions, since `self`.
+    fn since(&self) -> (Option<f64>, u64) {
         let now = CpuClock::now();
+        let preempted = now.preempted - self.preempted;
         // SAFETY: sysconf has no memory effects.
         let cpus = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) }.max(1) as f64;
         let wall = (now.wall - self.wall).as_secs_f64();
-        let other = (now.busy? - self.busy?) - (now.own - self.own);
-        Some((other / (wall * cpus)).max(0.0))
+        let share = match (now.busy, self.busy) {
+            (Some(b1), Some(b0)) => {
+                Some((((b1 - b0) - (now.own - self.own)) / (wall * cpus)).max(0.0))
+            }
+            _ => None,
+        };
+        (share, preempted)
     }
 }
 
@@ -154,16 +173,19 @@ fn machine_busy_secs() -> Option<f64> {
     Some(busy / tick)
 }
 
-fn own_cpu_secs() -> f64 {
-    let secs = |who| {
+/// CPU seconds used by this process and its reaped children, and how many
+/// times the scheduler took the CPU from one of them for another task.
+fn own_usage() -> (f64, u64) {
+    let usage = |who| {
         // SAFETY: a zeroed rusage is valid; getrusage fills it.
         let mut u: libc::rusage = unsafe { std::mem::zeroed() };
         // SAFETY: `u` is a valid, writable rusage.
         unsafe { libc::getrusage(who, &mut u) };
         let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
-        tv(u.ru_utime) + tv(u.ru_stime)
+        (tv(u.ru_utime) + tv(u.ru_stime), u.ru_nivcsw as u64)
     };
-    secs(libc::RUSAGE_SELF) + secs(libc::RUSAGE_CHILDREN)
+    let (a, b) = (usage(libc::RUSAGE_SELF), usage(libc::RUSAGE_CHILDREN));
+    (a.0 + b.0, a.1 + b.1)
 }
 
 fn p50(v: &[u64]) -> f64 {
@@ -184,7 +206,12 @@ fn build() -> Value {
     })
 }
 
-pub fn run(json_out: bool, iters: usize, pipelined: u64, rounds: usize) {
+/// Which blocks a transport's figures come from: those taken in the usual
+/// placement with little other load; failing that, those in the usual
+/// placement; failing that, all.
+const KEPT_BY: [&str; 3] = ["placement and load", "placement", "none"];
+
+pub fn run(json_out: bool, iters: usize, pipelined: u64, rounds: usize, max_other_load: f64) {
     let rounds = rounds.max(1);
     let (client_cpu, server_cpu) = peers::cpus();
     let per_block = |total: usize| total.div_ceil(rounds).max(1);
@@ -194,7 +221,7 @@ pub fn run(json_out: bool, iters: usize, pipelined: u64, rounds: usize) {
     eprintln!(
         "pinning: client cpu {client_cpu:?}, server cpu {server_cpu:?}; {rounds} rounds of \
          {spin_n} round trips ({block_n} for blocking transports, {rate_n} pipelined), \
-         floor probes of {probe_n}"
+         floor probes of {probe_n}; after each block: [times preempted, other load]"
     );
     let timer = Summary::of(peers::timer_overhead(iters));
     let ts = transports();
@@ -213,6 +240,7 @@ pub fn run(json_out: bool, iters: usize, pipelined: u64, rounds: usize) {
         for k in 0..ts.len() {
             let i = (r + k) % ts.len();
             let t = &ts[i];
+            let clock = CpuClock::now();
             let (samples, value) = match t.run {
                 Run::Rtt(f) => {
                     let v = f(if t.blocking { block_n } else { spin_n });
@@ -221,15 +249,22 @@ pub fn run(json_out: bool, iters: usize, pipelined: u64, rounds: usize) {
                 }
                 Run::Rate(f) => (Vec::new(), f(rate_n)),
             };
+            let (other, preempted) = clock.since();
             let before = taken[taken.len() - 1].0;
             taken.push(probe());
             let after = taken[taken.len() - 1].0;
-            line += &format!(" | {} {value:.0} | floor {after:.0}", t.name);
+            line += &format!(
+                " | {} {value:.0} [{preempted} {:.0}%] | floor {after:.0}",
+                t.name,
+                other.unwrap_or(f64::NAN) * 100.0
+            );
             blocks[i].push(Block {
                 round: r,
                 samples,
                 value,
                 probes: (before, after),
+                other,
+                preempted,
             });
         }
         let share = clock.other_share();
@@ -245,7 +280,19 @@ pub fn run(json_out: bool, iters: usize, pipelined: u64, rounds: usize) {
     let all: Vec<f64> = probes.iter().flatten().map(|p| p.0).collect();
     let floor = Spread::of(&all).expect("probes").median;
     let steady = |p: f64| p <= floor * PLACEMENT_TOLERANCE && p >= floor / PLACEMENT_TOLERANCE;
-    let kept = |b: &Block| steady(b.probes.0) && steady(b.probes.1);
+    let placed = |b: &Block| steady(b.probes.0) && steady(b.probes.1);
+    let quiet = |b: &Block| b.other.is_none_or(|o| o <= max_other_load);
+    let choose = |bs: &[Block]| -> (Vec<usize>, usize) {
+        let tests: [&dyn Fn(&Block) -> bool; 3] = [&|b| placed(b) && quiet(b), &placed, &|_| true];
+        for (level, test) in tests.iter().enumerate() {
+            let v: Vec<usize> = (0..bs.len()).filter(|&i| test(&bs[i])).collect();
+            if !v.is_empty() {
+                return (v, level);
+            }
+        }
+        (Vec::new(), KEPT_BY.len() - 1)
+    };
+    let chosen: Vec<(Vec<usize>, usize)> = blocks.iter().map(|bs| choose(bs)).collect();
     // Per round: the median of its steady probes (of all, if none was).
     let round_floor: Vec<f64> = probes
         .iter()
@@ -262,9 +309,11 @@ pub fn run(json_out: bool, iters: usize, pipelined: u64, rounds: usize) {
     let kvring_idx = ts.iter().position(|t| t.name == KVRING).expect("kvring");
     let kvring_round: Vec<Option<f64>> = (0..rounds)
         .map(|r| {
-            blocks[kvring_idx]
+            chosen[kvring_idx]
+                .0
                 .iter()
-                .find(|b| b.round == r && kept(b))
+                .map(|&i| &blocks[kvring_idx][i])
+                .find(|b| b.round == r)
                 .map(|b| b.value)
         })
         .collect();
@@ -289,13 +338,12 @@ pub fn run(json_out: bool, iters: usize, pipelined: u64, rounds: usize) {
         over_kvring: floor_over_kvring,
         kept: all.iter().filter(|&&p| steady(p)).count(),
         taken: all.len(),
+        kept_by: KEPT_BY[1],
+        other: Vec::new(),
+        preempted: Vec::new(),
     });
-    for (t, bs) in ts.iter().zip(&blocks) {
-        let chosen: Vec<&Block> = if bs.iter().any(kept) {
-            bs.iter().filter(|b| kept(b)).collect()
-        } else {
-            bs.iter().collect()
-        };
+    for ((t, bs), (idx, level)) in ts.iter().zip(&blocks).zip(&chosen) {
+        let chosen: Vec<&Block> = idx.iter().map(|&i| &bs[i]).collect();
         let summary = match t.run {
             Run::Rtt(_) => Some(Summary::of(
                 chosen
@@ -325,8 +373,11 @@ pub fn run(json_out: bool, iters: usize, pipelined: u64, rounds: usize) {
             rounds: chosen.iter().map(|b| b.value).collect(),
             over_floor,
             over_kvring,
-            kept: bs.iter().filter(|b| kept(b)).count(),
+            kept: chosen.len(),
             taken: bs.len(),
+            kept_by: KEPT_BY[*level],
+            other: chosen.iter().filter_map(|b| b.other).collect(),
+            preempted: chosen.iter().map(|b| b.preempted as f64).collect(),
         });
     }
 
@@ -352,7 +403,7 @@ pub fn run(json_out: bool, iters: usize, pipelined: u64, rounds: usize) {
                 o.insert("round_p50_ns".into(), spread_json(&r.rounds));
                 o.insert("over_floor".into(), spread_json(&r.over_floor));
                 o.insert("over_kvring_spin".into(), spread_json(&r.over_kvring));
-                o.insert("blocks".into(), json!({ "kept": r.kept, "taken": r.taken }));
+                o.insert("blocks".into(), r.blocks_json());
                 rtt.insert(r.name.into(), Value::Object(o));
             }
             None => {
@@ -361,7 +412,7 @@ pub fn run(json_out: bool, iters: usize, pipelined: u64, rounds: usize) {
                 throughput.insert(
                     format!("{}_rounds", r.name),
                     json!({ "min": s.min, "median": s.median, "max": s.max,
-                            "blocks": { "kept": r.kept, "taken": r.taken } }),
+                            "blocks": r.blocks_json() }),
                 );
             }
         }
@@ -395,6 +446,7 @@ pub fn run(json_out: bool, iters: usize, pipelined: u64, rounds: usize) {
         "placement": {
             "floor_p50_ns": floor,
             "tolerance": PLACEMENT_TOLERANCE,
+            "max_other_cpu_share": max_other_load,
             "probe_p50_ns": probe_p50s,
         },
         "other_cpu_share": other_load,
@@ -418,6 +470,22 @@ struct Row {
     over_kvring: Vec<f64>,
     kept: usize,
     taken: usize,
+    kept_by: &'static str,
+    /// Of the kept blocks: other load, and preemptions.
+    other: Vec<f64>,
+    preempted: Vec<f64>,
+}
+
+impl Row {
+    fn blocks_json(&self) -> Value {
+        json!({
+            "kept": self.kept,
+            "taken": self.taken,
+            "kept_by": self.kept_by,
+            "other_cpu_share": spread_json(&self.other),
+            "preemptions": spread_json(&self.preempted),
+        })
+    }
 }
 
 fn print_table(rows: &[Row]) {
@@ -439,7 +507,7 @@ fn print_table(rows: &[Row]) {
             None => format!("{} M req/s", spread(&r.rounds, 2)),
         };
         eprintln!(
-            "{:<18} {:>9} {:>9}  {:<26} {:<20} {:<20} {:>2}/{}",
+            "{:<18} {:>9} {:>9}  {:<26} {:<20} {:<20} {:>2}/{}{}",
             r.name,
             p50,
             p99,
@@ -447,7 +515,12 @@ fn print_table(rows: &[Row]) {
             spread(&r.over_floor, 2),
             spread(&r.over_kvring, 2),
             r.kept,
-            r.taken
+            r.taken,
+            match r.kept_by {
+                "placement and load" => "",
+                "placement" => " (placement only)",
+                _ => " (all: none in the usual placement)",
+            }
         );
     }
 }
