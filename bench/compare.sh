@@ -31,7 +31,9 @@
 #   COMPARE_DIR default <repository>/target/compare
 #
 # With the defaults a comparison runs in about 6 minutes on a 2-core machine,
-# after the builds.
+# after the builds. The worktrees stay for the next comparison (which then
+# builds incrementally); `git worktree remove --force target/compare/old`
+# (and .../new) removes them.
 set -euo pipefail
 
 root=$(git rev-parse --show-toplevel)
@@ -47,7 +49,6 @@ dir=${COMPARE_DIR:-$root/target/compare}
 old_sha=$(git -C "$root" rev-parse --verify "$old_rev^{commit}")
 new_sha=$(git -C "$root" rev-parse --verify "$new_rev^{commit}")
 mkdir -p "$dir"
-git -C "$root" worktree prune
 
 say() { printf '%s\n' "$*" >&2; }
 
@@ -57,7 +58,9 @@ prepare() {
     if [ -e "$wt/.git" ]; then
         git -C "$wt" checkout -q --detach "$sha"
     else
-        git -C "$root" worktree add -q --detach "$wt" "$sha"
+        # -f: also when an earlier worktree there was deleted but is still
+        # registered.
+        git -C "$root" worktree add -q -f --detach "$wt" "$sha"
     fi
     if [ "${SEED:-1}" = 1 ] && [ ! -d "$wt/target/release" ] && [ -d "$root/target/release" ]; then
         say "$side: seeding $wt/target/release from $root/target/release"

@@ -6,9 +6,11 @@
 //! after every block. On a VM the two vCPUs move between placements (SMT
 //! siblings, near cores, far cores) that change every shared-memory figure by
 //! 2-3x, sometimes within seconds; a block whose two probes do not read the
-//! run's usual floor was taken in another placement and is left out. Every
-//! transport then has one figure per round, taken next to the others, and
-//! its ratios to the floor and to kvring are per round, with their spread.
+//! run's usual floor was taken in another placement and is left out, and so
+//! is one during which other processes took much of the machine (as long as
+//! a quieter block of that transport remains). Every transport then has one
+//! figure per round, taken next to the others, and its ratios to the floor
+//! and to kvring are per round, with their spread.
 
 use crate::iceoryx;
 use crate::peers;
