@@ -146,7 +146,7 @@ run_dir, benches = sys.argv[1], sys.argv[2:]
 # Leaves that are settings, counts or ranges, not figures.
 SKIP_KEYS = {"samples", "min", "max", "rounds", "kept", "taken", "tolerance",
              "iterations", "passes", "payload_bytes", "chunks", "chunks_per_job",
-             "copy_threads", "client", "server"}
+             "copy_threads", "client", "server", "max_other_cpu_share"}
 SKIP_PARTS = {"geometry", "block_round_trips", "pinned_cpus", "build", "transports"}
 
 def leaves(obj, path=()):
@@ -191,7 +191,9 @@ for bench in benches:
         print(f"{bench + '.' + name:<52} {cell(o, mo):>26} {cell(n, mn):>26} {ratio:>8.3f}")
     only = sorted(set().union(*old, *new) - set(names)) if old or new else []
     if only:
-        print(f"   (on one side only: {', '.join(only)})")
+        summary[f"{bench}.one_side_only"] = only
+        shown = ", ".join(only[:6]) + (", ..." if len(only) > 6 else "")
+        print(f"   ({len(only)} metrics on one side only, listed in summary.json: {shown})")
 with open(os.path.join(run_dir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=1)
 print(f"per-run JSON lines and summary.json: {run_dir}")
