@@ -208,9 +208,9 @@ fn build() -> Value {
     })
 }
 
-/// Which blocks a transport's figures come from: those taken in the usual
-/// placement with little other load; failing that, those in the usual
-/// placement; failing that, all.
+/// Which blocks the figures come from: those taken in the usual placement
+/// with little other load; failing that, those in the usual placement;
+/// failing that, all.
 const KEPT_BY: [&str; 3] = ["placement and load", "placement", "none"];
 
 pub fn run(json_out: bool, iters: usize, pipelined: u64, rounds: usize, max_other_load: f64) {
@@ -284,17 +284,29 @@ pub fn run(json_out: bool, iters: usize, pipelined: u64, rounds: usize, max_othe
     let steady = |p: f64| p <= floor * PLACEMENT_TOLERANCE && p >= floor / PLACEMENT_TOLERANCE;
     let placed = |b: &Block| steady(b.probes.0) && steady(b.probes.1);
     let quiet = |b: &Block| b.other.is_none_or(|o| o <= max_other_load);
-    let choose = |bs: &[Block]| -> (Vec<usize>, usize) {
-        let tests: [&dyn Fn(&Block) -> bool; 3] = [&|b| placed(b) && quiet(b), &placed, &|_| true];
-        for (level, test) in tests.iter().enumerate() {
-            let v: Vec<usize> = (0..bs.len()).filter(|&i| test(&bs[i])).collect();
-            if !v.is_empty() {
-                return (v, level);
-            }
-        }
-        (Vec::new(), KEPT_BY.len() - 1)
-    };
-    let chosen: Vec<(Vec<usize>, usize)> = blocks.iter().map(|bs| choose(bs)).collect();
+    // One filter for the whole run, so that every transport's figures and
+    // ratios come from blocks that passed the same test: the strictest that
+    // leaves every transport half its blocks, failing that one block.
+    let tests: [&dyn Fn(&Block) -> bool; 3] = [&|b| placed(b) && quiet(b), &placed, &|_| true];
+    let level = [rounds.div_ceil(2), 1]
+        .iter()
+        .find_map(|&need| {
+            tests.iter().position(|test| {
+                blocks
+                    .iter()
+                    .all(|bs| bs.iter().filter(|b| test(b)).count() >= need)
+            })
+        })
+        .unwrap_or(tests.len() - 1);
+    let chosen: Vec<(Vec<usize>, usize)> = blocks
+        .iter()
+        .map(|bs| {
+            (
+                (0..bs.len()).filter(|&i| tests[level](&bs[i])).collect(),
+                level,
+            )
+        })
+        .collect();
     // Per round: the median of its steady probes (of all, if none was).
     let round_floor: Vec<f64> = probes
         .iter()
@@ -383,6 +395,12 @@ pub fn run(json_out: bool, iters: usize, pipelined: u64, rounds: usize, max_othe
         });
     }
 
+    eprintln!(
+        "blocks kept by: {} (run floor p50 {floor:.0} ns, within {PLACEMENT_TOLERANCE}x; \
+         other load at most {:.0}%)",
+        KEPT_BY[level],
+        max_other_load * 100.0
+    );
     print_table(&rows);
     let row = |name: &str| rows.iter().find(|r| r.name == name).expect("row");
     let pooled = |name: &str| {
@@ -449,6 +467,7 @@ pub fn run(json_out: bool, iters: usize, pipelined: u64, rounds: usize, max_othe
             "floor_p50_ns": floor,
             "tolerance": PLACEMENT_TOLERANCE,
             "max_other_cpu_share": max_other_load,
+            "blocks_kept_by": KEPT_BY[level],
             "probe_p50_ns": probe_p50s,
         },
         "other_cpu_share": other_load,
