@@ -5,15 +5,15 @@
 //! pinned to its own CPU where the machine has two. Each peer runs in a
 //! forked child; the parent is single-threaded at every fork.
 
+mod iceoryx;
 mod jobs;
 mod kv;
 mod kv_cuda;
 mod peers;
+mod ring;
 mod stats;
 
 use clap::{Parser, Subcommand};
-use serde_json::json;
-use stats::Summary;
 
 #[derive(Parser)]
 #[command(
@@ -28,17 +28,27 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Round-trip latency of a 64-byte request and its response, and
-    /// pipelined throughput: floor, kvring (spin / futex), UDS, ZeroMQ, iceoryx2.
+    /// pipelined throughput: floor, kvring (spin / futex), UDS, ZeroMQ,
+    /// iceoryx2 (publish-subscribe and request-response), in interleaved
+    /// rounds bracketed by the floor.
     Ring {
         /// Print the JSON object (always the last line of stdout).
         #[arg(long)]
         json: bool,
-        /// Timed round trips per transport (after warm-up).
+        /// Timed round trips per transport over all rounds (after warm-up;
+        /// a quarter of it for the blocking transports).
         #[arg(long, default_value_t = 200_000)]
         iters: usize,
-        /// Requests for the pipelined throughput run.
+        /// Requests for the pipelined throughput run, over all rounds.
         #[arg(long, default_value_t = 5_000_000)]
         pipelined: u64,
+        /// Rounds; each runs a block of every transport.
+        #[arg(long, default_value_t = 5)]
+        rounds: usize,
+        /// Leave out blocks during which other processes used more than
+        /// this share of all CPUs (unless that leaves none).
+        #[arg(long, default_value_t = 0.25)]
+        max_other_load: f64,
     },
     /// Job status polls (a shared-memory read) while the server writes the
     /// slot, next to a status query as a kvring ring or ZeroMQ round trip;
@@ -107,7 +117,9 @@ fn main() {
             json,
             iters,
             pipelined,
-        } => ring(json, iters, pipelined),
+            rounds,
+            max_other_load,
+        } => ring::run(json, iters, pipelined, rounds, max_other_load),
         Cmd::Jobs { json, iters } => jobs::run(json, iters),
         Cmd::Kv {
             json,
@@ -143,72 +155,5 @@ fn main() {
             &backend,
             cuda_zero_copy_ctas,
         ),
-    }
-}
-
-/// Takes `n` round-trip samples (ns) of one transport.
-type Sampler = Box<dyn Fn(usize) -> Vec<u64>>;
-
-fn ring(json_out: bool, iters: usize, pipelined: u64) {
-    let (client_cpu, server_cpu) = peers::cpus();
-    eprintln!(
-        "pinning: client cpu {client_cpu:?}, server cpu {server_cpu:?}; {iters} round trips each"
-    );
-    let timer = Summary::of(peers::timer_overhead(iters));
-    let mut rtt = serde_json::Map::new();
-    let runs: Vec<(&str, Sampler)> = vec![
-        ("floor", Box::new(peers::floor)),
-        ("kvring_spin", Box::new(|n| peers::kvring_rtt(n, true))),
-        ("kvring_futex", Box::new(|n| peers::kvring_rtt(n, false))),
-        ("uds", Box::new(peers::uds)),
-        ("zmq", Box::new(peers::zmq)),
-        ("iceoryx2", Box::new(peers::iceoryx2)),
-    ];
-    let mut summaries = Vec::new();
-    for (name, run) in &runs {
-        // Blocking transports are ~100x slower per round trip: fewer iterations.
-        let n = if matches!(*name, "uds" | "zmq" | "kvring_futex") {
-            (iters / 4).max(1000)
-        } else {
-            iters
-        };
-        let s = Summary::of(run(n));
-        eprintln!(
-            "{name:>13}: p50 {:>7} ns  p99 {:>7} ns  ({} samples)",
-            s.p50, s.p99, s.n
-        );
-        rtt.insert(name.to_string(), s.to_json());
-        summaries.push((*name, s));
-    }
-    let mps = peers::kvring_pipelined(pipelined);
-    eprintln!("kvring_pipelined: {mps:.2} M requests/s");
-    let p50 = |n: &str| {
-        summaries
-            .iter()
-            .find(|(k, _)| *k == n)
-            .map(|(_, s)| s.p50 as f64)
-            .unwrap_or(f64::NAN)
-    };
-    let ratios = json!({
-        "kvring_spin_over_floor": p50("kvring_spin") / p50("floor"),
-        "kvring_futex_over_uds": p50("kvring_futex") / p50("uds"),
-        "kvring_spin_over_iceoryx2": p50("kvring_spin") / p50("iceoryx2"),
-        "kvring_spin_over_zmq": p50("kvring_spin") / p50("zmq"),
-    });
-    eprintln!("ratios (p50): {ratios}");
-    let out = json!({
-        "bench": "ring",
-        "payload_bytes": 64,
-        "iterations": iters,
-        "pinned_cpus": { "client": client_cpu, "server": server_cpu },
-        "timer_overhead_ns": timer.to_json(),
-        "rtt_ns": rtt,
-        "throughput_mps": { "kvring_pipelined": mps },
-        "ratios": ratios,
-    });
-    if json_out {
-        println!("{out}");
-    } else {
-        println!("{}", serde_json::to_string_pretty(&out).expect("json"));
     }
 }
