@@ -312,7 +312,7 @@ impl<'a> Acceptor<'a> {
                 });
                 match r {
                     Ok(inst) => reply(conn, Status::Ok, inst.id, "registered"),
-                    Err((status, text)) => reply(conn, status, 0, &text),
+                    Err(r) => reply(conn, r.status, 0, &r.reason),
                 }
             }
             Ok(BootKind::Unregister) => {

@@ -124,11 +124,30 @@ pub struct Registry {
     groups: HashMap<(u64, u32), Group>,
 }
 
-/// Why a registration was refused (status and text for the reply).
-pub type Refusal = (crate::proto::Status, String);
+/// Why a registration was refused: the status and the text of the reply.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{reason} ({status:?})")]
+pub struct Refusal {
+    pub status: crate::proto::Status,
+    pub reason: String,
+}
+
+impl Refusal {
+    pub fn new(status: crate::proto::Status, reason: impl Into<String>) -> Refusal {
+        Refusal {
+            status,
+            reason: reason.into(),
+        }
+    }
+
+    /// A registration that names something impossible (`InvalidArgument`).
+    pub fn invalid(reason: impl Into<String>) -> Refusal {
+        Refusal::new(crate::proto::Status::InvalidArgument, reason)
+    }
+}
 
 fn bad(text: impl Into<String>) -> Refusal {
-    (crate::proto::Status::InvalidArgument, text.into())
+    Refusal::invalid(text)
 }
 
 /// Maps `bytes` at `offset` of a sealed memfd, after checking the seal and
@@ -196,9 +215,9 @@ impl Registry {
             std::mem::size_of::<CudaRegion>()
         };
         if table.len() != req.n_tensors as usize * region_bytes {
-            return Err((
+            return Err(Refusal::new(
                 crate::proto::Status::Malformed,
-                "tensor table length differs from n_tensors".into(),
+                "tensor table length differs from n_tensors",
             ));
         }
         if req.world_size == 0 || req.world_size > MAX_WORLD_SIZE || req.rank >= req.world_size {
@@ -242,7 +261,7 @@ impl Registry {
                 })?;
                 tensors.push(
                     map_region(fd, r.offset, layout.tensor_bytes())
-                        .map_err(|(s, t)| (s, format!("tensor {i}: {t}")))?,
+                        .map_err(|r| Refusal::new(r.status, format!("tensor {i}: {}", r.reason)))?,
                 );
             }
             (tensors, None)

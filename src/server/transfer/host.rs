@@ -4,7 +4,6 @@
 use super::backend::{Backend, BackendKind, ChunkCopy, CopyError, CopyExecutor, Dir};
 use super::nt_copy;
 use crate::proto::kv::{CudaRegion, RegisterKv};
-use crate::proto::Status;
 use crate::server::registry::{DeviceMemory, DeviceOpener, Refusal};
 use std::os::fd::OwnedFd;
 
@@ -33,13 +32,10 @@ impl DeviceOpener for HostBackend {
         _regions: &[CudaRegion],
         _fds: &[OwnedFd],
     ) -> Result<DeviceMemory, Refusal> {
-        Err((
-            Status::InvalidArgument,
-            format!(
-                "device memory needs the CUDA backend; this server copies with the {} backend (kvring serve --backend cuda)",
-                self.name()
-            ),
-        ))
+        Err(Refusal::invalid(format!(
+            "device memory needs the CUDA backend; this server copies with the {} backend (kvring serve --backend cuda)",
+            self.name()
+        )))
     }
 }
 

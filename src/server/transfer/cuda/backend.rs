@@ -78,7 +78,7 @@ impl CudaBackend {
 }
 
 fn refuse(s: impl Into<String>) -> Refusal {
-    (Status::InvalidArgument, s.into())
+    Refusal::invalid(s)
 }
 
 impl Backend for CudaBackend {
