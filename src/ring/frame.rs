@@ -8,39 +8,35 @@
 
 use bytemuck::{Pod, Zeroable};
 
-/// Header of every frame in a request or completion ring.
-///
-/// Byte-level layout (little-endian, as the host writes it) is in
-/// `shm_layout.md`, table "Frame header".
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
-pub struct FrameHeader {
-    /// Payload bytes that follow the header (not counting padding).
-    pub len: u32,
-    /// Operation code (see `proto::Opcode`).
-    pub opcode: u16,
-    /// Operation-specific flags.
-    pub flags: u16,
-    /// Session tag of the client slot that wrote the request; echoed back in
-    /// its completion. A frame whose tag is not the slot's current session is
-    /// rejected, so a late write of a previous occupant is never served.
-    pub session: u32,
-    /// Completion status (0 = ok, otherwise a `proto::Status` code). Zero in
-    /// requests.
-    pub status: i32,
-    /// Caller's correlation value, echoed unchanged in the completion.
-    pub user_data: u64,
+crate::shm_struct::shm_struct! {
+    /// Header of every frame in a request or completion ring.
+    ///
+    /// Byte-level layout (little-endian, as the host writes it) is in
+    /// `shm_layout.md`, table "Frame header".
+    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+    pub struct FrameHeader {
+        /// Payload bytes that follow the header (not counting padding).
+        [0] pub len: u32,
+        /// Operation code (see `proto::Opcode`).
+        [4] pub opcode: u16,
+        /// Operation-specific flags ([`FrameFlags`]).
+        [6] pub flags: u16,
+        /// Session tag of the client slot that wrote the request; echoed back
+        /// in its completion. A frame whose tag is not the slot's current
+        /// session is rejected, so a late write of a previous occupant is
+        /// never served.
+        [8] pub session: u32,
+        /// Completion status (0 = ok, otherwise a `proto::Status` code). Zero
+        /// in requests.
+        [12] pub status: i32,
+        /// Caller's correlation value, echoed unchanged in the completion.
+        [16] pub user_data: u64,
+    }
 }
 
 const _: () = {
     assert!(core::mem::size_of::<FrameHeader>() == 24);
     assert!(core::mem::align_of::<FrameHeader>() == 8);
-    assert!(core::mem::offset_of!(FrameHeader, len) == 0);
-    assert!(core::mem::offset_of!(FrameHeader, opcode) == 4);
-    assert!(core::mem::offset_of!(FrameHeader, flags) == 6);
-    assert!(core::mem::offset_of!(FrameHeader, session) == 8);
-    assert!(core::mem::offset_of!(FrameHeader, status) == 12);
-    assert!(core::mem::offset_of!(FrameHeader, user_data) == 16);
 };
 
 bitflags::bitflags! {

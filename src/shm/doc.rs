@@ -83,14 +83,7 @@ pub fn field_tables() -> Vec<(&'static str, Vec<FieldRow>)> {
         rows::<AttachFds>(),
         rows::<UnregisterKv>(),
         rows::<RegisterReply>(),
-        field_table!(FrameHeader {
-            len,
-            opcode,
-            flags,
-            session,
-            status,
-            user_data
-        }),
+        rows::<FrameHeader>(),
         rows::<Hello>(),
         rows::<Welcome>(),
         rows::<Goodbye>(),
