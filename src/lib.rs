@@ -53,7 +53,11 @@ pub mod server;
 pub mod wait;
 
 #[cfg(not(loom))]
-pub use client::{Client, ClientOptions, Completion, HostKvCache, Instance, KvSpec};
+pub use client::{
+    Client, ClientBuilder, ClientOptions, Completion, DelayJob, DeviceUuid, HostKvCache,
+    IpcEventHandle, Job, KvSpec, Lease, LeaseId, Lookup, Memory, RawChannel, Registration,
+    Retrieve, Store,
+};
 #[cfg(not(loom))]
 pub use error::{Error, Result};
 #[cfg(not(loom))]

@@ -171,8 +171,8 @@ impl CudaKvCache {
         &self.layout
     }
 
-    pub fn device_uuid(&self) -> [u8; 16] {
-        self.ctx.info.uuid
+    pub fn device_uuid(&self) -> crate::DeviceUuid {
+        crate::DeviceUuid::from_bytes(self.ctx.info.uuid)
     }
 
     pub fn export(&self) -> Export {
@@ -401,8 +401,8 @@ impl IpcEvent {
     }
 
     /// The handle to send to the server.
-    pub fn handle(&self) -> [u8; 64] {
-        self.handle
+    pub fn handle(&self) -> crate::IpcEventHandle {
+        crate::IpcEventHandle::from_bytes(self.handle)
     }
 }
 
@@ -428,14 +428,17 @@ unsafe impl Send for ServerEvents {}
 
 impl ServerEvents {
     /// Opens the handles a `Client::job_events` call returned.
-    pub fn open(cache: &CudaKvCache, handles: &[[u8; 64]]) -> crate::Result<ServerEvents> {
+    pub fn open(
+        cache: &CudaKvCache,
+        handles: &[crate::IpcEventHandle],
+    ) -> crate::Result<ServerEvents> {
         cache.ctx.bind().map_err(crate::Error::Cuda)?;
         let mut events = Vec::with_capacity(handles.len());
         for h in handles {
             // SAFETY: a 64-byte handle as the driver defines it.
             let ev = unsafe {
                 let mut handle: sys::CUipcEventHandle = std::mem::zeroed();
-                for (d, s) in handle.reserved.iter_mut().zip(h) {
+                for (d, s) in handle.reserved.iter_mut().zip(h.as_bytes()) {
                     *d = *s as _;
                 }
                 let mut ev = std::ptr::null_mut();
