@@ -53,16 +53,19 @@ impl RawChannel<'_> {
     /// `RingError::TooLarge` when the payload exceeds the frame bound, and
     /// `RingError::Full` when the request ring or the completion credit is
     /// exhausted (consume completions and retry).
+    #[inline]
     pub fn enqueue(&mut self, op: Opcode, payload: &[u8], user_data: u64) -> Result<()> {
         self.c.enqueue(op, payload, user_data)
     }
 
     /// Publishes queued requests and wakes the server if it is parked.
+    #[inline]
     pub fn flush(&mut self) {
         self.c.flush()
     }
 
     /// Queues and publishes one request.
+    #[inline]
     pub fn submit(&mut self, op: Opcode, payload: &[u8], user_data: u64) -> Result<()> {
         self.c.submit(op, payload, user_data)
     }
@@ -72,6 +75,7 @@ impl RawChannel<'_> {
     /// as in flight like any request (reserving `completion_bound` credit, or
     /// a bare header for an unknown opcode); without it, nothing is expected
     /// back (a frame with a stale session tag is dropped by the server).
+    #[inline]
     pub fn submit_raw(
         &mut self,
         header: FrameHeader,
@@ -83,6 +87,7 @@ impl RawChannel<'_> {
 
     /// Takes one completion if there is one. Its payload is copied into
     /// `payload` (cleared first). Returns the header.
+    #[inline]
     pub fn poll_into(&mut self, payload: &mut Vec<u8>) -> Result<Option<FrameHeader>> {
         self.c.poll_into(payload)
     }
@@ -90,12 +95,14 @@ impl RawChannel<'_> {
     /// Waits for the next completion until `deadline`. Ends with
     /// `Error::Timeout` at the deadline and `Error::ServerGone` as soon as the
     /// server's end of the connection closes.
+    #[inline]
     pub fn wait_completion(&mut self, deadline: Instant) -> Result<Completion> {
         self.c.wait_completion(deadline)
     }
 
     /// [`RawChannel::wait_completion`] into a caller-owned buffer (no
     /// allocation once the buffer has grown).
+    #[inline]
     pub fn wait_into(&mut self, deadline: Instant, payload: &mut Vec<u8>) -> Result<FrameHeader> {
         self.c.wait_into(deadline, payload)
     }
@@ -108,6 +115,7 @@ impl RawChannel<'_> {
     /// When the wait times out the request stays in flight, abandoned: its
     /// completion is dropped when it arrives (and a job it created is
     /// released once it finishes), so the next call works as usual.
+    #[inline]
     pub fn call(&mut self, op: Opcode, payload: &[u8], deadline: Instant) -> Result<Vec<u8>> {
         self.c.call(op, payload, deadline)
     }
@@ -115,26 +123,39 @@ impl RawChannel<'_> {
     /// [`RawChannel::call`] for a request of any size up to the server's
     /// `max_request_bytes`: split over frames when it exceeds one, answered
     /// once.
+    #[inline]
     pub fn call_large(&mut self, op: Opcode, payload: &[u8], deadline: Instant) -> Result<Vec<u8>> {
         self.c.call_large(op, payload, deadline)
     }
 
+    /// Unregisters the KV cache the server knows by `instance`, whatever
+    /// this client holds (for fault tests: the [`super::Registration`]
+    /// handles are the way to unregister).
+    #[inline]
+    pub fn unregister(&mut self, instance: u32) -> Result<()> {
+        self.c.send_unregister(instance)
+    }
+
     /// Completion credit not reserved by in-flight requests (bytes).
+    #[inline]
     pub fn credits(&self) -> usize {
         self.c.credits
     }
 
     /// Requests submitted and not yet completed.
+    #[inline]
     pub fn in_flight(&self) -> usize {
         self.c.inflight.len()
     }
 
     /// Largest request payload one frame can carry.
+    #[inline]
     pub fn max_payload(&self) -> usize {
         self.c.req.max_payload()
     }
 
     /// The session tag the server gave this connection.
+    #[inline]
     pub fn session(&self) -> u32 {
         self.c.link.session
     }

@@ -413,7 +413,7 @@ impl Client {
         self.send_unregister(instance)
     }
 
-    fn send_unregister(&mut self, instance: u32) -> Result<()> {
+    pub(super) fn send_unregister(&mut self, instance: u32) -> Result<()> {
         let m = UnregisterKv {
             magic: BOOT_MAGIC,
             kind: BootKind::Unregister as u32,

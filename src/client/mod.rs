@@ -233,6 +233,7 @@ impl Client {
     }
 
     /// The ring level of this connection.
+    #[inline]
     pub fn raw(&mut self) -> RawChannel<'_> {
         RawChannel { c: self }
     }
@@ -255,6 +256,12 @@ impl Client {
     /// The options this client was connected with.
     pub fn options(&self) -> &ClientOptions {
         &self.opts
+    }
+
+    /// Changes how long synchronous requests wait for their answer, from
+    /// now on (the builder sets it at connect time).
+    pub fn set_call_timeout(&mut self, timeout: Duration) {
+        self.opts.call_timeout = timeout;
     }
 
     /// The segment as this client maps it.
