@@ -422,7 +422,9 @@ fn rank_main(role: &str, name: &str, dir: &std::path::Path) {
         let db: Vec<u32> = (8 * bpc as u32..16 * bpc as u32).collect();
         done30(c.retrieve(Retrieve::new(&finst, &lease, &db)).unwrap());
         // This rank's lookup also held the other rank's chunks.
-        c.end_lease(lease).unwrap();
+        let lease = lease.into_id();
+        c.end_lease_id(lease).unwrap();
+        c.release_job(lease.job()).unwrap();
         for (i, (h, b)) in hashes.iter().zip(db.chunks(bpc)).enumerate() {
             if let Err(e) = pattern::verify_chunk(&dst, rank, h, b, 0, 0x7e) {
                 panic!("rank {rank} on GPU {ordinal}, round {round}, chunk {i}: {e}");

@@ -177,7 +177,9 @@ fn tensor_parallel_ranks_on_two_devices_store_and_retrieve_concurrently() {
                         c.release_job(job).unwrap();
                         // This rank's own lookup also held the other rank's
                         // chunks: end it.
-                        c.end_lease(lease).unwrap();
+                        let lease = lease.into_id();
+                        c.end_lease_id(lease).unwrap();
+                        c.release_job(lease.job()).unwrap();
                         for (h, b) in hs.iter().zip(db.chunks(4)) {
                             pattern::verify_chunk(&fresh, rank, h, b, 0, 0xc3)
                                 .unwrap_or_else(|e| panic!("rank {rank} round {round}: {e}"));

@@ -317,8 +317,8 @@ fn retrieve_needs_a_lease_and_uses_it_once() {
         Status::NoLease,
     );
     assert_eq!(e.c.stats().unwrap().leases, 1);
-    let id = lease.id();
-    e.c.end_lease(lease).unwrap();
+    let id = lease.into_id();
+    e.c.end_lease_id(id).unwrap();
     assert_eq!(e.c.stats().unwrap().leases, 0);
     expect_status(e.c.end_lease_id(id), Status::NoLease);
 }

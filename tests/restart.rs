@@ -291,7 +291,9 @@ fn wedged_server_times_waits_out_and_resumes_with_nothing_lost_or_repeated() {
                         e.c.lookup(Lookup::new(model_id("restart"), 1, &hashes))
                             .unwrap();
                     let hits = lease.hits();
-                    e.c.end_lease(lease).unwrap();
+                    let lease = lease.into_id();
+                    e.c.end_lease_id(lease).unwrap();
+                    e.c.release_job(lease.job()).unwrap();
                     if hits == 4 {
                         break;
                     }

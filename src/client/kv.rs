@@ -88,6 +88,37 @@ pub enum Memory<'a> {
 /// once copies in flight have finished); if the client closes first, the
 /// server unregisters it with the connection. [`Client::unregister`] does it
 /// now. Keep the cache's memory alive at least as long as the registration.
+///
+/// # Examples
+///
+/// ```
+/// # use kvring::kv::{chunk_hashes, model_id, pattern, Dtype, KvLayout, KvLayoutKind, KvShape};
+/// # use kvring::{Client, HostKvCache, KvSpec, ServerConfig};
+/// # use std::time::{Duration, Instant};
+/// # let name = format!("doc-registration-{}", std::process::id());
+/// # let dir = std::env::temp_dir().join(&name);
+/// # let mut cfg = ServerConfig::new(&name);
+/// # cfg.runtime_dir = dir.clone();
+/// # cfg.kv.pool_bytes = 8 << 20;
+/// # cfg.kv.backend = kvring::server::BackendChoice::Host;
+/// # let server = kvring::server::start(cfg)?;
+/// # let mut client = Client::builder(&name).runtime_dir(&dir).connect()?;
+/// # let shape = KvShape { layers: 2, blocks: 64, block_tokens: 16, heads: 2, head_dim: 32 };
+/// # let layout = KvLayout::new(KvLayoutKind::FlashAttn, shape, Dtype::Bf16);
+/// # let cache = HostKvCache::new(layout, 256)?;
+/// # let deadline = Instant::now() + Duration::from_secs(10);
+/// let spec = KvSpec::new(model_id("doc-model"), 2, 0); // rank 0 of 2
+/// let reg = client.register_host(&spec, &cache)?;
+/// assert_eq!(reg.chunk_tokens(), 256);
+/// assert_eq!(reg.blocks_per_chunk(), 16);
+/// assert_eq!(client.stats()?.instances, 1);
+/// client.unregister(reg)?; // or drop it: unregistered with the next request
+/// assert_eq!(client.stats()?.instances, 0);
+/// # client.close();
+/// # server.stop();
+/// # std::fs::remove_dir_all(&dir)?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[must_use = "dropping a Registration unregisters the KV cache"]
 pub struct Registration {
     pub(super) id: u32,
@@ -154,14 +185,43 @@ fn payload(header: &impl bytemuck::Pod, parts: &[&[u8]]) -> Vec<u8> {
 ///
 /// # Examples
 ///
-/// ```no_run
-/// # fn f(client: &mut kvring::Client, reg: &kvring::Registration,
-/// #      hashes: &[kvring::kv::ChunkHash], blocks: &[u32],
-/// #      event: kvring::IpcEventHandle) -> kvring::Result<()> {
-/// use kvring::{kv::salt_id, Store};
+/// ```
+/// # use kvring::kv::{chunk_hashes, model_id, pattern, Dtype, KvLayout, KvLayoutKind, KvShape};
+/// # use kvring::{Client, HostKvCache, KvSpec, ServerConfig};
+/// # use std::time::{Duration, Instant};
+/// # let name = format!("doc-store-{}", std::process::id());
+/// # let dir = std::env::temp_dir().join(&name);
+/// # let mut cfg = ServerConfig::new(&name);
+/// # cfg.runtime_dir = dir.clone();
+/// # cfg.kv.pool_bytes = 8 << 20;
+/// # cfg.kv.backend = kvring::server::BackendChoice::Host;
+/// # let server = kvring::server::start(cfg)?;
+/// # let mut client = Client::builder(&name).runtime_dir(&dir).connect()?;
+/// # let shape = KvShape { layers: 2, blocks: 64, block_tokens: 16, heads: 2, head_dim: 32 };
+/// # let layout = KvLayout::new(KvLayoutKind::FlashAttn, shape, Dtype::Bf16);
+/// # let cache = HostKvCache::new(layout, 256)?;
+/// # let deadline = Instant::now() + Duration::from_secs(10);
+/// use kvring::jobs::JobStatus;
+/// use kvring::kv::salt_id;
+/// use kvring::{Lookup, Store};
 ///
-/// let job = client.store(Store::new(reg, hashes, blocks).salt(salt_id("tenant-a")).after(event))?;
-/// # Ok(()) }
+/// let reg = client.register_host(&KvSpec::new(model_id("doc-model"), 1, 0), &cache)?;
+/// let tokens: Vec<u32> = (0..512).collect();
+/// let hashes = chunk_hashes(&tokens, reg.chunk_tokens()); // 2 chunks
+/// let blocks: Vec<u32> = (0..2 * reg.blocks_per_chunk()).collect();
+/// let salt = salt_id(Some("tenant-a"));
+/// // (A GPU engine adds `.after(event.handle())`: the copies wait for its event.)
+/// let job = client.store(Store::new(&reg, &hashes, &blocks).salt(salt))?;
+/// match job.wait(deadline)? {
+///     JobStatus::Done(r) => assert_eq!((r.value, r.aux), (2, 0)), // present, no space
+///     other => panic!("{other:?}"),
+/// }
+/// let lease = client.lookup(Lookup::new(model_id("doc-model"), 1, &hashes).salt(salt))?;
+/// assert_eq!(lease.hits(), 2);
+/// # client.close();
+/// # server.stop();
+/// # std::fs::remove_dir_all(&dir)?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Clone, Copy, Debug)]
 #[must_use = "a request does nothing until submitted with Client::store"]
@@ -208,14 +268,51 @@ impl<'a> Store<'a> {
 ///
 /// # Examples
 ///
-/// ```no_run
-/// # fn f(client: &mut kvring::Client, reg: &kvring::Registration,
-/// #      lease: &kvring::Lease, blocks: &[u32]) -> kvring::Result<()> {
-/// use kvring::Retrieve;
+/// ```
+/// # use kvring::kv::{chunk_hashes, model_id, pattern, Dtype, KvLayout, KvLayoutKind, KvShape};
+/// # use kvring::{Client, HostKvCache, KvSpec, ServerConfig};
+/// # use std::time::{Duration, Instant};
+/// # let name = format!("doc-retrieve-{}", std::process::id());
+/// # let dir = std::env::temp_dir().join(&name);
+/// # let mut cfg = ServerConfig::new(&name);
+/// # cfg.runtime_dir = dir.clone();
+/// # cfg.kv.pool_bytes = 8 << 20;
+/// # cfg.kv.backend = kvring::server::BackendChoice::Host;
+/// # let server = kvring::server::start(cfg)?;
+/// # let mut client = Client::builder(&name).runtime_dir(&dir).connect()?;
+/// # let shape = KvShape { layers: 2, blocks: 64, block_tokens: 16, heads: 2, head_dim: 32 };
+/// # let layout = KvLayout::new(KvLayoutKind::FlashAttn, shape, Dtype::Bf16);
+/// # let cache = HostKvCache::new(layout, 256)?;
+/// # let deadline = Instant::now() + Duration::from_secs(10);
+/// use kvring::jobs::JobStatus;
+/// use kvring::{Lookup, Retrieve, Store};
 ///
-/// // Chunks 1.. of the lease; the first 16 tokens of chunk 1 are already there.
-/// let job = client.retrieve(Retrieve::new(reg, lease, blocks).first_chunk(1).skip_tokens(16))?;
-/// # Ok(()) }
+/// let reg = client.register_host(&KvSpec::new(model_id("doc-model"), 1, 0), &cache)?;
+/// let bpc = reg.blocks_per_chunk();
+/// let hashes = chunk_hashes(&(0..768).collect::<Vec<u32>>(), 256); // 3 chunks
+/// let stored: Vec<u32> = (0..3 * bpc).collect();
+/// for (h, b) in hashes.iter().zip(stored.chunks(bpc as usize)) {
+///     pattern::write_chunk(&cache, 0, h, b);
+/// }
+/// let job = client.store(Store::new(&reg, &hashes, &stored))?;
+/// assert!(matches!(job.wait(deadline)?, JobStatus::Done(_)));
+///
+/// let lease = client.lookup(Lookup::new(model_id("doc-model"), 1, &hashes))?;
+/// assert_eq!(lease.hits(), 3);
+/// // Chunks 1 and 2 of the lease into other blocks, leaving the first 16
+/// // tokens (one block) untouched: the engine still has them.
+/// cache.fill(0xa5);
+/// let fresh: Vec<u32> = (32..32 + 2 * bpc).collect();
+/// let job = client.retrieve(Retrieve::new(&reg, &lease, &fresh).first_chunk(1).skip_tokens(16))?;
+/// assert!(matches!(job.wait(deadline)?, JobStatus::Done(_)));
+/// for (i, (h, b)) in hashes[1..].iter().zip(fresh.chunks(bpc as usize)).enumerate() {
+///     let skip_blocks = if i == 0 { 1 } else { 0 };
+///     pattern::verify_chunk(&cache, 0, h, b, skip_blocks, 0xa5)?;
+/// }
+/// # client.close();
+/// # server.stop();
+/// # std::fs::remove_dir_all(&dir)?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Clone, Copy, Debug)]
 #[must_use = "a request does nothing until submitted with Client::retrieve"]

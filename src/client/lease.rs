@@ -5,11 +5,11 @@
 
 use super::connect::Link;
 use super::{jobs, Client, Release, Releases};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::jobs::{JobId, JobResult};
 use crate::kv::ChunkHash;
 use crate::proto::kv::{EndSessionRequest, FreeLocksRequest, LookupRequest};
-use crate::proto::Opcode;
+use crate::proto::{Opcode, Status};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -62,7 +62,7 @@ impl From<&Lease> for LeaseId {
 ///
 /// let tokens: Vec<u32> = (0..512).collect();
 /// let hashes = chunk_hashes(&tokens, 256);
-/// let req = Lookup::new(model_id("llama-3-8b"), 2, &hashes).salt(salt_id("tenant-a"));
+/// let req = Lookup::new(model_id("llama-3-8b"), 2, &hashes).salt(salt_id(Some("tenant-a")));
 /// # let _ = req;
 /// ```
 #[derive(Clone, Copy, Debug)]
@@ -104,6 +104,39 @@ impl<'a> Lookup<'a> {
 /// [`Client::end_lease_id`]).
 ///
 /// A lookup is answered inline, so `hits` is known when the lease is.
+///
+/// # Examples
+///
+/// ```
+/// # use kvring::kv::{chunk_hashes, model_id, pattern, Dtype, KvLayout, KvLayoutKind, KvShape};
+/// # use kvring::{Client, HostKvCache, KvSpec, ServerConfig};
+/// # use std::time::{Duration, Instant};
+/// # let name = format!("doc-lease-{}", std::process::id());
+/// # let dir = std::env::temp_dir().join(&name);
+/// # let mut cfg = ServerConfig::new(&name);
+/// # cfg.runtime_dir = dir.clone();
+/// # cfg.kv.pool_bytes = 8 << 20;
+/// # cfg.kv.backend = kvring::server::BackendChoice::Host;
+/// # let server = kvring::server::start(cfg)?;
+/// # let mut client = Client::builder(&name).runtime_dir(&dir).connect()?;
+/// # let shape = KvShape { layers: 2, blocks: 64, block_tokens: 16, heads: 2, head_dim: 32 };
+/// # let layout = KvLayout::new(KvLayoutKind::FlashAttn, shape, Dtype::Bf16);
+/// # let cache = HostKvCache::new(layout, 256)?;
+/// # let deadline = Instant::now() + Duration::from_secs(10);
+/// use kvring::{LeaseId, Lookup};
+///
+/// let hashes = chunk_hashes(&(0..512).collect::<Vec<u32>>(), 256);
+/// let lease = client.lookup(Lookup::new(model_id("doc-model"), 1, &hashes))?;
+/// assert_eq!(lease.hits(), 0); // nothing stored yet
+/// // Workers in other processes get the id as 16 bytes.
+/// let id = lease.id();
+/// assert_eq!(LeaseId::from_bytes(id.to_bytes()), id);
+/// client.end_lease(lease)?; // or drop it: ended with the next request
+/// # client.close();
+/// # server.stop();
+/// # std::fs::remove_dir_all(&dir)?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[must_use = "dropping a Lease ends it (its holds are freed)"]
 pub struct Lease {
     id: LeaseId,
@@ -203,10 +236,15 @@ impl Client {
     }
 
     /// Ends a lease now (the request is over): frees what it still holds,
-    /// marks its chunks recently used, and releases its lookup job.
+    /// marks its chunks recently used, and releases its lookup job. A lease
+    /// whose holds the retrieves took, every one, has ended already: that
+    /// is not an error here.
     pub fn end_lease(&mut self, lease: Lease) -> Result<()> {
         let id = lease.into_id();
-        self.send_end_lease(id)?;
+        match self.send_end_lease(id) {
+            Ok(()) | Err(Error::Status(Status::NoLease)) => {}
+            Err(e) => return Err(e),
+        }
         self.release_job(id.0)
     }
 

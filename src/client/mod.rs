@@ -172,22 +172,25 @@ impl Releases {
 /// use kvring::{Client, ServerConfig};
 /// use std::time::{Duration, Instant};
 ///
-/// let dir = tempfile::tempdir()?;
 /// let name = format!("doc-client-{}", std::process::id());
+/// let dir = std::env::temp_dir().join(&name);
 /// let mut cfg = ServerConfig::new(&name);
-/// cfg.dir = Some(dir.path().to_path_buf());
+/// cfg.runtime_dir = dir.clone();
+/// cfg.kv.pool_bytes = 8 << 20;
+/// cfg.kv.backend = kvring::server::BackendChoice::Host;
 /// let server = kvring::server::start(cfg)?;
 ///
 /// let mut client = Client::builder(&name)
-///     .runtime_dir(dir.path())
+///     .runtime_dir(&dir)
 ///     .call_timeout(Duration::from_secs(5))
 ///     .connect()?;
 /// let deadline = Instant::now() + Duration::from_secs(5);
 /// assert_eq!(client.ping(b"hello", deadline)?, b"hello");
-/// println!("chunk size: {} tokens", client.server_config()?.chunk_tokens);
+/// assert_eq!(client.server_config()?.chunk_tokens, 256);
 ///
 /// client.close();
 /// server.stop();
+/// std::fs::remove_dir_all(&dir)?;
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub struct Client {
