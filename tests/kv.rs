@@ -482,7 +482,7 @@ fn bad_requests_get_clear_errors_and_the_server_keeps_serving() {
     let mut bad = layout(KvLayoutKind::FlashAttn, 2, 16);
     bad.block_tokens = 48;
     match HostKvCache::new(bad, CHUNK) {
-        Err(Error::Config(m)) => assert!(m.contains("does not divide"), "{m}"),
+        Err(Error::InvalidArgument(m)) => assert!(m.contains("does not divide"), "{m}"),
         other => panic!("expected a chunk-size error, got {:?}", other.map(|_| ())),
     }
     let cache = HostKvCache::new(layout(KvLayoutKind::FlashAttn, 2, 16), 32).unwrap();
@@ -494,7 +494,7 @@ fn bad_requests_get_clear_errors_and_the_server_keeps_serving() {
         .c
         .register(&spec, l, Memory::Host(&regions), &[cache.fd()])
     {
-        Err(Error::Config(m)) => assert!(
+        Err(Error::InvalidArgument(m)) => assert!(
             m.contains("does not divide the server's chunk size of 64"),
             "{m}"
         ),

@@ -452,7 +452,7 @@ impl Client {
         saved
             .layout
             .validate(chunk_tokens)
-            .map_err(|e| Error::Config(format!("KV layout refused: {e}")))?;
+            .map_err(|e| Error::InvalidArgument(format!("KV layout refused: {e}")))?;
         let max_fds = crate::bootstrap::MAX_FDS;
         let (early, last) = fds.split_at(fds.len() - fds.len().min(max_fds));
         for batch in early.chunks(max_fds) {

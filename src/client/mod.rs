@@ -373,3 +373,14 @@ impl Drop for Client {
         let _ = self.link.conn.send(bytemuck::bytes_of(&g), &[]);
     }
 }
+
+// Handles move to the threads that wait on them; the client moves between
+// threads too (one at a time).
+const _: () = {
+    const fn send_sync<T: Send + Sync>() {}
+    const fn send<T: Send>() {}
+    send_sync::<Job>();
+    send_sync::<Lease>();
+    send_sync::<Registration>();
+    send::<Client>();
+};
