@@ -350,3 +350,40 @@ fn shutdown_fails_unfinished_jobs_and_wakes_their_waiting_owner() {
     term.join().unwrap();
     assert!(s.srv.terminate().success());
 }
+
+#[test]
+fn a_dropped_job_is_released_once_finished_and_a_handle_never_outlives_its_client() {
+    if child_main() {
+        return;
+    }
+    let s = Fixture::new("drop", Duration::from_secs(30), &[]);
+    let mut c = s.client();
+    // Dropped while running: it runs to its end, then the next request
+    // releases it.
+    let job = c.delay_job(delay(0, 100)).unwrap();
+    let id = job.id();
+    drop(job);
+    c.ping(b"", Instant::now() + Duration::from_secs(5))
+        .unwrap();
+    assert!(!c.job_status(id).unwrap().is_terminal());
+    let done = JobStatus::Done(JobResult { value: 42, aux: 7 });
+    assert_eq!(
+        c.wait_job(id, Instant::now() + Duration::from_secs(5))
+            .unwrap(),
+        done
+    );
+    c.ping(b"", Instant::now() + Duration::from_secs(5))
+        .unwrap();
+    assert_eq!(
+        c.job_status(id).unwrap(),
+        JobStatus::Tombstoned(Ok(JobResult { value: 42, aux: 7 }))
+    );
+    // A handle kept past its client's goodbye: the server has reclaimed the
+    // job, and the handle does not wait on a slot that is no longer its.
+    let job = c.delay_job(delay(0, 10_000)).unwrap();
+    drop(c);
+    assert!(matches!(
+        job.wait(Instant::now() + Duration::from_secs(5)),
+        Err(Error::ClientClosed)
+    ));
+}

@@ -633,3 +633,37 @@ fn a_request_over_the_servers_limit_is_refused_and_the_ring_goes_on() {
     assert_eq!(lookup(&mut c, 1, 0, fits).hits(), 0);
     assert_eq!(c.ping(b"after", far()).unwrap(), b"after");
 }
+
+#[test]
+fn dropped_handles_release_what_they_hold_with_the_next_request() {
+    let s = Fixture::new("drop", Duration::from_secs(30), &KV_SERVER_ARGS);
+    let mut e = Engine::new(&s, layout(KvLayoutKind::FlashAttn, 2, 64), 1, 0);
+    let hashes = prompt_hashes(12, 2);
+    let blocks = e.blocks(0, 2);
+    e.write(&hashes, &blocks);
+    // A finished store: released with the next request.
+    let job = e.c.store(Store::new(&e.inst, &hashes, &blocks)).unwrap();
+    let id = job.id();
+    assert!(matches!(job.wait(far()).unwrap(), JobStatus::Done(_)));
+    drop(job);
+    let lease = lookup(&mut e.c, 1, 0, &hashes);
+    assert!(matches!(
+        e.c.job_status(id).unwrap(),
+        JobStatus::Tombstoned(Ok(_))
+    ));
+    // A lease with its holds: ended (and its lookup job released) with the
+    // next request.
+    let lookup_job = lease.id().job();
+    assert_eq!(e.c.stats().unwrap().leases, 1);
+    drop(lease);
+    assert_eq!(e.c.stats().unwrap().leases, 0);
+    assert!(matches!(
+        e.c.job_status(lookup_job).unwrap(),
+        JobStatus::Tombstoned(Ok(_))
+    ));
+    // A registration: unregistered with the next request.
+    assert_eq!(e.c.stats().unwrap().instances, 1);
+    let Engine { inst, mut c, .. } = e;
+    drop(inst);
+    assert_eq!(c.stats().unwrap().instances, 0);
+}

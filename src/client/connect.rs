@@ -11,7 +11,7 @@ use crate::ring::{Consumer, Producer, RingPtrs};
 use crate::rundir::ServerPaths;
 use crate::segment::ClientSegment;
 use crate::wait::{Parking, WaitPolicy};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -30,6 +30,10 @@ pub(crate) struct Link {
     /// When the server's liveness was last checked by a job status read
     /// (`liveness::monotonic_ns`).
     alive_checked_ns: AtomicU64,
+    /// Set when the client said goodbye: the server may give this slot to
+    /// another client, so handles that outlive the client no longer write
+    /// to the slot's block (no parked waits, no heartbeats).
+    closed: AtomicBool,
 }
 
 /// How often a status poll that reads a non-terminal state also checks that
@@ -62,6 +66,22 @@ impl Link {
             }
             // A rate limit only: Relaxed.
             self.alive_checked_ns.store(now, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// Marks the connection closed (the client is saying goodbye).
+    pub fn close(&self) {
+        // Release: pairs with the Acquire in `check_open`; the goodbye that
+        // lets the server reuse the slot is sent after this store.
+        self.closed.store(true, Ordering::Release);
+    }
+
+    /// `Err(ClientClosed)` once the client said goodbye.
+    pub fn check_open(&self) -> Result<()> {
+        // Acquire: pairs with the Release in `close`.
+        if self.closed.load(Ordering::Acquire) {
+            return Err(Error::ClientClosed);
         }
         Ok(())
     }
@@ -158,6 +178,7 @@ pub(super) fn connect(paths: &ServerPaths, opts: &ClientOptions) -> Result<Clien
         epoch: w.epoch,
         wait: opts.wait,
         alive_checked_ns: AtomicU64::new(crate::liveness::monotonic_ns()),
+        closed: AtomicBool::new(false),
     });
     let g = info.geometry;
     let seg = &link.seg;

@@ -105,9 +105,9 @@ impl Job {
     }
 
     /// Waits until the job is terminal and returns its status. Ends with
-    /// `Error::Timeout` (the time waited) at the deadline and
+    /// `Error::Timeout` (the time waited) at the deadline,
     /// `Error::ServerGone` as soon as the server's end of the connection
-    /// closes.
+    /// closes, and `Error::ClientClosed` when the handle outlived its client.
     pub fn wait(&self, deadline: Instant) -> Result<JobStatus> {
         wait_job(&self.link, self.id, deadline)
     }
@@ -289,6 +289,7 @@ pub(super) fn outcome(st: JobStatus) -> Result<JobResult> {
 }
 
 pub(super) fn wait_job(link: &Link, id: JobId, deadline: Instant) -> Result<JobStatus> {
+    link.check_open()?;
     link.touch();
     let reader = link.seg.mapping.job_reader();
     let st = reader.status(id)?;

@@ -370,6 +370,7 @@ impl Drop for Client {
             kind: BootKind::Goodbye as u32,
             _reserved: 0,
         };
+        self.link.close();
         let _ = self.link.conn.send(bytemuck::bytes_of(&g), &[]);
     }
 }
