@@ -6,6 +6,7 @@ use std::time::Duration;
 
 /// kvring's error type.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     #[error(
         "invalid server name {0:?}: use 1-64 characters from [A-Za-z0-9_.-], not starting with '.'"
@@ -47,6 +48,11 @@ pub enum Error {
     Refused(Status),
     #[error("the server is gone (its process exited or closed the connection)")]
     ServerGone,
+    /// A wait reached its deadline; the span is how long it waited.
+    /// A handle was used after its client closed (the server reclaimed
+    /// what the connection held).
+    #[error("the client this handle belongs to was closed")]
+    ClientClosed,
     #[error("timed out after {0:?}")]
     Timeout(Duration),
     #[error(transparent)]
@@ -60,18 +66,47 @@ pub enum Error {
     Protocol(String),
     #[error("the server answered {0}")]
     Status(Status),
+    /// A status code this library does not know (a newer server's), kept
+    /// as sent.
+    #[error("the server answered status code {0}, unknown to this library")]
+    UnknownStatus(i32),
+    /// An argument the library refuses before sending anything (a block
+    /// list that does not match the chunks, a delay beyond the bound, ...).
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// A synchronous request while other requests wait for their
+    /// completions (completions arrive in order: consume them first).
+    #[error(
+        "synchronous {op:?} while {in_flight} requests are in flight; consume their completions first"
+    )]
+    CallInFlight {
+        op: crate::proto::Opcode,
+        in_flight: usize,
+    },
     #[error("bad configuration: {0}")]
     Config(String),
     #[error("registration refused ({status}): {reason}")]
     Registration { status: Status, reason: String },
     #[error("CUDA: {0}")]
     Cuda(String),
+    /// A job this call waited on failed (a lookup, say).
+    #[error("the job failed: {0}")]
+    JobFailed(crate::jobs::FailReason),
     #[error("job table: {0}")]
     JobTable(#[from] crate::jobs::ReadError),
 }
 
 /// kvring's result type.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// The error for a nonzero status code: `Status` when this library knows
+/// the code, `UnknownStatus` (the raw code) when it does not.
+pub(crate) fn status(code: i32) -> Error {
+    match Status::decode(code).ok() {
+        Some(s) => Error::Status(s),
+        None => Error::UnknownStatus(code),
+    }
+}
 
 /// Wraps an I/O error with what was being done.
 pub(crate) fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> Error {

@@ -20,13 +20,11 @@
 //!   addresses only memory it mapped.
 
 use crate::jobs::{JobId, JobStatus};
-use crate::kv::{KvLayout, KvLayoutKind};
+use crate::kv::{Dtype, KvLayout, KvLayoutKind, KvShape};
 use crate::proto::kv::{RegisterKv, TensorRegion};
 use crate::proto::{Opcode, Status};
 use crate::ring::heap::HeapRing;
-use crate::ring::{
-    frame_bytes, Consumer, FrameFlags, FrameHeader, RingError, FLAG_MORE, HEADER_BYTES,
-};
+use crate::ring::{frame_bytes, Consumer, FrameFlags, FrameHeader, RingError, HEADER_BYTES};
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::sync::{Mutex, OnceLock};
@@ -175,7 +173,11 @@ fn modelled_ring(ring: &HeapRing, inp: &mut Input) {
                 serial += 1;
                 let h = FrameHeader {
                     opcode: inp.u16(),
-                    flags: if inp.u8() % 2 == 0 { 0 } else { FLAG_MORE },
+                    flags: if inp.u8() % 2 == 0 {
+                        0
+                    } else {
+                        FrameFlags::MORE.bits()
+                    },
                     session: 7,
                     user_data: serial,
                     ..Default::default()
@@ -227,7 +229,7 @@ fn modelled_ring(ring: &HeapRing, inp: &mut Input) {
 /// The in-process server and client [`requests`] talks to.
 struct RequestTarget {
     client: crate::Client,
-    instance: crate::Instance,
+    instance: crate::Registration,
     _cache: crate::HostKvCache,
     _server: crate::ServerHandle,
 }
@@ -257,10 +259,16 @@ fn request_target() -> &'static Mutex<RequestTarget> {
         cfg.kv.max_request_bytes = 256 << 10;
         cfg.kv.backend = crate::server::BackendChoice::Host;
         let server = crate::server::start(cfg).expect("in-process server");
-        let mut client = crate::Client::connect_in(&dir, &format!("fuzz-{pid}")).expect("connect");
+        let mut client = crate::Client::builder(&format!("fuzz-{pid}"))
+            .runtime_dir(&dir)
+            .connect()
+            .expect("connect");
         let cache = crate::HostKvCache::new(fuzz_layout(), 32).expect("cache");
         let instance = client
-            .register_host_cache(crate::kv::model_id("fuzz"), 1, 0, &cache)
+            .register_host(
+                &crate::KvSpec::new(crate::kv::model_id("fuzz"), 1, 0),
+                &cache,
+            )
             .expect("register");
         Mutex::new(RequestTarget {
             client,
@@ -301,16 +309,14 @@ fn sweep_dead_targets() {
 }
 
 fn fuzz_layout() -> KvLayout {
-    KvLayout {
-        kind: KvLayoutKind::FlashAttn as u32,
-        num_layers: 2,
-        num_blocks: 16,
+    let shape = KvShape {
+        layers: 2,
+        blocks: 16,
         block_tokens: 16,
-        num_heads: 1,
+        heads: 1,
         head_dim: 16,
-        elem_bytes: 2,
-        _reserved: 0,
-    }
+    };
+    KvLayout::new(KvLayoutKind::FlashAttn, shape, Dtype::Bf16)
 }
 
 /// Any frames submitted to a live server: each answered once with a known
@@ -319,8 +325,8 @@ pub fn requests(data: &[u8]) {
     let mut t = request_target().lock().unwrap_or_else(|e| e.into_inner());
     let t = &mut *t;
     let c = &mut t.client;
-    let session = c.session();
-    let max = c.max_payload();
+    let session = c.raw().session();
+    let max = c.raw().max_payload();
     let mut inp = Input(data);
     let mut jobs: Vec<JobId> = Vec::new();
     let mut serial = 0u64;
@@ -336,7 +342,7 @@ pub fn requests(data: &[u8]) {
             inp.u16()
         };
         let flags = match inp.u8() % 8 {
-            0 => FLAG_MORE,
+            0 => FrameFlags::MORE.bits(),
             1 => inp.u16(),
             _ => 0,
         };
@@ -347,14 +353,14 @@ pub fn requests(data: &[u8]) {
         // Point requests at the registered instance, and keep delay jobs
         // short, so inputs reach the deep paths and end quickly.
         if fix & 1 != 0 {
-            let id = t.instance.id.to_le_bytes();
-            match Opcode::from_u16(opcode) {
+            let id = t.instance.id().to_le_bytes();
+            match Opcode::decode(opcode).ok() {
                 Some(Opcode::Store) if len >= 4 => payload[..4].copy_from_slice(&id),
                 Some(Opcode::Retrieve) if len >= 20 => payload[16..20].copy_from_slice(&id),
                 _ => {}
             }
         }
-        if Opcode::from_u16(opcode) == Some(Opcode::DelayJob) && len >= 24 {
+        if Opcode::decode(opcode).ok() == Some(Opcode::DelayJob) && len >= 24 {
             for w in 0..3 {
                 let v = u64::from_le_bytes(payload[w * 8..w * 8 + 8].try_into().unwrap()) % 2000;
                 payload[w * 8..w * 8 + 8].copy_from_slice(&v.to_le_bytes());
@@ -381,11 +387,13 @@ pub fn requests(data: &[u8]) {
         }
         let gathered = std::mem::take(&mut pieces);
         let done = c
+            .raw()
             .wait_completion(deadline())
             .expect("every request is answered");
-        let status = Status::from_i32(done.status)
+        let status = Status::decode(done.status)
+            .ok()
             .unwrap_or_else(|| panic!("unknown status {} for opcode {opcode}", done.status));
-        let op = Opcode::from_u16(opcode);
+        let op = Opcode::decode(opcode).ok();
         if op.is_none() {
             // (Pieces of a request that break the rules are refused first.)
             let want = [Status::UnknownOpcode, Status::BadLength];
@@ -414,9 +422,10 @@ pub fn requests(data: &[u8]) {
         b"end",
         true,
     );
-    c.wait_completion(deadline())
+    c.raw()
+        .wait_completion(deadline())
         .expect("the closing frame is answered");
-    assert_eq!(c.ping(b"alive", Duration::from_secs(10)).unwrap(), b"alive");
+    assert_eq!(c.ping(b"alive", deadline()).unwrap(), b"alive");
     // Every job of the input ends (the longest delay job is 4 ms).
     for id in jobs {
         match c.wait_job(id, deadline()) {
@@ -436,7 +445,7 @@ pub fn requests(data: &[u8]) {
 fn submit(c: &mut crate::Client, h: FrameHeader, payload: &[u8], answered: bool) {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        match c.submit_raw(h, payload, answered) {
+        match c.raw().submit_raw(h, payload, answered) {
             Ok(()) => return,
             Err(crate::Error::Ring(RingError::Full { .. })) if Instant::now() < deadline => {
                 std::thread::sleep(Duration::from_micros(50));

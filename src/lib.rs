@@ -1,61 +1,73 @@
-//! kvring: a node-local KV-cache runtime. Inference engine processes and one
-//! cache server on the same host talk through lock-free request and
-//! completion rings in POSIX shared memory.
+//! kvring: a node-local KV-cache runtime. Inference engine processes (an
+//! engine's scheduler and each GPU worker) and one cache server on the same
+//! host talk through lock-free request and completion rings in POSIX shared
+//! memory; KV blocks move between the engines' paged caches and the
+//! server's pool by the server's own copies, never through the rings.
 //!
-//! Module map (see README.md for the picture):
+//! An engine uses [`Client`]: connect, register its KV cache once
+//! ([`Registration`]), then [`Lookup`] (a [`Lease`] on the hits), [`Store`]
+//! and [`Retrieve`] (each a [`Job`]). Handles release what they hold when
+//! dropped. `examples/engine.rs` is a whole engine in one file.
+//!
+//! Module map (README.md has the picture):
 //! * [`ring`]: the SPSC frame ring (producer, consumer, frame header);
+//! * [`shm`] and [`shm_struct`]: the segment's byte layout, each shared
+//!   struct declared once (`shm_layout.md` in tables);
+//! * [`wire`] and [`proto`]: wire enums declared once; opcodes, status
+//!   codes, requests, replies and bootstrap messages;
 //! * [`jobs`]: the job table (slots, seqlock, state machine, ids);
-//! * [`shm`]: the segment's byte layout (`shm_layout.md` in tables);
 //! * [`segment`]: creating, attaching and replacing the segment;
 //! * [`wait`] and [`futex`]: spin, yield, then a shared futex, with deadlines;
 //! * [`liveness`]: locks, pidfds and start times that prove a process alive;
-//! * [`bootstrap`]: the Unix socket, credentials and descriptor passing;
-//! * [`proto`]: opcodes, status codes and bootstrap messages;
-//! * [`server`] and [`client`]: the two ends.
+//! * [`bootstrap`] and [`rundir`]: the Unix socket, credentials and
+//!   descriptor passing; server names and paths;
+//! * [`kv`]: KV cache geometry, chunk objects and chunk hashes;
+//! * [`device`]: device UUIDs and IPC event handles;
+//! * `gpu` (feature `cuda`): one safe RAII layer over the CUDA driver;
+//! * [`client`] and [`server`]: the two ends;
+//! * [`inspect`]: a read-only snapshot of a segment and its anomalies;
+//! * [`error`]: the public error type.
 
+/// Items compiled only outside the loom model check (which builds just the
+/// ring, the job table and what they use).
+macro_rules! not_loom {
+    ($($item:item)*) => { $( #[cfg(not(loom))] $item )* };
+}
+
+pub mod jobs;
+pub mod ring;
 pub mod shm_struct;
 pub(crate) mod sync;
 pub mod wire;
 
-pub mod jobs;
-pub mod ring;
+not_loom! {
+    pub mod bootstrap;
+    pub mod client;
+    pub mod device;
+    pub mod error;
+    pub mod futex;
+    pub mod inspect;
+    pub mod kv;
+    pub mod liveness;
+    pub mod proto;
+    pub mod rundir;
+    pub mod segment;
+    pub mod server;
+    pub mod shm;
+    pub mod wait;
 
-#[cfg(not(loom))]
-pub mod bootstrap;
-#[cfg(not(loom))]
-pub mod client;
-#[cfg(not(loom))]
-#[cfg(not(loom))]
-pub mod error;
-#[cfg(not(loom))]
-pub mod futex;
+    pub use client::{
+        Client, ClientBuilder, ClientOptions, Completion, DelayJob, HostKvCache, Job, KvSpec,
+        Lease, LeaseId, Lookup, Memory, RawChannel, Registration, Retrieve, Store,
+    };
+    pub use device::{DeviceUuid, IpcEventHandle};
+    pub use error::{Error, Result};
+    pub use server::{ServerConfig, ServerHandle};
+}
+
+#[cfg(all(feature = "cuda", not(loom)))]
+pub mod gpu;
+
 #[cfg(all(not(loom), feature = "fuzzing"))]
 #[doc(hidden)]
 pub mod fuzz;
-#[cfg(all(feature = "cuda", not(loom)))]
-pub mod gpu;
-#[cfg(not(loom))]
-pub mod inspect;
-#[cfg(not(loom))]
-pub mod kv;
-#[cfg(not(loom))]
-pub mod liveness;
-#[cfg(not(loom))]
-pub mod proto;
-#[cfg(not(loom))]
-pub mod rundir;
-#[cfg(not(loom))]
-pub mod segment;
-#[cfg(not(loom))]
-pub mod server;
-#[cfg(not(loom))]
-pub mod shm;
-#[cfg(not(loom))]
-pub mod wait;
-
-#[cfg(not(loom))]
-pub use client::{Client, ClientOptions, Completion, HostKvCache, Instance, KvSpec};
-#[cfg(not(loom))]
-pub use error::{Error, Result};
-#[cfg(not(loom))]
-pub use server::{ServerConfig, ServerHandle};

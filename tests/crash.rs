@@ -9,23 +9,26 @@ mod common;
 
 use common::*;
 use kvring::jobs::JobStatus;
-use kvring::kv::{chunk_hashes, model_id, pattern, KvLayout, KvLayoutKind};
-use kvring::proto::{DelayJobRequest, Opcode};
+use kvring::kv::{chunk_hashes, model_id, pattern, Dtype, KvLayout, KvLayoutKind, KvShape};
+use kvring::proto::Opcode;
 use kvring::shm::SlotState;
+use kvring::{DelayJob, KvSpec, Lookup, Retrieve, Store};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 fn layout() -> KvLayout {
-    KvLayout {
-        kind: KvLayoutKind::FlashAttn as u32,
-        num_layers: 2,
-        num_blocks: 256,
+    let shape = KvShape {
+        layers: 2,
+        blocks: 256,
         block_tokens: 16,
-        num_heads: 2,
+        heads: 2,
         head_dim: 64,
-        elem_bytes: 2,
-        _reserved: 0,
-    }
+    };
+    KvLayout::new(KvLayoutKind::FlashAttn, shape, Dtype::Bf16)
+}
+
+fn spec() -> KvSpec {
+    KvSpec::new(model_id("crash"), 1, 0)
 }
 
 fn tokens(seed: u32, chunks: u32) -> Vec<u32> {
@@ -39,47 +42,47 @@ fn child_main() -> bool {
     let Some((role, name, dir)) = child_role() else {
         return false;
     };
-    let mut c = kvring::Client::connect_in(&dir, &name).expect("child connect");
+    let mut c = kvring::Client::builder(&name)
+        .runtime_dir(&dir)
+        .connect()
+        .expect("child connect");
     let cache = kvring::HostKvCache::new(layout(), 64).unwrap();
     match role.as_str() {
         // A frame written but not published, and garbage after it.
         "mid-message" => {
-            c.enqueue(Opcode::Ping, &[7; 500], 1).unwrap();
+            c.raw().enqueue(Opcode::Ping, &[7; 500], 1).unwrap();
             tell_parent("ready");
         }
         // Killed around its registration.
         "registering" => {
             tell_parent("ready");
-            let _ = c.register_host_cache(model_id("crash"), 1, 0, &cache);
+            let _ = c.register_host(&spec(), &cache);
         }
         // Stores of many chunks in flight.
         "storing" => {
-            let inst = c
-                .register_host_cache(model_id("crash"), 1, 0, &cache)
-                .unwrap();
+            let inst = c.register_host(&spec(), &cache).unwrap();
             let h = chunk_hashes(&tokens(std::process::id(), 64), 64);
             let b: Vec<u32> = (0..256).collect();
-            let _ = c.store(&inst, 0, &h, &b).unwrap();
+            let _ = c.store(Store::new(&inst, &h, &b)).unwrap();
             tell_parent("ready");
         }
         // Leases on the honest engine's chunks.
         "leasing" => {
             let h = chunk_hashes(&tokens(1, 8), 64);
-            let id = c.lookup(model_id("crash"), 1, 0, &h).unwrap();
-            c.wait_job(id, Instant::now() + Duration::from_secs(5))
-                .unwrap();
+            // Held until this process is killed.
+            let _ = c
+                .lookup(Lookup::new(model_id("crash"), 1, &h))
+                .unwrap()
+                .into_id();
             tell_parent("ready");
         }
         // Parked in a wait for a long job.
         "waiting" => {
-            let id = c
-                .submit_delay_job(&DelayJobRequest {
-                    running_us: 60_000_000,
-                    ..Default::default()
-                })
+            let job = c
+                .delay_job(DelayJob::new(Duration::ZERO, Duration::from_secs(60)))
                 .unwrap();
             tell_parent("ready");
-            let _ = c.wait_job(id, Instant::now() + Duration::from_secs(60));
+            let _ = job.wait(Instant::now() + Duration::from_secs(60));
         }
         other => panic!("unknown role {other}"),
     }
@@ -92,31 +95,26 @@ fn killed_clients_are_reclaimed_and_nothing_leaks() {
     if child_main() {
         return;
     }
-    let _w = watchdog(Duration::from_secs(120));
-    let s = Scope::new("crash");
-    let _srv = s.server(&["--chunk-tokens", "64", "--pool-bytes", "256MiB"]);
+    let s = Fixture::new(
+        "crash",
+        Duration::from_secs(120),
+        &["--chunk-tokens", "64", "--pool-bytes", "256MiB"],
+    );
     // The honest engine: 8 chunks stored, verified after every kill.
     let mut good = s.client();
     let cache = kvring::HostKvCache::new(layout(), 64).unwrap();
-    let inst = good
-        .register_host_cache(model_id("crash"), 1, 0, &cache)
-        .unwrap();
+    let inst = good.register_host(&spec(), &cache).unwrap();
     let fresh = kvring::HostKvCache::new(layout(), 64).unwrap();
-    let finst = good
-        .register_host_cache(model_id("crash"), 1, 0, &fresh)
-        .unwrap();
+    let finst = good.register_host(&spec(), &fresh).unwrap();
     let hashes = chunk_hashes(&tokens(1, 8), 64);
     let blocks: Vec<u32> = (0..32).collect();
     for (h, b) in hashes.iter().zip(blocks.chunks(4)) {
         pattern::write_chunk(&cache, 0, h, b);
     }
     let far = || Instant::now() + Duration::from_secs(10);
-    let id = good.store(&inst, 0, &hashes, &blocks).unwrap();
-    assert!(matches!(
-        good.wait_job(id, far()).unwrap(),
-        JobStatus::Done(_)
-    ));
-    good.release_job(id).unwrap();
+    let job = good.store(Store::new(&inst, &hashes, &blocks)).unwrap();
+    assert!(matches!(job.wait(far()).unwrap(), JobStatus::Done(_)));
+    good.release_job(job).unwrap();
 
     let ro = kvring::segment::ReadOnlySegment::open(&s.name).unwrap();
     let h = ro.mapping.header();
@@ -159,16 +157,18 @@ fn killed_clients_are_reclaimed_and_nothing_leaks() {
         let st = good.stats().unwrap();
         assert_eq!(st.leases, 0, "iteration {it} ({role})");
         assert_eq!(st.instances, 2, "iteration {it} ({role})");
-        let lease = good.lookup(model_id("crash"), 1, 0, &hashes).unwrap();
-        good.wait_job(lease, far()).unwrap();
-        good.release_job(lease).unwrap();
+        // The retrieve takes the lease's holds; its lookup job goes now.
+        let lease = good
+            .lookup(Lookup::new(model_id("crash"), 1, &hashes))
+            .unwrap()
+            .into_id();
+        good.release_job(lease.job()).unwrap();
         fresh.fill(0xcc);
-        let id = good.retrieve(&finst, lease, 0, &blocks, 0).unwrap();
-        assert!(matches!(
-            good.wait_job(id, far()).unwrap(),
-            JobStatus::Done(_)
-        ));
-        good.release_job(id).unwrap();
+        let job = good
+            .retrieve(Retrieve::new(&finst, lease, &blocks))
+            .unwrap();
+        assert!(matches!(job.wait(far()).unwrap(), JobStatus::Done(_)));
+        good.release_job(job).unwrap();
         for (hh, b) in hashes.iter().zip(blocks.chunks(4)) {
             pattern::verify_chunk(&fresh, 0, hh, b, 0, 0xcc)
                 .unwrap_or_else(|e| panic!("iteration {it} ({role}): {e}"));

@@ -6,78 +6,59 @@
 //! transfers run next to a stream of telemetry (STATS and the inspector)
 //! under a watchdog.
 //!
-//! Without a usable GPU (CI) every test prints why and returns; without the
-//! `cuda` feature there is nothing to test.
-#![cfg(feature = "cuda")]
+//! Every test is `#[ignore]`d: a machine without a GPU reports them as
+//! ignored; on a GPU machine run them with `--include-ignored` (where they
+//! fail, saying so, if no GPU is usable).
 
 mod common;
 
 use common::*;
 use kvring::client::cuda_cache::{CudaKvCache, EngineStream, Export, IpcEvent};
-use kvring::jobs::{JobId, JobResult, JobStatus};
+use kvring::jobs::{JobResult, JobStatus};
 use kvring::kv::pattern::{self, Slabs};
 use kvring::kv::{chunk_hashes, model_id, ChunkHash, KvLayout, KvLayoutKind};
-use kvring::{Client, Instance};
+use kvring::{Client, Job, KvSpec, Lookup, Registration, Retrieve, Store};
 use std::time::{Duration, Instant};
 
-const CHUNK: u32 = 64;
+/// Why every test here is ignored by default.
+const NEEDS_GPU: &str = "needs an NVIDIA GPU (run with --include-ignored on a GPU machine)";
 
-fn gpu() -> bool {
+/// Fails the test, saying why, when there is no usable GPU (these tests run
+/// only when asked for with `--include-ignored`).
+fn require_gpu() {
     match kvring::gpu::probe() {
-        Ok(d) => {
-            eprintln!("GPU: {} ({} devices)", d[0].name, d.len());
-            true
-        }
-        Err(e) => {
-            eprintln!("skipped: no usable GPU: {e}");
-            false
-        }
+        Ok(d) => eprintln!("GPU: {} ({} devices)", d[0].name, d.len()),
+        Err(e) => panic!("{NEEDS_GPU}: no usable GPU: {e}"),
     }
 }
 
-fn server(s: &Scope) -> ServerProc {
-    s.server(&[
-        "--backend",
-        "cuda",
-        "--chunk-tokens",
-        "64",
-        "--pool-bytes",
-        "512MiB",
-    ])
-}
+/// A CUDA server: 64-token chunks, a 512 MiB pool.
+const CUDA_ARGS: [&str; 6] = [
+    "--backend",
+    "cuda",
+    "--chunk-tokens",
+    "64",
+    "--pool-bytes",
+    "512MiB",
+];
 
+/// Layouts with 80-byte rows (40 * 2 heads * 1 byte): not a multiple of 16,
+/// so the bytewise path runs too.
 fn layout(kind: KvLayoutKind, elem: u32, blocks: u32) -> KvLayout {
-    KvLayout {
-        kind: kind as u32,
-        num_layers: 3,
-        num_blocks: blocks,
-        block_tokens: 16,
-        num_heads: if kind == KvLayoutKind::Mla { 1 } else { 2 },
-        // 40 * 2 heads * 1 byte = 80-byte rows: not a multiple of 16, so the
-        // bytewise path runs too.
-        head_dim: 40,
-        elem_bytes: elem,
-        _reserved: 0,
+    kv_layout(kind, elem, blocks, 40)
+}
+
+/// Waits (30 s at most) for a job that must end `Done`; it is released when
+/// the handle drops here.
+fn done30(job: Job) -> JobResult {
+    match job.wait(Instant::now() + Duration::from_secs(30)).unwrap() {
+        JobStatus::Done(r) => r,
+        other => panic!("{}: {other:?}", job.id()),
     }
 }
 
-fn done(c: &mut Client, id: JobId) -> JobResult {
-    match c
-        .wait_job(id, Instant::now() + Duration::from_secs(30))
-        .unwrap()
-    {
-        JobStatus::Done(r) => {
-            c.release_job(id).unwrap();
-            r
-        }
-        other => panic!("{id}: {other:?}"),
-    }
-}
-
-fn prompt(seed: u32, n: usize) -> Vec<u32> {
-    (0..n as u32)
-        .map(|i| i.wrapping_mul(2_654_435_761) ^ seed)
-        .collect()
+fn spec(model: &str) -> KvSpec {
+    KvSpec::new(model_id(model), 1, 0)
 }
 
 /// `n` distinct blocks of `nb`, scattered (3 is prime to every `nb` used).
@@ -101,49 +82,43 @@ fn round_trip(s: &Scope, sched: &mut Client, l: KvLayout, export: Export, seed: 
     let mut c = s.client();
     let src = CudaKvCache::new(l, CHUNK, 0, export).unwrap();
     src.fill(0x3c).unwrap();
-    let inst: Instance = c.register_cuda_cache(model_id("gpu"), 1, 0, &src).unwrap();
+    let inst: Registration = c.register_cuda(&spec("gpu"), &src).unwrap();
     let bpc = inst.blocks_per_chunk() as usize;
     let hashes = chunk_hashes(&prompt(seed, 4 * CHUNK as usize), CHUNK);
     let sb = blocks(1, 4 * bpc as u32, l.num_blocks);
     for (h, b) in hashes.iter().zip(sb.chunks(bpc)) {
         pattern::write_chunk(&src, 0, h, b);
     }
-    let r = {
-        let id = c.store(&inst, 0, &hashes, &sb).unwrap();
-        done(&mut c, id)
-    };
+    let r = done30(c.store(Store::new(&inst, &hashes, &sb)).unwrap());
     assert_eq!((r.value, r.aux), (4, 0), "{l:?}");
-    let lease = sched.lookup(model_id("gpu"), 1, 0, &hashes).unwrap();
-    assert!(matches!(
-        sched
-            .wait_job(lease, Instant::now() + Duration::from_secs(5))
-            .unwrap(),
-        JobStatus::Done(JobResult { value: 4, .. })
-    ));
+    let lease = sched
+        .lookup(Lookup::new(model_id("gpu"), 1, &hashes))
+        .unwrap();
+    assert!(matches!(lease.result(), JobResult { value: 4, .. }));
     // Into a fresh, poisoned cache of another registration; skip the first
     // block of the first chunk.
     let dst = CudaKvCache::new(l, CHUNK, 0, export).unwrap();
     dst.fill(0xa5).unwrap();
-    let dinst = c.register_cuda_cache(model_id("gpu"), 1, 0, &dst).unwrap();
+    let dinst = c.register_cuda(&spec("gpu"), &dst).unwrap();
     let db = blocks(7, 4 * bpc as u32, l.num_blocks);
-    let r = {
-        let id = c.retrieve(&dinst, lease, 0, &db, 16).unwrap();
-        done(&mut c, id)
-    };
+    let r = done30(
+        c.retrieve(Retrieve::new(&dinst, &lease, &db).skip_tokens(16))
+            .unwrap(),
+    );
     assert_eq!(r.value, 4);
     verify(&dst, &hashes, &db, bpc, 1, 0xa5);
-    c.unregister_kv(&inst).unwrap();
-    c.unregister_kv(&dinst).unwrap();
+    c.unregister(inst).unwrap();
+    c.unregister(dinst).unwrap();
+    // Taken by its retrieve; its lookup job stays the scheduler's until it
+    // disconnects, as the scheduler never released it.
+    let _ = lease.into_id();
 }
 
 #[test]
+#[ignore = "needs an NVIDIA GPU (run with --include-ignored on a GPU machine)"]
 fn every_layout_and_element_size_round_trips_through_the_gpu_path() {
-    if !gpu() {
-        return;
-    }
-    let _w = watchdog(Duration::from_secs(300));
-    let s = Scope::new("cuda-layouts");
-    let _srv = server(&s);
+    require_gpu();
+    let s = Fixture::new("cuda-layouts", Duration::from_secs(300), &CUDA_ARGS);
     let mut sched = s.client();
     assert_eq!(sched.server_config().unwrap().backend, 2, "a CUDA server");
     let mut seed = 0;
@@ -165,19 +140,16 @@ fn every_layout_and_element_size_round_trips_through_the_gpu_path() {
 }
 
 #[test]
+#[ignore = "needs an NVIDIA GPU (run with --include-ignored on a GPU machine)"]
 fn a_store_waits_for_the_engines_event() {
-    if !gpu() {
-        return;
-    }
-    let _w = watchdog(Duration::from_secs(120));
-    let s = Scope::new("cuda-event");
-    let _srv = server(&s);
+    require_gpu();
+    let s = Fixture::new("cuda-event", Duration::from_secs(120), &CUDA_ARGS);
     let mut c = s.client();
     let mut l = layout(KvLayoutKind::FlashAttn, 2, 64);
     l.head_dim = 128;
     let cache = CudaKvCache::new(l, CHUNK, 0, Export::Ipc).unwrap();
     cache.fill(0).unwrap();
-    let inst = c.register_cuda_cache(model_id("ev"), 1, 0, &cache).unwrap();
+    let inst = c.register_cuda(&spec("ev"), &cache).unwrap();
     let bpc = inst.blocks_per_chunk();
     // The engine's stream first does a long fill of a large scratch cache,
     // then fills the KV cache with 0x77, then records the event.
@@ -193,20 +165,18 @@ fn a_store_waits_for_the_engines_event() {
     ev.record(&stream).unwrap();
     let hashes = chunk_hashes(&prompt(5, CHUNK as usize), CHUNK);
     let b: Vec<u32> = (0..bpc).collect();
-    let id = c
-        .store_after(&inst, 0, &hashes, &b, Some(ev.handle()))
-        .unwrap();
-    done(&mut c, id);
+    done30(
+        c.store(Store::new(&inst, &hashes, &b).after(ev.handle()))
+            .unwrap(),
+    );
     stream.synchronize().unwrap();
     // Retrieve into a zeroed cache: every byte is 0x77, the value written
     // after the long fill, so the store's copy ran after the event.
     let dst = CudaKvCache::new(l, CHUNK, 0, Export::Ipc).unwrap();
     dst.fill(0).unwrap();
-    let dinst = c.register_cuda_cache(model_id("ev"), 1, 0, &dst).unwrap();
-    let lease = c.lookup(model_id("ev"), 1, 0, &hashes).unwrap();
-    done(&mut c, lease);
-    let id = c.retrieve(&dinst, lease, 0, &b, 0).unwrap();
-    done(&mut c, id);
+    let dinst = c.register_cuda(&spec("ev"), &dst).unwrap();
+    let lease = c.lookup(Lookup::new(model_id("ev"), 1, &hashes)).unwrap();
+    done30(c.retrieve(Retrieve::new(&dinst, &lease, &b)).unwrap());
     let mut slab = vec![0u8; l.slab_bytes() as usize];
     for layer in 0..l.num_layers {
         for part in 0..2 {
@@ -222,20 +192,17 @@ fn a_store_waits_for_the_engines_event() {
 }
 
 #[test]
+#[ignore = "needs an NVIDIA GPU (run with --include-ignored on a GPU machine)"]
 fn transfers_and_telemetry_run_together_without_a_hang() {
-    if !gpu() {
-        return;
-    }
-    let _w = watchdog(Duration::from_secs(120));
-    let s = Scope::new("cuda-telemetry");
-    let _srv = server(&s);
+    require_gpu();
+    let s = Fixture::new("cuda-telemetry", Duration::from_secs(120), &CUDA_ARGS);
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     // Telemetry: STATS over the ring and the inspector reading the segment,
     // as fast as they go.
     let telemetry = {
         let (dir, name, stop) = (s.dir.clone(), s.name.clone(), stop.clone());
         std::thread::spawn(move || {
-            let mut c = Client::connect_in(&dir, &name).unwrap();
+            let mut c = Client::builder(&name).runtime_dir(&dir).connect().unwrap();
             let mut n = 0u64;
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                 c.stats().unwrap();
@@ -259,9 +226,9 @@ fn transfers_and_telemetry_run_together_without_a_hang() {
         .map(|e| {
             let (dir, name) = (s.dir.clone(), s.name.clone());
             std::thread::spawn(move || {
-                let mut c = Client::connect_in(&dir, &name).unwrap();
+                let mut c = Client::builder(&name).runtime_dir(&dir).connect().unwrap();
                 let cache = CudaKvCache::new(l, CHUNK, 0, Export::Ipc).unwrap();
-                let inst = c.register_cuda_cache(model_id("t"), 1, 0, &cache).unwrap();
+                let inst = c.register_cuda(&spec("t"), &cache).unwrap();
                 let bpc = inst.blocks_per_chunk();
                 for round in 0..20u32 {
                     let hashes =
@@ -272,17 +239,18 @@ fn transfers_and_telemetry_run_together_without_a_hang() {
                         b.into_iter().filter(|x| seen.insert(*x)).collect()
                     };
                     let n = b.len() / bpc as usize;
-                    let id = c
-                        .store(&inst, 0, &hashes[..n], &b[..n * bpc as usize])
-                        .unwrap();
-                    let r = done(&mut c, id);
+                    let r = done30(
+                        c.store(Store::new(&inst, &hashes[..n], &b[..n * bpc as usize]))
+                            .unwrap(),
+                    );
                     assert_eq!(r.value, n as u64);
-                    let lease = c.lookup(model_id("t"), 1, 0, &hashes[..n]).unwrap();
-                    done(&mut c, lease);
-                    let id = c
-                        .retrieve(&inst, lease, 0, &b[..n * bpc as usize], 0)
+                    let lease = c
+                        .lookup(Lookup::new(model_id("t"), 1, &hashes[..n]))
                         .unwrap();
-                    done(&mut c, id);
+                    done30(
+                        c.retrieve(Retrieve::new(&inst, &lease, &b[..n * bpc as usize]))
+                            .unwrap(),
+                    );
                 }
             })
         })
@@ -297,22 +265,23 @@ fn transfers_and_telemetry_run_together_without_a_hang() {
 }
 
 #[test]
+#[ignore = "needs an NVIDIA GPU (run with --include-ignored on a GPU machine)"]
 fn the_zero_copy_path_round_trips_every_layout_too() {
-    if !gpu() {
-        return;
-    }
-    let _w = watchdog(Duration::from_secs(300));
-    let s = Scope::new("cuda-zero-copy");
-    let _srv = s.server(&[
-        "--backend",
-        "cuda",
-        "--chunk-tokens",
-        "64",
-        "--pool-bytes",
-        "512MiB",
-        "--cuda-zero-copy-ctas",
-        "8",
-    ]);
+    require_gpu();
+    let s = Fixture::new(
+        "cuda-zero-copy",
+        Duration::from_secs(300),
+        &[
+            "--backend",
+            "cuda",
+            "--chunk-tokens",
+            "64",
+            "--pool-bytes",
+            "512MiB",
+            "--cuda-zero-copy-ctas",
+            "8",
+        ],
+    );
     let mut sched = s.client();
     let mut seed = 500;
     for kind in KvLayoutKind::ALL {
@@ -327,50 +296,41 @@ fn the_zero_copy_path_round_trips_every_layout_too() {
 }
 
 #[test]
+#[ignore = "needs an NVIDIA GPU (run with --include-ignored on a GPU machine)"]
 fn host_memory_engines_are_served_by_a_cuda_server_too() {
-    if !gpu() {
-        return;
-    }
-    let _w = watchdog(Duration::from_secs(60));
-    let s = Scope::new("cuda-host");
-    let _srv = server(&s);
+    require_gpu();
+    let s = Fixture::new("cuda-host", Duration::from_secs(60), &CUDA_ARGS);
     let mut c = s.client();
     let l = layout(KvLayoutKind::FlashInfer, 2, 40);
     let src = kvring::HostKvCache::new(l, CHUNK).unwrap();
-    let inst = c.register_host_cache(model_id("h"), 1, 0, &src).unwrap();
+    let inst = c.register_host(&spec("h"), &src).unwrap();
     let bpc = inst.blocks_per_chunk() as usize;
     let hashes = chunk_hashes(&prompt(9, 2 * CHUNK as usize), CHUNK);
     let sb = blocks(0, 2 * bpc as u32, 40);
     for (h, b) in hashes.iter().zip(sb.chunks(bpc)) {
         pattern::write_chunk(&src, 0, h, b);
     }
-    let id = c.store(&inst, 0, &hashes, &sb).unwrap();
-    done(&mut c, id);
-    let lease = c.lookup(model_id("h"), 1, 0, &hashes).unwrap();
-    done(&mut c, lease);
+    done30(c.store(Store::new(&inst, &hashes, &sb)).unwrap());
+    let lease = c.lookup(Lookup::new(model_id("h"), 1, &hashes)).unwrap();
     let dst = kvring::HostKvCache::new(l, CHUNK).unwrap();
     dst.fill(0xa5);
-    let dinst = c.register_host_cache(model_id("h"), 1, 0, &dst).unwrap();
+    let dinst = c.register_host(&spec("h"), &dst).unwrap();
     let db = blocks(11, 2 * bpc as u32, 40);
-    let id = c.retrieve(&dinst, lease, 0, &db, 0).unwrap();
-    done(&mut c, id);
+    done30(c.retrieve(Retrieve::new(&dinst, &lease, &db)).unwrap());
     verify(&dst, &hashes, &db, bpc, 0, 0xa5);
 }
 
 #[test]
+#[ignore = "needs an NVIDIA GPU (run with --include-ignored on a GPU machine)"]
 fn the_engines_stream_waits_for_a_retrieve_through_the_published_job_event() {
-    if !gpu() {
-        return;
-    }
-    let _w = watchdog(Duration::from_secs(120));
-    let s = Scope::new("cuda-published");
-    let _srv = server(&s);
+    require_gpu();
+    let s = Fixture::new("cuda-published", Duration::from_secs(120), &CUDA_ARGS);
     let mut c = s.client();
     let mut l = layout(KvLayoutKind::FlashAttn, 2, 1024);
     l.head_dim = 128;
     let src = CudaKvCache::new(l, CHUNK, 0, Export::Ipc).unwrap();
     src.fill(0).unwrap();
-    let inst = c.register_cuda_cache(model_id("pub"), 1, 0, &src).unwrap();
+    let inst = c.register_cuda(&spec("pub"), &src).unwrap();
     let bpc = inst.blocks_per_chunk();
     // 200 chunks: enough copying that the engine gets ahead of it.
     let n = 200u32;
@@ -380,16 +340,14 @@ fn the_engines_stream_waits_for_a_retrieve_through_the_published_job_event() {
     for (h, b) in hashes.iter().zip(sb.chunks(bpc as usize)) {
         pattern::write_chunk(&src, 0, h, b);
     }
-    let id = c.store(&inst, 0, hashes, &sb).unwrap();
-    done(&mut c, id);
-    let lease = c.lookup(model_id("pub"), 1, 0, hashes).unwrap();
-    done(&mut c, lease);
+    done30(c.store(Store::new(&inst, hashes, &sb)).unwrap());
+    let lease = c.lookup(Lookup::new(model_id("pub"), 1, hashes)).unwrap();
 
     let dst = CudaKvCache::new(l, CHUNK, 0, Export::Ipc).unwrap();
     dst.fill(0xa5).unwrap();
     let mirror = CudaKvCache::new(l, CHUNK, 0, Export::Ipc).unwrap();
     mirror.fill(0).unwrap();
-    let dinst = c.register_cuda_cache(model_id("pub"), 1, 0, &dst).unwrap();
+    let dinst = c.register_cuda(&spec("pub"), &dst).unwrap();
     let events = kvring::client::cuda_cache::ServerEvents::open(
         &dst,
         &c.job_events(dst.device_uuid()).unwrap(),
@@ -399,13 +357,13 @@ fn the_engines_stream_waits_for_a_retrieve_through_the_published_job_event() {
     // The engine does not wait for the job on the CPU: it learns the job
     // event once the copies are queued, makes its stream wait for it, and
     // queues its own read of the blocks (into a mirror) behind it.
-    let id = c
-        .retrieve_published(&dinst, lease, 0, &sb, 0, None)
+    let job = c
+        .retrieve(Retrieve::new(&dinst, &lease, &sb).publish_event())
         .unwrap();
-    let k = c
-        .job_device_event(id, Instant::now() + Duration::from_secs(30))
+    let k = job
+        .device_event(Instant::now() + Duration::from_secs(30))
         .unwrap();
-    let early = c.job_status(id).unwrap();
+    let early = job.status().unwrap();
     if let Some(k) = k {
         stream.wait_server_event(&events, k).unwrap();
     }
@@ -413,7 +371,7 @@ fn the_engines_stream_waits_for_a_retrieve_through_the_published_job_event() {
     stream.synchronize().unwrap();
     eprintln!("job event {k:?}; the job read {early:?} when the engine queued its read");
     verify(&mirror, hashes, &sb, bpc as usize, 0, 0xa5);
-    done(&mut c, id);
+    done30(job);
 }
 
 /// A tensor-parallel rank in its own process (`rank<R>@<ordinal>`): its KV
@@ -427,14 +385,15 @@ fn rank_main(role: &str, name: &str, dir: &std::path::Path) {
         .and_then(|r| r.split_once('@'))
         .map(|(r, o)| (r.parse::<u32>().unwrap(), o.parse::<i32>().unwrap()))
         .expect("role rank<R>@<ordinal>");
-    let mut c = Client::connect_in(dir, name).unwrap();
+    let mut c = Client::builder(name).runtime_dir(dir).connect().unwrap();
     let mut l = layout(KvLayoutKind::FlashAttn, 2, 64);
     l.head_dim = 64;
     let src = CudaKvCache::new(l, CHUNK, ordinal, Export::Ipc).unwrap();
     let dst = CudaKvCache::new(l, CHUNK, ordinal, Export::Ipc).unwrap();
     let model = model_id("tp2-gpus");
-    let inst = c.register_cuda_cache(model, 2, rank, &src).unwrap();
-    let finst = c.register_cuda_cache(model, 2, rank, &dst).unwrap();
+    let spec = KvSpec::new(model, 2, rank);
+    let inst = c.register_cuda(&spec, &src).unwrap();
+    let finst = c.register_cuda(&spec, &dst).unwrap();
     let bpc = inst.blocks_per_chunk() as usize;
     for round in 0..10u32 {
         let hashes = chunk_hashes(&prompt(round, 8 * CHUNK as usize), CHUNK);
@@ -442,30 +401,30 @@ fn rank_main(role: &str, name: &str, dir: &std::path::Path) {
         for (h, b) in hashes.iter().zip(sb.chunks(bpc)) {
             pattern::write_chunk(&src, rank, h, b);
         }
-        let id = c.store(&inst, 0, &hashes, &sb).unwrap();
-        assert_eq!(done(&mut c, id).value, 8);
+        assert_eq!(
+            done30(c.store(Store::new(&inst, &hashes, &sb)).unwrap()).value,
+            8
+        );
         let deadline = Instant::now() + Duration::from_secs(30);
         let lease = loop {
-            let lease = c.lookup(model, 2, 0, &hashes).unwrap();
-            let hit = c
-                .wait_job(lease, Instant::now() + Duration::from_secs(10))
-                .unwrap();
-            if matches!(hit, JobStatus::Done(JobResult { value: 8, .. })) {
+            let lease = c.lookup(Lookup::new(model, 2, &hashes)).unwrap();
+            if matches!(lease.result(), JobResult { value: 8, .. }) {
                 break lease;
             }
             // (A lookup without a hit has no lease.)
-            let _ = c.end_session(lease);
-            c.release_job(lease).unwrap();
+            let id = lease.into_id();
+            let _ = c.end_lease_id(id);
+            c.release_job(id.job()).unwrap();
             assert!(Instant::now() < deadline, "the other rank never stored");
             std::thread::sleep(Duration::from_millis(1));
         };
         dst.fill(0x7e).unwrap();
         let db: Vec<u32> = (8 * bpc as u32..16 * bpc as u32).collect();
-        let id = c.retrieve(&finst, lease, 0, &db, 0).unwrap();
-        done(&mut c, id);
+        done30(c.retrieve(Retrieve::new(&finst, &lease, &db)).unwrap());
         // This rank's lookup also held the other rank's chunks.
-        c.end_session(lease).unwrap();
-        c.release_job(lease).unwrap();
+        let lease = lease.into_id();
+        c.end_lease_id(lease).unwrap();
+        c.release_job(lease.job()).unwrap();
         for (i, (h, b)) in hashes.iter().zip(db.chunks(bpc)).enumerate() {
             if let Err(e) = pattern::verify_chunk(&dst, rank, h, b, 0, 0x7e) {
                 panic!("rank {rank} on GPU {ordinal}, round {round}, chunk {i}: {e}");
@@ -480,6 +439,7 @@ fn rank_main(role: &str, name: &str, dir: &std::path::Path) {
 /// otherwise); `KVRING_TEST_TP_ON_ONE_GPU=1` puts both ranks on GPU 0, to
 /// check the test itself on a one-GPU machine.
 #[test]
+#[ignore = "needs an NVIDIA GPU (run with --include-ignored on a GPU machine)"]
 fn two_engine_processes_on_two_gpus_store_and_retrieve_concurrently() {
     if let Some((role, name, dir)) = child_role() {
         rank_main(&role, &name, &dir);
@@ -487,19 +447,14 @@ fn two_engine_processes_on_two_gpus_store_and_retrieve_concurrently() {
     }
     let n = match kvring::gpu::probe() {
         Ok(d) => d.len(),
-        Err(e) => {
-            eprintln!("skipped: no usable GPU: {e}");
-            return;
-        }
+        Err(e) => panic!("{NEEDS_GPU}: no usable GPU: {e}"),
     };
     let one_gpu = std::env::var_os("KVRING_TEST_TP_ON_ONE_GPU").is_some();
     if n < 2 && !one_gpu {
         eprintln!("skipped: needs two GPUs, found {n}");
         return;
     }
-    let _w = watchdog(Duration::from_secs(300));
-    let s = Scope::new("cuda-tp2");
-    let _srv = server(&s);
+    let s = Fixture::new("cuda-tp2", Duration::from_secs(300), &CUDA_ARGS);
     let mut ranks: Vec<ChildProc> = (0..2)
         .map(|rank| {
             let ordinal = if n >= 2 { rank } else { 0 };

@@ -12,17 +12,15 @@ mod common;
 
 use common::*;
 use kvring::jobs::JobStatus;
-use kvring::kv::{chunk_hashes, model_id, pattern, KvLayout, KvLayoutKind};
-use kvring::server::simulated_device_uuid;
-use kvring::HostKvCache;
+use kvring::kv::{chunk_hashes, model_id, pattern, Dtype, KvLayout, KvLayoutKind, KvShape};
+use kvring::{DeviceUuid, HostKvCache, KvSpec, Lookup, Retrieve, Store};
 use std::time::{Duration, Instant};
 
-const CHUNK: u32 = 64;
-
-fn far() -> Instant {
-    Instant::now() + Duration::from_secs(20)
+fn simulated_device_uuid(i: u32) -> DeviceUuid {
+    DeviceUuid::from_bytes(kvring::server::simulated_device_uuid(i))
 }
 
+/// A prompt of `chunks` chunks that opens with `seed`.
 fn prompt(seed: u32, chunks: u32) -> Vec<u32> {
     std::iter::once(seed)
         .chain((1..chunks * CHUNK).map(|i| i.wrapping_mul(2_654_435_761)))
@@ -31,45 +29,45 @@ fn prompt(seed: u32, chunks: u32) -> Vec<u32> {
 
 #[test]
 fn one_devices_backlog_never_holds_up_another_device() {
-    let _w = watchdog(Duration::from_secs(120));
-    let s = Scope::new("lanes");
-    let _srv = s.server(&[
-        "--backend",
-        "host",
-        "--simulated-devices",
-        "2",
-        "--copy-threads",
-        "1",
-        "--chunk-tokens",
-        "64",
-        "--pool-bytes",
-        "512MiB",
-    ]);
+    let s = Fixture::new(
+        "lanes",
+        Duration::from_secs(120),
+        &[
+            "--backend",
+            "host",
+            "--simulated-devices",
+            "2",
+            "--copy-threads",
+            "1",
+            "--chunk-tokens",
+            "64",
+            "--pool-bytes",
+            "512MiB",
+        ],
+    );
     let mut c = s.client();
     // Device 0: 8 MiB chunk objects (32 layers, 8 heads of 128), 32 chunks.
-    let big = KvLayout {
-        kind: KvLayoutKind::FlashAttn as u32,
-        num_layers: 32,
-        num_blocks: 128,
+    let shape = KvShape {
+        layers: 32,
+        blocks: 128,
         block_tokens: 16,
-        num_heads: 8,
+        heads: 8,
         head_dim: 128,
-        elem_bytes: 2,
-        _reserved: 0,
     };
+    let big = KvLayout::new(KvLayoutKind::FlashAttn, shape, Dtype::Bf16);
     let big_cache = HostKvCache::new(big, CHUNK).unwrap();
     let big_inst = c
-        .register_host_cache_on(model_id("big"), 1, 0, &big_cache, simulated_device_uuid(0))
+        .register_host(
+            &KvSpec::new(model_id("big"), 1, 0).on_device(simulated_device_uuid(0)),
+            &big_cache,
+        )
         .unwrap();
     // Device 1: one small chunk.
     let small_cache = HostKvCache::new(small_layout(), CHUNK).unwrap();
     let small_inst = c
-        .register_host_cache_on(
-            model_id("small"),
-            1,
-            0,
+        .register_host(
+            &KvSpec::new(model_id("small"), 1, 0).on_device(simulated_device_uuid(1)),
             &small_cache,
-            simulated_device_uuid(1),
         )
         .unwrap();
     let sh = chunk_hashes(&prompt(2, 1), CHUNK);
@@ -79,20 +77,22 @@ fn one_devices_backlog_never_holds_up_another_device() {
         let bh = chunk_hashes(&prompt(100 + round, 32), CHUNK);
         let blocks: Vec<u32> = (0..128).collect();
         let t0 = Instant::now();
-        let backlog = c.store(&big_inst, 0, &bh, &blocks).unwrap();
+        let backlog = c.store(Store::new(&big_inst, &bh, &blocks)).unwrap();
         let sh = chunk_hashes(&prompt(1000 + round, 1), CHUNK);
         pattern::write_chunk(&small_cache, round, &sh[0], &[0, 1, 2, 3]);
-        let small = c.store(&small_inst, 0, &sh, &[0, 1, 2, 3]).unwrap();
-        let st = c.wait_job(small, far()).unwrap();
+        let small = c
+            .store(Store::new(&small_inst, &sh, &[0, 1, 2, 3]))
+            .unwrap();
+        let st = small.wait(far()).unwrap();
         let small_took = t0.elapsed();
         assert!(matches!(st, JobStatus::Done(_)), "{st:?}");
         // The backlog on the other device is still being copied.
-        let big_then = c.job_status(backlog).unwrap();
+        let big_then = backlog.status().unwrap();
         assert!(
             matches!(big_then, JobStatus::Pending | JobStatus::Running),
             "round {round}: device 1's store waited for device 0's backlog ({big_then:?} after {small_took:?})"
         );
-        let st = c.wait_job(backlog, far()).unwrap();
+        let st = backlog.wait(far()).unwrap();
         let big_took = t0.elapsed();
         assert!(matches!(st, JobStatus::Done(_)), "{st:?}");
         c.release_job(small).unwrap();
@@ -102,15 +102,14 @@ fn one_devices_backlog_never_holds_up_another_device() {
         );
         worst_ratio = worst_ratio.max(small_took.as_secs_f64() / big_took.as_secs_f64());
         // The small chunk round-trips (its lane copies correctly).
-        let lease = c.lookup(model_id("small"), 1, 0, &sh).unwrap();
-        c.wait_job(lease, far()).unwrap();
+        let lease = c.lookup(Lookup::new(model_id("small"), 1, &sh)).unwrap();
         small_cache.fill(0x5a);
-        let id = c
-            .retrieve(&small_inst, lease, 0, &[8, 9, 10, 11], 0)
+        let job = c
+            .retrieve(Retrieve::new(&small_inst, &lease, &[8, 9, 10, 11]))
             .unwrap();
-        assert!(matches!(c.wait_job(id, far()).unwrap(), JobStatus::Done(_)));
-        c.release_job(id).unwrap();
-        c.release_job(lease).unwrap();
+        assert!(matches!(job.wait(far()).unwrap(), JobStatus::Done(_)));
+        c.release_job(job).unwrap();
+        c.release_job(lease.into_id().job()).unwrap();
         pattern::verify_chunk(&small_cache, round, &sh[0], &[8, 9, 10, 11], 0, 0x5a).unwrap();
     }
     eprintln!("small store / backlog time: at most {worst_ratio:.4}");
@@ -118,20 +117,22 @@ fn one_devices_backlog_never_holds_up_another_device() {
 
 #[test]
 fn tensor_parallel_ranks_on_two_devices_store_and_retrieve_concurrently() {
-    let _w = watchdog(Duration::from_secs(120));
-    let s = Scope::new("tp-devices");
-    let _srv = s.server(&[
-        "--backend",
-        "host",
-        "--simulated-devices",
-        "2",
-        "--copy-threads",
-        "2",
-        "--chunk-tokens",
-        "64",
-        "--pool-bytes",
-        "256MiB",
-    ]);
+    let s = Fixture::new(
+        "tp-devices",
+        Duration::from_secs(120),
+        &[
+            "--backend",
+            "host",
+            "--simulated-devices",
+            "2",
+            "--copy-threads",
+            "2",
+            "--chunk-tokens",
+            "64",
+            "--pool-bytes",
+            "256MiB",
+        ],
+    );
     const ROUNDS: u32 = 20;
     let model = model_id("tp2");
     std::thread::scope(|sc| {
@@ -143,45 +144,42 @@ fn tensor_parallel_ranks_on_two_devices_store_and_retrieve_concurrently() {
                     let dev = simulated_device_uuid(rank);
                     let cache = HostKvCache::new(small_layout(), CHUNK).unwrap();
                     let fresh = HostKvCache::new(small_layout(), CHUNK).unwrap();
-                    let inst = c
-                        .register_host_cache_on(model, 2, rank, &cache, dev)
-                        .unwrap();
-                    let finst = c
-                        .register_host_cache_on(model, 2, rank, &fresh, dev)
-                        .unwrap();
+                    let spec = KvSpec::new(model, 2, rank).on_device(dev);
+                    let inst = c.register_host(&spec, &cache).unwrap();
+                    let finst = c.register_host(&spec, &fresh).unwrap();
                     for round in 0..ROUNDS {
                         let hs = chunk_hashes(&prompt(round, 8), CHUNK);
                         let blocks: Vec<u32> = (0..32).collect();
                         for (h, b) in hs.iter().zip(blocks.chunks(4)) {
                             pattern::write_chunk(&cache, rank, h, b);
                         }
-                        let id = c.store(&inst, 0, &hs, &blocks).unwrap();
-                        assert!(matches!(c.wait_job(id, far()).unwrap(), JobStatus::Done(_)));
-                        c.release_job(id).unwrap();
+                        let job = c.store(Store::new(&inst, &hs, &blocks)).unwrap();
+                        assert!(matches!(job.wait(far()).unwrap(), JobStatus::Done(_)));
+                        c.release_job(job).unwrap();
                         // A lookup hits only once both ranks stored: poll.
                         let deadline = far();
                         let lease = loop {
-                            let lease = c.lookup(model, 2, 0, &hs).unwrap();
-                            match c.wait_job(lease, far()).unwrap() {
-                                JobStatus::Done(r) if r.value == 8 => break lease,
-                                _ => {
-                                    // (A lookup without a hit has no lease.)
-                                    let _ = c.end_session(lease);
-                                    c.release_job(lease).unwrap();
-                                }
+                            let lease = c.lookup(Lookup::new(model, 2, &hs)).unwrap();
+                            if lease.hits() == 8 {
+                                break lease;
                             }
+                            // (A lookup without a hit has no lease.)
+                            let id = lease.into_id();
+                            let _ = c.end_lease_id(id);
+                            c.release_job(id.job()).unwrap();
                             assert!(Instant::now() < deadline, "the other rank never stored");
                             std::thread::sleep(Duration::from_millis(1));
                         };
                         fresh.fill(0xc3);
                         let db: Vec<u32> = (32..64).collect();
-                        let id = c.retrieve(&finst, lease, 0, &db, 0).unwrap();
-                        assert!(matches!(c.wait_job(id, far()).unwrap(), JobStatus::Done(_)));
-                        c.release_job(id).unwrap();
+                        let job = c.retrieve(Retrieve::new(&finst, &lease, &db)).unwrap();
+                        assert!(matches!(job.wait(far()).unwrap(), JobStatus::Done(_)));
+                        c.release_job(job).unwrap();
                         // This rank's own lookup also held the other rank's
                         // chunks: end it.
-                        c.end_session(lease).unwrap();
-                        c.release_job(lease).unwrap();
+                        let lease = lease.into_id();
+                        c.end_lease_id(lease).unwrap();
+                        c.release_job(lease.job()).unwrap();
                         for (h, b) in hs.iter().zip(db.chunks(4)) {
                             pattern::verify_chunk(&fresh, rank, h, b, 0, 0xc3)
                                 .unwrap_or_else(|e| panic!("rank {rank} round {round}: {e}"));

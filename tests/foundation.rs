@@ -18,13 +18,17 @@ fn child_main() -> bool {
     let Some((role, name, dir)) = child_role() else {
         return false;
     };
-    let mut c = kvring::Client::connect_in(&dir, &name).expect("child connect");
+    let mut c = kvring::Client::builder(&name)
+        .runtime_dir(&dir)
+        .connect()
+        .expect("child connect");
     match role.as_str() {
         "mid-message" => {
             // Serve one ping so the ring has moved, then leave a frame written
             // but unpublished, and garbage past it, and wait to be killed.
-            c.ping(b"warm-up", Duration::from_secs(5)).unwrap();
-            c.enqueue(Opcode::Ping, &[0xee; 200], 99).unwrap();
+            c.ping(b"warm-up", Instant::now() + Duration::from_secs(5))
+                .unwrap();
+            c.raw().enqueue(Opcode::Ping, &[0xee; 200], 99).unwrap();
             tell_parent(&format!("ready slot={}", c.slot()));
             std::thread::sleep(Duration::from_secs(60));
         }
@@ -38,25 +42,25 @@ fn ping_round_trips_between_processes() {
     if child_main() {
         return;
     }
-    let _w = watchdog(Duration::from_secs(60));
-    let s = Scope::new("ping");
-    let _srv = s.server(&[]);
+    let s = Fixture::new("ping", Duration::from_secs(60), &[]);
     let mut c = s.client();
-    for size in [0usize, 1, 7, 8, 64, 1000, c.max_payload()] {
+    for size in [0usize, 1, 7, 8, 64, 1000, c.raw().max_payload()] {
         let payload: Vec<u8> = (0..size).map(|i| (i * 7 + size) as u8).collect();
         assert_eq!(
-            c.ping(&payload, Duration::from_secs(5)).unwrap(),
+            c.ping(&payload, Instant::now() + Duration::from_secs(5))
+                .unwrap(),
             payload,
             "size {size}"
         );
     }
     // Pipelined: many requests in flight, completions in order.
     for i in 0..100u64 {
-        c.enqueue(Opcode::Ping, &i.to_le_bytes(), i).unwrap();
+        c.raw().enqueue(Opcode::Ping, &i.to_le_bytes(), i).unwrap();
     }
-    c.flush();
+    c.raw().flush();
     for i in 0..100u64 {
         let done = c
+            .raw()
             .wait_completion(Instant::now() + Duration::from_secs(5))
             .unwrap();
         assert_eq!(done.user_data, i);
@@ -81,12 +85,14 @@ fn oversized_request_is_refused_with_the_bound() {
     if child_main() {
         return;
     }
-    let _w = watchdog(Duration::from_secs(30));
-    let s = Scope::new("big");
-    let _srv = s.server(&["--max-frame-bytes", "4096"]);
+    let s = Fixture::new(
+        "big",
+        Duration::from_secs(30),
+        &["--max-frame-bytes", "4096"],
+    );
     let mut c = s.client();
-    assert_eq!(c.max_payload(), 4096 - 24);
-    match c.ping(&vec![1u8; 4096], Duration::from_secs(1)) {
+    assert_eq!(c.raw().max_payload(), 4096 - 24);
+    match c.ping(&vec![1u8; 4096], Instant::now() + Duration::from_secs(1)) {
         Err(Error::Ring(RingError::TooLarge {
             len: 4096,
             max: 4072,
@@ -95,7 +101,8 @@ fn oversized_request_is_refused_with_the_bound() {
     }
     // Still usable.
     assert_eq!(
-        c.ping(&[3u8; 4072], Duration::from_secs(5)).unwrap(),
+        c.ping(&[3u8; 4072], Instant::now() + Duration::from_secs(5))
+            .unwrap(),
         vec![3u8; 4072]
     );
 }
@@ -105,22 +112,24 @@ fn credits_bound_requests_in_flight_to_the_completion_ring() {
     if child_main() {
         return;
     }
-    let _w = watchdog(Duration::from_secs(30));
-    let s = Scope::new("credit");
-    let _srv = s.server(&[
-        "--cq-ring-bytes",
-        "16384",
-        "--req-ring-bytes",
-        "65536",
-        "--max-frame-bytes",
-        "4096",
-    ]);
+    let s = Fixture::new(
+        "credit",
+        Duration::from_secs(30),
+        &[
+            "--cq-ring-bytes",
+            "16384",
+            "--req-ring-bytes",
+            "65536",
+            "--max-frame-bytes",
+            "4096",
+        ],
+    );
     let mut c = s.client();
     let payload = [5u8; 1000];
     let per = kvring::ring::frame_bytes(1000);
     let mut n = 0u64;
     let err = loop {
-        match c.enqueue(Opcode::Ping, &payload, n) {
+        match c.raw().enqueue(Opcode::Ping, &payload, n) {
             Ok(()) => n += 1,
             Err(e) => break e,
         }
@@ -128,16 +137,17 @@ fn credits_bound_requests_in_flight_to_the_completion_ring() {
     // The request ring (64 KiB) had room; the completion credit (16 KiB) ran out.
     assert_eq!(n as usize, 16384 / per);
     assert!(matches!(err, Error::Ring(RingError::Full { .. })), "{err}");
-    c.flush();
+    c.raw().flush();
     for i in 0..n {
         assert_eq!(
-            c.wait_completion(Instant::now() + Duration::from_secs(5))
+            c.raw()
+                .wait_completion(Instant::now() + Duration::from_secs(5))
                 .unwrap()
                 .user_data,
             i
         );
     }
-    assert_eq!(c.credits(), 16384);
+    assert_eq!(c.raw().credits(), 16384);
 }
 
 #[test]
@@ -145,36 +155,44 @@ fn stale_session_frames_are_never_served() {
     if child_main() {
         return;
     }
-    let _w = watchdog(Duration::from_secs(30));
-    let s = Scope::new("session");
-    let _srv = s.server(&[]);
+    let s = Fixture::new("session", Duration::from_secs(30), &[]);
     let mut c = s.client();
     let stale = FrameHeader {
         opcode: Opcode::Ping as u16,
-        session: c.session().wrapping_sub(1),
+        session: c.raw().session().wrapping_sub(1),
         user_data: 0xdead,
         ..Default::default()
     };
-    c.submit_raw(stale, b"from a previous occupant", false)
+    c.raw()
+        .submit_raw(stale, b"from a previous occupant", false)
         .unwrap();
     // The next completion is the real ping's, not the stale frame's.
-    assert_eq!(c.ping(b"mine", Duration::from_secs(5)).unwrap(), b"mine");
+    assert_eq!(
+        c.ping(b"mine", Instant::now() + Duration::from_secs(5))
+            .unwrap(),
+        b"mine"
+    );
     let ro = ReadOnlySegment::open(&s.name).unwrap();
     let sb = ro.mapping.server_client(c.slot());
     assert_eq!(sb.requests_rejected.load(Ordering::Relaxed), 1);
     // An unknown opcode gets an error completion, and the ring goes on.
     let bad = FrameHeader {
         opcode: 999,
-        session: c.session(),
+        session: c.raw().session(),
         user_data: 7,
         ..Default::default()
     };
-    c.submit_raw(bad, &[], true).unwrap();
+    c.raw().submit_raw(bad, &[], true).unwrap();
     let done = c
+        .raw()
         .wait_completion(Instant::now() + Duration::from_secs(5))
         .unwrap();
     assert_eq!(done.status, kvring::proto::Status::UnknownOpcode as i32);
-    assert_eq!(c.ping(b"again", Duration::from_secs(5)).unwrap(), b"again");
+    assert_eq!(
+        c.ping(b"again", Instant::now() + Duration::from_secs(5))
+            .unwrap(),
+        b"again"
+    );
 }
 
 #[test]
@@ -182,9 +200,7 @@ fn killed_client_is_reclaimed_within_a_second_and_others_are_unaffected() {
     if child_main() {
         return;
     }
-    let _w = watchdog(Duration::from_secs(60));
-    let s = Scope::new("kill");
-    let _srv = s.server(&[]);
+    let s = Fixture::new("kill", Duration::from_secs(60), &[]);
     let mut other = s.client();
     let mut victim = s.child(
         "killed_client_is_reclaimed_within_a_second_and_others_are_unaffected",
@@ -215,7 +231,7 @@ fn killed_client_is_reclaimed_within_a_second_and_others_are_unaffected() {
     for i in 0..1000u32 {
         assert_eq!(
             other
-                .ping(&i.to_le_bytes(), Duration::from_secs(5))
+                .ping(&i.to_le_bytes(), Instant::now() + Duration::from_secs(5))
                 .unwrap(),
             i.to_le_bytes()
         );
@@ -224,9 +240,11 @@ fn killed_client_is_reclaimed_within_a_second_and_others_are_unaffected() {
     let old_session = sb.session.load(Ordering::Relaxed);
     let mut fresh = s.client();
     assert_eq!(fresh.slot(), slot);
-    assert_ne!(fresh.session(), old_session);
+    assert_ne!(fresh.raw().session(), old_session);
     assert_eq!(
-        fresh.ping(b"new occupant", Duration::from_secs(5)).unwrap(),
+        fresh
+            .ping(b"new occupant", Instant::now() + Duration::from_secs(5))
+            .unwrap(),
         b"new occupant"
     );
 }
@@ -236,23 +254,27 @@ fn killed_server_ends_a_waiting_client_with_server_gone_and_restarts() {
     if child_main() {
         return;
     }
-    let _w = watchdog(Duration::from_secs(60));
-    let s = Scope::new("srvkill");
-    let mut srv = s.server(&[]);
+    let mut s = Fixture::new("srvkill", Duration::from_secs(60), &[]);
     let mut c = s.client();
     let epoch = c.epoch();
-    c.ping(b"x", Duration::from_secs(5)).unwrap();
+    c.ping(b"x", Instant::now() + Duration::from_secs(5))
+        .unwrap();
     // Stop the server so the next request stays unanswered, then kill it
     // while the client is parked waiting.
-    srv.pause();
-    c.submit(Opcode::Ping, b"never answered", 1).unwrap();
+    s.srv.pause();
+    c.raw().submit(Opcode::Ping, b"never answered", 1).unwrap();
+    let mut srv = ServerProc {
+        child: s.srv.child.take(),
+    };
     let killer = std::thread::spawn(move || {
         std::thread::sleep(Duration::from_millis(300));
         let t = Instant::now();
         srv.kill();
         t
     });
-    let r = c.wait_completion(Instant::now() + Duration::from_secs(30));
+    let r = c
+        .raw()
+        .wait_completion(Instant::now() + Duration::from_secs(30));
     let ended = Instant::now();
     let killed_at = killer.join().unwrap();
     assert!(matches!(r, Err(Error::ServerGone)), "{r:?}");
@@ -271,7 +293,8 @@ fn killed_server_ends_a_waiting_client_with_server_gone_and_restarts() {
     let mut c2 = s.client();
     assert!(c2.epoch() > epoch);
     assert_eq!(
-        c2.ping(b"after restart", Duration::from_secs(5)).unwrap(),
+        c2.ping(b"after restart", Instant::now() + Duration::from_secs(5))
+            .unwrap(),
         b"after restart"
     );
 }
@@ -281,19 +304,20 @@ fn wedged_server_ends_a_wait_at_its_deadline() {
     if child_main() {
         return;
     }
-    let _w = watchdog(Duration::from_secs(30));
-    let s = Scope::new("wedge");
-    let srv = s.server(&[]);
+    let s = Fixture::new("wedge", Duration::from_secs(30), &[]);
     let mut c = s.client();
-    srv.pause();
-    c.submit(Opcode::Ping, b"late", 5).unwrap();
+    s.srv.pause();
+    c.raw().submit(Opcode::Ping, b"late", 5).unwrap();
     let t = Instant::now();
-    let r = c.wait_completion(Instant::now() + Duration::from_millis(300));
+    let r = c
+        .raw()
+        .wait_completion(Instant::now() + Duration::from_millis(300));
     assert!(matches!(r, Err(Error::Timeout(_))), "{r:?}");
     assert!(t.elapsed() >= Duration::from_millis(300) && t.elapsed() < Duration::from_secs(2));
     // Resumed, the server answers the request that was waiting.
-    srv.signal(libc::SIGCONT);
+    s.srv.signal(libc::SIGCONT);
     let done = c
+        .raw()
         .wait_completion(Instant::now() + Duration::from_secs(5))
         .unwrap();
     assert_eq!((done.user_data, done.payload.as_slice()), (5, &b"late"[..]));
@@ -304,23 +328,22 @@ fn a_live_server_is_never_taken_over_and_sigterm_cleans_up() {
     if child_main() {
         return;
     }
-    let _w = watchdog(Duration::from_secs(30));
-    let s = Scope::new("twice");
-    let mut srv = s.server(&[]);
+    let mut s = Fixture::new("twice", Duration::from_secs(30), &[]);
     let out = s.serve_output();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        err.contains("already running") && err.contains(&format!("pid {}", srv.pid())),
+        err.contains("already running") && err.contains(&format!("pid {}", s.srv.pid())),
         "{err}"
     );
     let mut c = s.client();
     assert_eq!(
-        c.ping(b"still mine", Duration::from_secs(5)).unwrap(),
+        c.ping(b"still mine", Instant::now() + Duration::from_secs(5))
+            .unwrap(),
         b"still mine"
     );
     drop(c);
-    assert!(srv.terminate().success());
+    assert!(s.srv.terminate().success());
     assert!(
         !s.dir.join(format!("{}.sock", s.name)).exists(),
         "socket left behind"
@@ -336,19 +359,24 @@ fn a_full_server_refuses_with_no_free_slot() {
     if child_main() {
         return;
     }
-    let _w = watchdog(Duration::from_secs(30));
-    let s = Scope::new("full");
-    let _srv = s.server(&["--max-clients", "1"]);
+    let s = Fixture::new("full", Duration::from_secs(30), &["--max-clients", "1"]);
     let mut a = s.client();
-    match kvring::Client::connect_in(&s.dir, &s.name) {
+    match kvring::Client::builder(&s.name)
+        .runtime_dir(&s.dir)
+        .connect()
+    {
         Err(Error::Refused(kvring::proto::Status::NoFreeSlot)) => {}
         other => panic!("expected NoFreeSlot, got {:?}", other.map(|c| c.slot())),
     }
-    a.ping(b"ok", Duration::from_secs(5)).unwrap();
+    a.ping(b"ok", Instant::now() + Duration::from_secs(5))
+        .unwrap();
     drop(a);
     // A clean goodbye frees the slot at once.
     let ok = eventually(Duration::from_secs(2), || {
-        kvring::Client::connect_in(&s.dir, &s.name).is_ok()
+        kvring::Client::builder(&s.name)
+            .runtime_dir(&s.dir)
+            .connect()
+            .is_ok()
     });
     assert!(ok.is_some());
 }
@@ -359,12 +387,11 @@ fn no_server_is_a_clear_error() {
         return;
     }
     let s = Scope::new("none");
-    let paths = kvring::rundir::ServerPaths::in_dir(&s.name, &s.dir).unwrap();
-    let opts = kvring::ClientOptions {
-        connect_timeout: Duration::from_millis(50),
-        ..Default::default()
-    };
-    match kvring::Client::connect_with(&paths, &opts) {
+    match s
+        .client_builder()
+        .connect_timeout(Duration::from_millis(50))
+        .connect()
+    {
         Err(e @ Error::NoServer { .. }) => assert!(e.to_string().contains(&s.name)),
         other => panic!("expected NoServer, got {:?}", other.map(|c| c.slot())),
     }

@@ -10,6 +10,7 @@ use common::*;
 use kvring::jobs::JobStatus;
 use kvring::kv::{chunk_hashes, model_id, pattern};
 use kvring::shm::SlotState;
+use kvring::{KvSpec, Lookup, Retrieve, Store};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -25,20 +26,19 @@ impl Rng {
 
 #[test]
 fn hostile_clients_never_hurt_the_server_or_an_honest_engine() {
-    let _w = watchdog(Duration::from_secs(120));
-    let s = Scope::new("hostile");
-    let mut srv = s.server(&["--chunk-tokens", "64", "--pool-bytes", "64MiB"]);
+    let mut s = Fixture::new(
+        "hostile",
+        Duration::from_secs(120),
+        &["--chunk-tokens", "64", "--pool-bytes", "64MiB"],
+    );
     // The honest engine.
     let mut good = s.client();
     let l = small_layout();
     let cache = kvring::HostKvCache::new(l, 64).unwrap();
-    let inst = good
-        .register_host_cache(model_id("h"), 1, 0, &cache)
-        .unwrap();
+    let spec = KvSpec::new(model_id("h"), 1, 0);
+    let inst = good.register_host(&spec, &cache).unwrap();
     let fresh = kvring::HostKvCache::new(l, 64).unwrap();
-    let finst = good
-        .register_host_cache(model_id("h"), 1, 0, &fresh)
-        .unwrap();
+    let finst = good.register_host(&spec, &fresh).unwrap();
     let mut rng = Rng(0x9e3779b97f4a7c15);
     let ro = kvring::segment::ReadOnlySegment::open(&s.name).unwrap();
     let mut kicked = 0;
@@ -46,7 +46,8 @@ fn hostile_clients_never_hurt_the_server_or_an_honest_engine() {
     // exits, so at most the slots the server has: 50 of 64.
     let rounds = 50;
     for round in 0..rounds {
-        let evil = s.client();
+        let mut evil = s.client();
+        let evil_session = evil.raw().session();
         let slot = evil.slot();
         let seg = evil.segment();
         let cb = seg.block_rw();
@@ -88,33 +89,31 @@ fn hostile_clients_never_hurt_the_server_or_an_honest_engine() {
         let b: Vec<u32> = (0..4).map(|k| (round * 4 + k) % 64).collect();
         pattern::write_chunk(&cache, 0, &hashes[0], &b);
         let far = Instant::now() + Duration::from_secs(10);
-        let id = good.store(&inst, 0, &hashes, &b).unwrap();
-        assert!(matches!(
-            good.wait_job(id, far).unwrap(),
-            JobStatus::Done(_)
-        ));
-        good.release_job(id).unwrap();
-        let lease = good.lookup(model_id("h"), 1, 0, &hashes).unwrap();
-        good.wait_job(lease, far).unwrap();
-        good.release_job(lease).unwrap();
+        let job = good.store(Store::new(&inst, &hashes, &b)).unwrap();
+        assert!(matches!(job.wait(far).unwrap(), JobStatus::Done(_)));
+        good.release_job(job).unwrap();
+        // The retrieve takes the lease's holds; its lookup job goes now.
+        let lease = good
+            .lookup(Lookup::new(model_id("h"), 1, &hashes))
+            .unwrap()
+            .into_id();
+        good.release_job(lease.job()).unwrap();
         fresh.fill(0xee);
-        let id = good.retrieve(&finst, lease, 0, &b, 0).unwrap();
-        assert!(matches!(
-            good.wait_job(id, far).unwrap(),
-            JobStatus::Done(_)
-        ));
-        good.release_job(id).unwrap();
+        let job = good.retrieve(Retrieve::new(&finst, lease, &b)).unwrap();
+        assert!(matches!(job.wait(far).unwrap(), JobStatus::Done(_)));
+        good.release_job(job).unwrap();
         pattern::verify_chunk(&fresh, 0, &hashes[0], &b, 0, 0xee)
             .unwrap_or_else(|e| panic!("round {round}: {e}"));
         assert_eq!(
-            good.ping(b"still here", Duration::from_secs(5)).unwrap(),
+            good.ping(b"still here", Instant::now() + Duration::from_secs(5))
+                .unwrap(),
             b"still here"
         );
         // A hostile client whose ring broke the rules is disconnected.
         let sb = ro.mapping.server_client(slot);
         let gone = eventually(Duration::from_millis(300), || {
             sb.state.load(Ordering::Acquire) != SlotState::Active as u32
-                || sb.session.load(Ordering::Relaxed) != evil.session()
+                || sb.session.load(Ordering::Relaxed) != evil_session
         });
         kicked += gone.is_some() as u32;
         drop(evil);
@@ -123,7 +122,7 @@ fn hostile_clients_never_hurt_the_server_or_an_honest_engine() {
     // hostile clients were thrown out (a few wrote a tail the ring accepts
     // and only produced error completions).
     assert!(
-        srv.child.as_mut().unwrap().try_wait().unwrap().is_none(),
+        s.srv.child.as_mut().unwrap().try_wait().unwrap().is_none(),
         "server died"
     );
     eprintln!("{kicked} of {rounds} hostile clients disconnected");

@@ -7,8 +7,9 @@ mod common;
 
 use common::*;
 use kvring::jobs::{FailReason, JobStatus};
-use kvring::kv::{model_id, KvLayout, KvLayoutKind};
-use kvring::proto::{DelayJobRequest, Opcode};
+use kvring::kv::{model_id, Dtype, KvLayout, KvLayoutKind, KvShape};
+use kvring::proto::Opcode;
+use kvring::{DelayJob, KvSpec};
 use serde_json::Value;
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
@@ -40,32 +41,32 @@ fn kinds(v: &Value) -> Vec<String> {
         .collect()
 }
 
-fn delay(pending_ms: u64, running_ms: u64) -> DelayJobRequest {
-    DelayJobRequest {
-        pending_us: pending_ms * 1000,
-        running_us: running_ms * 1000,
-        ..Default::default()
-    }
+fn delay(pending_ms: u64, running_ms: u64) -> DelayJob {
+    DelayJob::new(
+        Duration::from_millis(pending_ms),
+        Duration::from_millis(running_ms),
+    )
 }
 
 #[test]
 fn json_reflects_the_state_live_wedged_and_post_mortem() {
-    let _w = watchdog(Duration::from_secs(60));
-    let s = Scope::new("inspect");
-    let mut srv = s.server(&["--job-slots", "16", "--pool-bytes", "16MiB"]);
+    let mut s = Fixture::new(
+        "inspect",
+        Duration::from_secs(60),
+        &["--job-slots", "16", "--pool-bytes", "16MiB"],
+    );
     let mut a = s.client();
     let mut b = s.client();
-    // Jobs in every state: pending, running, done, failed, tombstoned.
-    let pending = a.submit_delay_job(&delay(60_000, 1)).unwrap();
-    let running = a.submit_delay_job(&delay(0, 60_000)).unwrap();
-    let done = a.submit_delay_job(&delay(0, 0)).unwrap();
+    // Jobs in every state: pending, running, done, failed, tombstoned
+    // (detached: the table keeps them as they are).
+    let pending = a.delay_job(delay(60_000, 1)).unwrap().into_id();
+    let running = a.delay_job(delay(0, 60_000)).unwrap().into_id();
+    let done = a.delay_job(delay(0, 0)).unwrap().into_id();
     let failed = a
-        .submit_delay_job(&DelayJobRequest {
-            fail_reason: FailReason::Requested.code(),
-            ..delay(0, 0)
-        })
-        .unwrap();
-    let tomb = a.submit_delay_job(&delay(0, 0)).unwrap();
+        .delay_job(delay(0, 0).fail(FailReason::Requested))
+        .unwrap()
+        .into_id();
+    let tomb = a.delay_job(delay(0, 0)).unwrap().into_id();
     let far = Instant::now() + Duration::from_secs(5);
     for id in [done, failed, tomb] {
         assert!(a.wait_job(id, far).unwrap().is_terminal());
@@ -77,24 +78,24 @@ fn json_reflects_the_state_live_wedged_and_post_mortem() {
     .expect("running");
     assert_eq!(a.job_status(pending).unwrap(), JobStatus::Pending);
     // Client b registers a KV cache.
-    let layout = KvLayout {
-        kind: KvLayoutKind::FlashAttn as u32,
-        num_layers: 1,
-        num_blocks: 16,
+    let shape = KvShape {
+        layers: 1,
+        blocks: 16,
         block_tokens: 16,
-        num_heads: 1,
+        heads: 1,
         head_dim: 8,
-        elem_bytes: 2,
-        _reserved: 0,
     };
+    let layout = KvLayout::new(KvLayoutKind::FlashAttn, shape, Dtype::Bf16);
     let chunk = b.server_config().unwrap().chunk_tokens;
     let cache = kvring::HostKvCache::new(layout, chunk).unwrap();
-    b.register_host_cache(model_id("m"), 1, 0, &cache).unwrap();
+    let _reg = b
+        .register_host(&KvSpec::new(model_id("m"), 1, 0), &cache)
+        .unwrap();
 
     let v = inspect_json(&["show", &s.name, "--json", "--sample-ms", "100"]);
     assert_eq!(v["name"], s.name.as_str());
     assert_eq!(v["server"]["alive"], true);
-    assert_eq!(v["server"]["pid"], srv.pid());
+    assert_eq!(v["server"]["pid"], s.srv.pid());
     let clients = v["clients"].as_array().unwrap();
     assert_eq!(clients.len(), 2);
     let cb = clients
@@ -152,9 +153,9 @@ fn json_reflects_the_state_live_wedged_and_post_mortem() {
     );
 
     // Wedged: requests wait in a's ring, the server's heartbeat stops.
-    srv.pause();
+    s.srv.pause();
     for i in 0..3 {
-        a.submit(Opcode::Ping, b"wedged", i).unwrap();
+        a.raw().submit(Opcode::Ping, b"wedged", i).unwrap();
     }
     std::thread::sleep(Duration::from_millis(1100));
     let t = Instant::now();
@@ -172,14 +173,15 @@ fn json_reflects_the_state_live_wedged_and_post_mortem() {
     let k = kinds(&v);
     assert!(k.contains(&"ring_stalled".to_string()), "{k:?}");
     assert!(k.contains(&"heartbeat_stopped".to_string()), "{k:?}");
-    srv.signal(libc::SIGCONT);
+    s.srv.signal(libc::SIGCONT);
     for _ in 0..3 {
-        a.wait_completion(Instant::now() + Duration::from_secs(5))
+        a.raw()
+            .wait_completion(Instant::now() + Duration::from_secs(5))
             .unwrap();
     }
 
     // Post-mortem: the segment of a killed server is still readable.
-    srv.kill();
+    s.srv.kill();
     let v = inspect_json(&["show", &s.name, "--json", "--sample-ms", "10"]);
     assert_eq!(v["server"]["alive"], false);
     assert!(kinds(&v).contains(&"server_dead".to_string()));
@@ -233,11 +235,10 @@ fn what_is_not_a_kvring_segment_is_refused_clearly() {
 #[test]
 fn the_watch_view_renders_in_a_terminal_and_quits_on_q() {
     use std::io::{Read, Write};
-    let _w = watchdog(Duration::from_secs(30));
-    let s = Scope::new("watch");
-    let _srv = s.server(&[]);
+    let s = Fixture::new("watch", Duration::from_secs(30), &[]);
     let mut c = s.client();
-    c.ping(b"x", Duration::from_secs(5)).unwrap();
+    c.ping(b"x", Instant::now() + Duration::from_secs(5))
+        .unwrap();
     let size = nix::pty::Winsize {
         ws_row: 50,
         ws_col: 160,

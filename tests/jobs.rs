@@ -7,20 +7,18 @@ mod common;
 
 use common::*;
 use kvring::jobs::{FailReason, JobId, JobResult, JobStatus};
-use kvring::proto::{DelayJobRequest, Status};
+use kvring::proto::Status;
 use kvring::segment::ReadOnlySegment;
-use kvring::Error;
+use kvring::{DelayJob, Error};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-fn delay(pending_ms: u64, running_ms: u64) -> DelayJobRequest {
-    DelayJobRequest {
-        pending_us: pending_ms * 1000,
-        running_us: running_ms * 1000,
-        result_value: 42,
-        result_aux: 7,
-        ..Default::default()
-    }
+fn delay(pending_ms: u64, running_ms: u64) -> DelayJob {
+    DelayJob::new(
+        Duration::from_millis(pending_ms),
+        Duration::from_millis(running_ms),
+    )
+    .result(42, 7)
 }
 
 fn id_to_string(id: JobId) -> String {
@@ -40,12 +38,15 @@ fn child_main() -> bool {
     let Some((role, name, dir)) = child_role() else {
         return false;
     };
-    let mut c = kvring::Client::connect_in(&dir, &name).expect("child connect");
+    let mut c = kvring::Client::builder(&name)
+        .runtime_dir(&dir)
+        .connect()
+        .expect("child connect");
     match role.as_str() {
         "long-jobs" => {
             // Two jobs that would take a minute, one pending, one running.
-            let a = c.submit_delay_job(&delay(60_000, 1)).unwrap();
-            let b = c.submit_delay_job(&delay(0, 60_000)).unwrap();
+            let a = c.delay_job(delay(60_000, 1)).unwrap().into_id();
+            let b = c.delay_job(delay(0, 60_000)).unwrap().into_id();
             tell_parent(&format!("ids {} {}", id_to_string(a), id_to_string(b)));
             std::thread::sleep(Duration::from_secs(60));
         }
@@ -59,12 +60,10 @@ fn child_main() -> bool {
                 std::thread::sleep(Duration::from_millis(1));
             }
             for _ in 0..1000 {
-                let id = c.submit_delay_job(&delay(0, 0)).unwrap();
-                let st = c
-                    .wait_job(id, Instant::now() + Duration::from_secs(5))
-                    .unwrap();
+                let job = c.delay_job(delay(0, 0)).unwrap();
+                let st = job.wait(Instant::now() + Duration::from_secs(5)).unwrap();
                 assert!(matches!(st, JobStatus::Done(_)), "{st:?}");
-                c.release_job(id).unwrap();
+                c.release_job(job).unwrap();
             }
             tell_parent("reused 1000");
         }
@@ -78,27 +77,22 @@ fn a_job_goes_pending_running_done_tombstoned_as_seen_from_shared_memory() {
     if child_main() {
         return;
     }
-    let _w = watchdog(Duration::from_secs(30));
-    let s = Scope::new("states");
-    let _srv = s.server(&[]);
+    let s = Fixture::new("states", Duration::from_secs(30), &[]);
     let mut c = s.client();
-    let id = c
-        .submit_delay_job(&DelayJobRequest {
-            progress_every_us: 5_000,
-            ..delay(150, 150)
-        })
+    let job = c
+        .delay_job(delay(150, 150).progress_every(Duration::from_millis(5)))
         .unwrap();
-    assert_eq!(c.job_status(id).unwrap(), JobStatus::Pending);
+    assert_eq!(job.status().unwrap(), JobStatus::Pending);
     let mut seen = Vec::new();
     let mut progress = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
-        let st = c.job_status(id).unwrap();
+        let st = job.status().unwrap();
         if seen.last() != Some(&st.name()) {
             seen.push(st.name());
         }
         if st == JobStatus::Running {
-            progress.push(c.job_info(id).unwrap().unwrap().progress);
+            progress.push(job.progress().unwrap());
         }
         if st.is_terminal() {
             assert_eq!(st, JobStatus::Done(JobResult { value: 42, aux: 7 }));
@@ -113,13 +107,14 @@ fn a_job_goes_pending_running_done_tombstoned_as_seen_from_shared_memory() {
         progress.last().copied().unwrap_or(0) >= 50_000,
         "{progress:?}"
     );
-    let info = c.job_info(id).unwrap().unwrap();
+    let info = job.info().unwrap().unwrap();
     assert_eq!(info.owner_slot, c.slot());
     assert!(info.submitted_ns < info.started_ns && info.started_ns < info.finished_ns);
     let pending_for = Duration::from_nanos(info.started_ns - info.submitted_ns);
     assert!(pending_for >= Duration::from_millis(150), "{pending_for:?}");
 
-    c.release_job(id).unwrap();
+    let id = job.id();
+    c.release_job(job).unwrap();
     let tomb = JobStatus::Tombstoned(Ok(JobResult { value: 42, aux: 7 }));
     assert_eq!(c.job_status(id).unwrap(), tomb);
     c.release_job(id).unwrap(); // twice is harmless
@@ -127,15 +122,10 @@ fn a_job_goes_pending_running_done_tombstoned_as_seen_from_shared_memory() {
 
     // A requested failure, awaited through the futex path.
     let f = c
-        .submit_delay_job(&DelayJobRequest {
-            fail_reason: FailReason::Requested.code(),
-            ..delay(0, 50)
-        })
+        .delay_job(delay(0, 50).fail(FailReason::Requested))
         .unwrap();
     let t = Instant::now();
-    let st = c
-        .wait_job(f, Instant::now() + Duration::from_secs(5))
-        .unwrap();
+    let st = f.wait(Instant::now() + Duration::from_secs(5)).unwrap();
     assert_eq!(st, JobStatus::Failed(FailReason::Requested));
     assert!(t.elapsed() >= Duration::from_millis(50));
     let h = ReadOnlySegment::open(&s.name).unwrap();
@@ -151,16 +141,13 @@ fn a_released_job_reads_terminal_10000_times_and_through_1000_reuses_of_its_slot
     if child_main() {
         return;
     }
-    let _w = watchdog(Duration::from_secs(60));
-    let s = Scope::new("seed");
-    let _srv = s.server(&["--job-slots", "1"]);
+    let s = Fixture::new("seed", Duration::from_secs(60), &["--job-slots", "1"]);
     let mut c = s.client();
-    let id = c.submit_delay_job(&delay(0, 20)).unwrap();
-    let done = c
-        .wait_job(id, Instant::now() + Duration::from_secs(5))
-        .unwrap();
+    let job = c.delay_job(delay(0, 20)).unwrap();
+    let done = job.wait(Instant::now() + Duration::from_secs(5)).unwrap();
     assert_eq!(done, JobStatus::Done(JobResult { value: 42, aux: 7 }));
-    c.release_job(id).unwrap();
+    let id = job.id();
+    c.release_job(job).unwrap();
     for _ in 0..10_000 {
         assert_eq!(
             c.job_status(id).unwrap(),
@@ -208,9 +195,7 @@ fn a_dead_clients_jobs_end_failed_client_gone_within_a_second() {
     if child_main() {
         return;
     }
-    let _w = watchdog(Duration::from_secs(30));
-    let s = Scope::new("gone");
-    let _srv = s.server(&[]);
+    let s = Fixture::new("gone", Duration::from_secs(30), &[]);
     let observer = s.client();
     let mut victim = s.child(
         "a_dead_clients_jobs_end_failed_client_gone_within_a_second",
@@ -235,7 +220,7 @@ fn a_dead_clients_jobs_end_failed_client_gone_within_a_second() {
     let ro = ReadOnlySegment::open(&s.name).unwrap();
     assert_eq!(ro.mapping.header().jobs_failed.load(Ordering::Relaxed), 2);
     // A non-owner waits through the polling path and gets the same answer.
-    let mut o = observer;
+    let o = observer;
     assert_eq!(
         o.wait_job(ids[0], Instant::now() + Duration::from_secs(1))
             .unwrap(),
@@ -248,14 +233,12 @@ fn capacity_ownership_and_bad_ids_are_clear_errors() {
     if child_main() {
         return;
     }
-    let _w = watchdog(Duration::from_secs(30));
-    let s = Scope::new("cap");
-    let _srv = s.server(&["--job-slots", "2"]);
+    let s = Fixture::new("cap", Duration::from_secs(30), &["--job-slots", "2"]);
     let mut a = s.client();
     let mut b = s.client();
-    let j1 = a.submit_delay_job(&delay(0, 0)).unwrap();
-    let j2 = a.submit_delay_job(&delay(10_000, 0)).unwrap();
-    match b.submit_delay_job(&delay(0, 0)) {
+    let j1 = a.delay_job(delay(0, 0)).unwrap().into_id();
+    let j2 = a.delay_job(delay(10_000, 0)).unwrap().into_id();
+    match b.delay_job(delay(0, 0)).map(kvring::Job::into_id) {
         Err(Error::Status(Status::NoFreeJobSlot)) => {}
         other => panic!("expected NoFreeJobSlot, got {other:?}"),
     }
@@ -265,7 +248,7 @@ fn capacity_ownership_and_bad_ids_are_clear_errors() {
         .unwrap()
         .is_terminal());
     assert!(matches!(
-        b.submit_delay_job(&delay(0, 0)),
+        b.delay_job(delay(0, 0)).map(kvring::Job::into_id),
         Err(Error::Status(Status::NoFreeJobSlot))
     ));
     let expect = |r: kvring::Result<()>, st: Status| match r {
@@ -285,15 +268,15 @@ fn capacity_ownership_and_bad_ids_are_clear_errors() {
         JobStatus::Unknown
     );
     // Out-of-bounds requests are refused before anything is allocated.
-    match a.submit_delay_job(&DelayJobRequest {
-        pending_us: u64::MAX,
-        ..Default::default()
-    }) {
-        Err(Error::Config(msg)) => assert!(msg.contains("exceeds"), "{msg}"),
+    match a.delay_job(DelayJob::new(
+        Duration::from_micros(u64::MAX),
+        Duration::ZERO,
+    )) {
+        Err(Error::InvalidArgument(msg)) => assert!(msg.contains("exceeds"), "{msg}"),
         other => panic!("expected a bounds error, got {other:?}"),
     }
     a.release_job(j1).unwrap();
-    let j3 = b.submit_delay_job(&delay(0, 0)).unwrap();
+    let j3 = b.delay_job(delay(0, 0)).unwrap().into_id();
     assert_eq!(j3.index(), j1.index());
     assert_eq!(a.job_status(j1).unwrap(), JobStatus::Expired);
     expect(a.release_job(j1), Status::JobExpired);
@@ -304,13 +287,11 @@ fn server_death_ends_waits_and_old_ids_read_unknown_after_a_restart() {
     if child_main() {
         return;
     }
-    let _w = watchdog(Duration::from_secs(60));
-    let s = Scope::new("restart");
-    let mut srv = s.server(&[]);
+    let mut s = Fixture::new("restart", Duration::from_secs(60), &[]);
     let mut c = s.client();
-    let long = c.submit_delay_job(&delay(0, 60_000)).unwrap();
+    let long = c.delay_job(delay(0, 60_000)).unwrap().into_id();
     // Wedged: the wait ends at its deadline.
-    srv.pause();
+    s.srv.pause();
     let t = Instant::now();
     match c.wait_job(long, Instant::now() + Duration::from_millis(300)) {
         Err(Error::Timeout(_)) => {}
@@ -318,6 +299,9 @@ fn server_death_ends_waits_and_old_ids_read_unknown_after_a_restart() {
     }
     assert!(t.elapsed() >= Duration::from_millis(300) && t.elapsed() < Duration::from_secs(2));
     // Killed while the client waits: "server gone" within a second.
+    let mut srv = ServerProc {
+        child: s.srv.child.take(),
+    };
     let killer = std::thread::spawn(move || {
         std::thread::sleep(Duration::from_millis(200));
         let t = Instant::now();
@@ -336,7 +320,7 @@ fn server_death_ends_waits_and_old_ids_read_unknown_after_a_restart() {
     let _srv2 = s.server(&[]);
     let mut c2 = s.client();
     assert_eq!(c2.job_status(long).unwrap(), JobStatus::Unknown);
-    let fresh = c2.submit_delay_job(&delay(0, 0)).unwrap();
+    let fresh = c2.delay_job(delay(0, 0)).unwrap().into_id();
     assert_ne!(fresh.epoch, long.epoch);
     assert_eq!(
         (fresh.index(), fresh.generation()),
@@ -350,12 +334,10 @@ fn shutdown_fails_unfinished_jobs_and_wakes_their_waiting_owner() {
     if child_main() {
         return;
     }
-    let _w = watchdog(Duration::from_secs(30));
-    let s = Scope::new("shutdown");
-    let mut srv = s.server(&[]);
+    let mut s = Fixture::new("shutdown", Duration::from_secs(30), &[]);
     let mut c = s.client();
-    let long = c.submit_delay_job(&delay(0, 60_000)).unwrap();
-    let pid = srv.pid();
+    let long = c.delay_job(delay(0, 60_000)).unwrap().into_id();
+    let pid = s.srv.pid();
     let term = std::thread::spawn(move || {
         std::thread::sleep(Duration::from_millis(200));
         // SAFETY: signalling our own child.
@@ -366,5 +348,42 @@ fn shutdown_fails_unfinished_jobs_and_wakes_their_waiting_owner() {
         .unwrap();
     assert_eq!(st, JobStatus::Failed(FailReason::ServerShutdown));
     term.join().unwrap();
-    assert!(srv.terminate().success());
+    assert!(s.srv.terminate().success());
+}
+
+#[test]
+fn a_dropped_job_is_released_once_finished_and_a_handle_never_outlives_its_client() {
+    if child_main() {
+        return;
+    }
+    let s = Fixture::new("drop", Duration::from_secs(30), &[]);
+    let mut c = s.client();
+    // Dropped while running: it runs to its end, then the next request
+    // releases it.
+    let job = c.delay_job(delay(0, 100)).unwrap();
+    let id = job.id();
+    drop(job);
+    c.ping(b"", Instant::now() + Duration::from_secs(5))
+        .unwrap();
+    assert!(!c.job_status(id).unwrap().is_terminal());
+    let done = JobStatus::Done(JobResult { value: 42, aux: 7 });
+    assert_eq!(
+        c.wait_job(id, Instant::now() + Duration::from_secs(5))
+            .unwrap(),
+        done
+    );
+    c.ping(b"", Instant::now() + Duration::from_secs(5))
+        .unwrap();
+    assert_eq!(
+        c.job_status(id).unwrap(),
+        JobStatus::Tombstoned(Ok(JobResult { value: 42, aux: 7 }))
+    );
+    // A handle kept past its client's goodbye: the server has reclaimed the
+    // job, and the handle does not wait on a slot that is no longer its.
+    let job = c.delay_job(delay(0, 10_000)).unwrap();
+    drop(c);
+    assert!(matches!(
+        job.wait(Instant::now() + Duration::from_secs(5)),
+        Err(Error::ClientClosed)
+    ));
 }

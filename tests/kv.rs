@@ -7,142 +7,31 @@ mod common;
 
 use common::*;
 use kvring::jobs::{JobId, JobResult, JobStatus};
-use kvring::kv::{chunk_hashes, model_id, pattern, salt_id, ChunkHash, KvLayout, KvLayoutKind};
+use kvring::kv::{chunk_hashes, model_id, salt_id, ChunkHash, KvLayout, KvLayoutKind, KvShape};
+use kvring::proto::kv::StoreRequest;
 use kvring::proto::{Opcode, Status};
 use kvring::ring::FrameHeader;
-use kvring::{Client, Error, HostKvCache, Instance};
+use kvring::{Client, Error, HostKvCache, KvSpec, LeaseId, Lookup, Memory, Retrieve, Store};
 use std::time::{Duration, Instant};
 
-const CHUNK: u32 = 64;
-const MODEL: &str = "test-model";
-
 fn layout(kind: KvLayoutKind, elem_bytes: u32, num_blocks: u32) -> KvLayout {
-    KvLayout {
-        kind: kind as u32,
-        num_layers: 3,
-        num_blocks,
-        block_tokens: 16,
-        num_heads: if kind == KvLayoutKind::Mla { 1 } else { 2 },
-        head_dim: 24,
-        elem_bytes,
-        _reserved: 0,
-    }
+    kv_layout(kind, elem_bytes, num_blocks, 24)
 }
 
-fn server_args() -> Vec<&'static str> {
-    vec![
-        "--chunk-tokens",
-        "64",
-        "--pool-bytes",
-        "64MiB",
-        "--copy-threads",
-        "2",
-    ]
-}
-
-/// One engine worker: a client, a host cache, its registration.
-struct Engine {
-    c: Client,
-    cache: HostKvCache,
-    inst: Instance,
-    rank: u32,
-}
-
-impl Engine {
-    fn new(s: &Scope, l: KvLayout, world: u32, rank: u32) -> Engine {
-        Self::of_model(s, MODEL, l, world, rank)
-    }
-
-    fn of_model(s: &Scope, model: &str, l: KvLayout, world: u32, rank: u32) -> Engine {
-        let mut c = s.client();
-        let cache = HostKvCache::new(l, CHUNK).unwrap();
-        let inst = c
-            .register_host_cache(model_id(model), world, rank, &cache)
-            .unwrap();
-        Engine {
-            c,
-            cache,
-            inst,
-            rank,
-        }
-    }
-
-    /// The content id of this rank's objects (MLA ranks share one).
-    fn content(&self) -> u32 {
-        if self.cache.layout().parts() == 1 {
-            u32::MAX
-        } else {
-            self.rank
-        }
-    }
-
-    fn bpc(&self) -> u32 {
-        self.inst.blocks_per_chunk()
-    }
-
-    /// Blocks for chunk `i`, spread over the cache in a scrambled order.
-    fn blocks(&self, first_block: u32, n_chunks: usize) -> Vec<u32> {
-        let nb = self.cache.layout().num_blocks;
-        (0..n_chunks as u32 * self.bpc())
-            .map(|k| (first_block + k * 7) % nb)
-            .collect()
-    }
-
-    fn write(&self, hashes: &[ChunkHash], blocks: &[u32]) {
-        let bpc = self.bpc() as usize;
-        for (h, b) in hashes.iter().zip(blocks.chunks(bpc)) {
-            pattern::write_chunk(&self.cache, self.content(), h, b);
-        }
-    }
-
-    fn store(&mut self, salt: u64, hashes: &[ChunkHash], blocks: &[u32]) -> JobResult {
-        let id = self.c.store(&self.inst, salt, hashes, blocks).unwrap();
-        done(&mut self.c, id)
-    }
-
-    fn verify(&self, hashes: &[ChunkHash], blocks: &[u32], skip_blocks: u32, poison: u8) {
-        let bpc = self.bpc() as usize;
-        let mut skip = skip_blocks;
-        for (i, (h, b)) in hashes.iter().zip(blocks.chunks(bpc)).enumerate() {
-            let s = skip.min(bpc as u32);
-            skip -= s;
-            if let Err(e) = pattern::verify_chunk(&self.cache, self.content(), h, b, s, poison) {
-                panic!("chunk {i}: {e}");
-            }
-        }
-    }
-}
-
-fn done(c: &mut Client, id: JobId) -> JobResult {
-    match c
-        .wait_job(id, Instant::now() + Duration::from_secs(20))
-        .unwrap()
-    {
-        JobStatus::Done(r) => {
-            c.release_job(id).unwrap();
-            r
-        }
-        other => panic!("{id}: {other:?}"),
-    }
-}
-
-fn prompt(seed: u32, tokens: usize) -> Vec<u32> {
-    (0..tokens as u32)
-        .map(|i| i.wrapping_mul(2654435761) ^ seed)
-        .collect()
-}
-
-fn lookup(c: &mut Client, world: u32, salt: u64, hashes: &[ChunkHash]) -> (JobId, u64) {
-    let id = c.lookup(model_id(MODEL), world, salt, hashes).unwrap();
-    let r = match c
-        .wait_job(id, Instant::now() + Duration::from_secs(5))
-        .unwrap()
-    {
-        JobStatus::Done(r) => r,
-        other => panic!("lookup {other:?}"),
-    };
-    assert_eq!(r.aux, hashes.len() as u64);
-    (id, r.value)
+/// A STORE of raw fields, for instance ids no registration has.
+fn store_raw(
+    c: &mut Client,
+    instance: u32,
+    hashes: &[ChunkHash],
+    blocks: &[u32],
+) -> kvring::Result<Vec<u8>> {
+    let mut h: StoreRequest = bytemuck::Zeroable::zeroed();
+    h.instance = instance;
+    h.n_chunks = hashes.len() as u32;
+    let mut payload = bytemuck::bytes_of(&h).to_vec();
+    payload.extend_from_slice(&hashes.concat());
+    payload.extend_from_slice(bytemuck::cast_slice(blocks));
+    c.raw().call_large(Opcode::Store, &payload, far())
 }
 
 fn expect_status<T: std::fmt::Debug>(r: kvring::Result<T>, st: Status) {
@@ -157,27 +46,32 @@ fn child_main() -> bool {
     let Some((role, name, dir)) = child_role() else {
         return false;
     };
-    let mut c = Client::connect_in(&dir, &name).expect("child connect");
+    let mut c = Client::builder(&name)
+        .runtime_dir(&dir)
+        .connect()
+        .expect("child connect");
     let hashes = chunk_hashes(&prompt(77, 4 * CHUNK as usize), CHUNK);
     match role.as_str() {
         "lease-holder" => {
-            let (lease, hits) = lookup(&mut c, 1, 0, &hashes);
-            assert_eq!(hits, 4);
-            tell_parent(&format!("holding {}", lease.key));
+            let lease = lookup(&mut c, 1, 0, &hashes);
+            assert_eq!(lease.hits(), 4);
+            // Held until this process is killed.
+            let lease = lease.into_id();
+            tell_parent(&format!("holding {}", lease.job().key));
         }
         "mid-store" => {
             // A store of many chunks, killed while it is copying.
             let l = layout(KvLayoutKind::FlashAttn, 4, 4096);
             let cache = HostKvCache::new(l, CHUNK).unwrap();
             let inst = c
-                .register_host_cache(model_id(MODEL), 1, 0, &cache)
+                .register_host(&KvSpec::new(model_id(MODEL), 1, 0), &cache)
                 .unwrap();
             let many = chunk_hashes(&prompt(78, 1000 * CHUNK as usize), CHUNK);
             let blocks: Vec<u32> = (0..1000 * inst.blocks_per_chunk())
                 .map(|b| b % 4096)
                 .collect();
-            let id = c.store(&inst, 0, &many, &blocks).unwrap();
-            tell_parent(&format!("storing {}", id.key));
+            let job = c.store(Store::new(&inst, &many, &blocks)).unwrap();
+            tell_parent(&format!("storing {}", job.id().key));
         }
         other => panic!("unknown role {other}"),
     }
@@ -190,9 +84,7 @@ fn a_client_that_dies_holding_leases_or_mid_store_is_reclaimed() {
     if child_main() {
         return;
     }
-    let _w = watchdog(Duration::from_secs(60));
-    let s = Scope::new("death");
-    let _srv = s.server(&server_args());
+    let s = Fixture::new("death", Duration::from_secs(60), &KV_SERVER_ARGS);
     let mut e = Engine::new(&s, layout(KvLayoutKind::FlashAttn, 4, 64), 1, 0);
     let hashes = chunk_hashes(&prompt(77, 4 * CHUNK as usize), CHUNK);
     let blocks = e.blocks(0, 4);
@@ -231,20 +123,17 @@ fn a_client_that_dies_holding_leases_or_mid_store_is_reclaimed() {
     // The survivor is served as before.
     e.write(&hashes, &blocks);
     assert_eq!(e.store(0, &hashes, &blocks).value, 4);
-    let (lease, hits) = lookup(&mut c, 1, 0, &hashes);
-    assert_eq!(hits, 4);
+    let lease = lookup(&mut c, 1, 0, &hashes);
+    assert_eq!(lease.hits(), 4);
     let mut f = Engine::new(&s, layout(KvLayoutKind::FlashAttn, 4, 64), 1, 0);
     let dst = f.blocks(9, 4);
-    let id = f.c.retrieve(&f.inst, lease, 0, &dst, 0).unwrap();
-    done(&mut f.c, id);
+    done(f.c.retrieve(Retrieve::new(&f.inst, &lease, &dst)).unwrap());
     f.verify(&hashes, &dst, 0, 0);
 }
 
 #[test]
 fn every_layout_and_element_size_round_trips_byte_for_byte() {
-    let _w = watchdog(Duration::from_secs(120));
-    let s = Scope::new("layouts");
-    let _srv = s.server(&server_args());
+    let s = Fixture::new("layouts", Duration::from_secs(120), &KV_SERVER_ARGS);
     let mut sched = s.client();
     for kind in KvLayoutKind::ALL {
         for elem in [1, 2, 4] {
@@ -257,20 +146,21 @@ fn every_layout_and_element_size_round_trips_byte_for_byte() {
             a.write(&hashes, &blocks);
             let r = a.store(0, &hashes, &blocks);
             assert_eq!((r.value, r.aux), (4, 0), "{kind:?}/{elem}");
-            let (lease, hits) = lookup(&mut sched, 1, 0, &hashes);
-            assert_eq!(hits, 4, "{kind:?}/{elem}");
+            let lease = lookup(&mut sched, 1, 0, &hashes);
+            assert_eq!(lease.hits(), 4, "{kind:?}/{elem}");
             // A fresh, poisoned cache of another engine process of the same
             // model: the chunks land in other blocks, byte for byte.
             let mut b = Engine::new(&s, l, 1, 0);
             b.cache.fill(0xa5);
             let dst = b.blocks(11, 4);
-            let id = b.c.retrieve(&b.inst, lease, 0, &dst, 0).unwrap();
-            let r = done(&mut b.c, id);
+            let r = done(b.c.retrieve(Retrieve::new(&b.inst, &lease, &dst)).unwrap());
             assert_eq!(r.value, 4);
             assert_eq!(r.aux, 4 * l.object_bytes(CHUNK));
             b.verify(&hashes, &dst, 0, 0xa5);
-            a.c.unregister_kv(&a.inst).unwrap();
-            b.c.unregister_kv(&b.inst).unwrap();
+            a.c.unregister(a.inst).unwrap();
+            b.c.unregister(b.inst).unwrap();
+            // Consumed by its retrieve: nothing left to end.
+            let _ = lease.into_id();
         }
     }
     let st = sched.stats().unwrap();
@@ -280,9 +170,7 @@ fn every_layout_and_element_size_round_trips_byte_for_byte() {
 
 #[test]
 fn layouts_of_one_geometry_share_objects_and_skip_tokens_leave_blocks_alone() {
-    let _w = watchdog(Duration::from_secs(60));
-    let s = Scope::new("share");
-    let _srv = s.server(&server_args());
+    let s = Fixture::new("share", Duration::from_secs(60), &KV_SERVER_ARGS);
     // Stored from a flash-attention cache, retrieved into a FlashInfer one
     // with a smaller block size: the object format is layout-independent.
     let fa = layout(KvLayoutKind::FlashAttn, 2, 64);
@@ -295,12 +183,14 @@ fn layouts_of_one_geometry_share_objects_and_skip_tokens_leave_blocks_alone() {
     a.store(0, &hashes, &src);
     let mut b = Engine::new(&s, fi, 1, 0);
     b.cache.fill(0x11);
-    let (lease, hits) = lookup(&mut b.c, 1, 0, &hashes);
-    assert_eq!(hits, 3);
+    let lease = lookup(&mut b.c, 1, 0, &hashes);
+    assert_eq!(lease.hits(), 3);
     let dst = b.blocks(5, 3);
     // Skip the first 40 tokens (5 blocks of 8): they stay as they were.
-    let id = b.c.retrieve(&b.inst, lease, 0, &dst, 40).unwrap();
-    done(&mut b.c, id);
+    done(
+        b.c.retrieve(Retrieve::new(&b.inst, &lease, &dst).skip_tokens(40))
+            .unwrap(),
+    );
     // Compare token rows: row t of layer l, part p is at the same object
     // offset in both; read both caches through their layouts.
     let tb = fa.token_bytes() as usize;
@@ -334,9 +224,7 @@ fn layouts_of_one_geometry_share_objects_and_skip_tokens_leave_blocks_alone() {
 
 #[test]
 fn lookups_find_the_longest_stored_prefix_per_salt() {
-    let _w = watchdog(Duration::from_secs(60));
-    let s = Scope::new("prefix");
-    let _srv = s.server(&server_args());
+    let s = Fixture::new("prefix", Duration::from_secs(60), &KV_SERVER_ARGS);
     let mut e = Engine::new(&s, layout(KvLayoutKind::FlashAttn, 2, 64), 1, 0);
     let tokens = prompt(1, 6 * CHUNK as usize);
     let hashes = chunk_hashes(&tokens, CHUNK);
@@ -349,88 +237,101 @@ fn lookups_find_the_longest_stored_prefix_per_salt() {
     assert_eq!(e.store(tenant, &hashes[..3], &blocks).value, 3);
     assert_eq!(e.c.stats().unwrap().stored_chunks, before);
     let mut sched = s.client();
-    assert_eq!(lookup(&mut sched, 1, tenant, &hashes).1, 3, "partial hit");
+    assert_eq!(
+        lookup(&mut sched, 1, tenant, &hashes).hits(),
+        3,
+        "partial hit"
+    );
     let mut other = tokens.clone();
     other[2 * CHUNK as usize + 5] ^= 1;
     assert_eq!(
-        lookup(&mut sched, 1, tenant, &chunk_hashes(&other, CHUNK)).1,
+        lookup(&mut sched, 1, tenant, &chunk_hashes(&other, CHUNK)).hits(),
         2,
         "a prompt that diverges in chunk 2"
     );
     assert_eq!(
-        lookup(&mut sched, 1, salt_id(Some("tenant-b")), &hashes).1,
+        lookup(&mut sched, 1, salt_id(Some("tenant-b")), &hashes).hits(),
         0,
         "other salt"
     );
-    assert_eq!(lookup(&mut sched, 1, 0, &hashes).1, 0, "no salt");
+    assert_eq!(lookup(&mut sched, 1, 0, &hashes).hits(), 0, "no salt");
     assert_eq!(
-        lookup(&mut sched, 2, tenant, &hashes).1,
+        lookup(&mut sched, 2, tenant, &hashes).hits(),
         0,
         "other world size"
     );
-    let id = sched
-        .lookup(model_id("other-model"), 1, tenant, &hashes)
+    let lease = sched
+        .lookup(Lookup::new(model_id("other-model"), 1, &hashes).salt(tenant))
         .unwrap();
     assert!(matches!(
         sched
-            .wait_job(id, Instant::now() + Duration::from_secs(5))
+            .wait_job(lease.id().job(), Instant::now() + Duration::from_secs(5))
             .unwrap(),
         JobStatus::Done(JobResult { value: 0, .. })
     ));
     // A long prompt's lookup spans many frames and is answered once.
     let long = chunk_hashes(&prompt(9, 5000 * CHUNK as usize), CHUNK);
-    assert!(long.len() * 16 > sched.max_payload());
-    assert_eq!(lookup(&mut sched, 1, tenant, &long).1, 0);
+    assert!(long.len() * 16 > sched.raw().max_payload());
+    assert_eq!(lookup(&mut sched, 1, tenant, &long).hits(), 0);
 }
 
 #[test]
 fn retrieve_needs_a_lease_and_uses_it_once() {
-    let _w = watchdog(Duration::from_secs(60));
-    let s = Scope::new("lease");
-    let _srv = s.server(&server_args());
+    let s = Fixture::new("lease", Duration::from_secs(60), &KV_SERVER_ARGS);
     let mut e = Engine::new(&s, layout(KvLayoutKind::FlashAttn, 2, 64), 1, 0);
     let hashes = chunk_hashes(&prompt(2, 2 * CHUNK as usize), CHUNK);
     let blocks = e.blocks(0, 2);
     e.write(&hashes, &blocks);
     e.store(0, &hashes, &blocks);
-    let never = JobId::new(e.c.epoch(), 7, 3);
-    expect_status(e.c.retrieve(&e.inst, never, 0, &blocks, 0), Status::NoLease);
-    let (lease, hits) = lookup(&mut e.c, 1, 0, &hashes);
-    assert_eq!(hits, 2);
+    let never = LeaseId::from_job(JobId::new(e.c.epoch(), 7, 3));
+    expect_status(
+        e.c.retrieve(Retrieve::new(&e.inst, never, &blocks)),
+        Status::NoLease,
+    );
+    let lease = lookup(&mut e.c, 1, 0, &hashes);
+    assert_eq!(lease.hits(), 2);
     // Beyond the hits: not leased.
+    let beyond = e.blocks(0, 2);
     expect_status(
-        e.c.retrieve(&e.inst, lease, 1, &e.blocks(0, 2), 0),
+        e.c.retrieve(Retrieve::new(&e.inst, &lease, &beyond).first_chunk(1)),
         Status::NoLease,
     );
-    let id = e.c.retrieve(&e.inst, lease, 0, &blocks[..4], 0).unwrap();
-    done(&mut e.c, id);
+    done(
+        e.c.retrieve(Retrieve::new(&e.inst, &lease, &blocks[..4]))
+            .unwrap(),
+    );
     expect_status(
-        e.c.retrieve(&e.inst, lease, 0, &blocks[..4], 0),
+        e.c.retrieve(Retrieve::new(&e.inst, &lease, &blocks[..4])),
         Status::NoLease,
     );
-    let id = e.c.retrieve(&e.inst, lease, 1, &blocks[4..], 0).unwrap();
-    done(&mut e.c, id);
+    done(
+        e.c.retrieve(Retrieve::new(&e.inst, &lease, &blocks[4..]).first_chunk(1))
+            .unwrap(),
+    );
     assert_eq!(e.c.stats().unwrap().leases, 0);
     // Freed leases cannot be retrieved either; END_SESSION ends the rest.
-    let (lease, _) = lookup(&mut e.c, 1, 0, &hashes);
-    e.c.free_lookup_locks(lease, 0, 1).unwrap();
+    let lease = lookup(&mut e.c, 1, 0, &hashes);
+    e.c.release_lease_chunks(&lease, 0, 1).unwrap();
     expect_status(
-        e.c.retrieve(&e.inst, lease, 0, &blocks[..4], 0),
+        e.c.retrieve(Retrieve::new(&e.inst, &lease, &blocks[..4])),
         Status::NoLease,
     );
     assert_eq!(e.c.stats().unwrap().leases, 1);
-    e.c.end_session(lease).unwrap();
+    let id = lease.into_id();
+    e.c.end_lease_id(id).unwrap();
     assert_eq!(e.c.stats().unwrap().leases, 0);
-    expect_status(e.c.end_session(lease), Status::NoLease);
+    expect_status(e.c.end_lease_id(id), Status::NoLease);
 }
 
 #[test]
 fn eviction_under_pressure_never_takes_leased_objects() {
-    let _w = watchdog(Duration::from_secs(60));
-    let s = Scope::new("evict");
     // Each object is 3 layers * 2 parts * 64 tokens * 96 B = 36 KiB: a 1 MiB
     // pool holds 28.
-    let _srv = s.server(&["--chunk-tokens", "64", "--pool-bytes", "1MiB"]);
+    let s = Fixture::new(
+        "evict",
+        Duration::from_secs(60),
+        &["--chunk-tokens", "64", "--pool-bytes", "1MiB"],
+    );
     let l = layout(KvLayoutKind::FlashAttn, 2, 256);
     let mut e = Engine::new(&s, l, 1, 0);
     let per = l.object_bytes(CHUNK).div_ceil(4096) * 4096;
@@ -439,8 +340,8 @@ fn eviction_under_pressure_never_takes_leased_objects() {
     let blocks_a = e.blocks(0, 20);
     e.write(&a, &blocks_a);
     assert_eq!(e.store(0, &a, &blocks_a).value, 20);
-    let (lease, hits) = lookup(&mut e.c, 1, 0, &a);
-    assert_eq!(hits, 20);
+    let lease = lookup(&mut e.c, 1, 0, &a);
+    assert_eq!(lease.hits(), 20);
     // Fill the pool with other prompts: only unleased space can be used.
     let b = chunk_hashes(&prompt(11, 20 * CHUNK as usize), CHUNK);
     let blocks_b = e.blocks(100, 20);
@@ -455,22 +356,19 @@ fn eviction_under_pressure_never_takes_leased_objects() {
     let mut f = Engine::new(&s, l, 1, 0);
     f.cache.fill(0);
     let dst = f.blocks(1, 20);
-    let id = f.c.retrieve(&f.inst, lease, 0, &dst, 0).unwrap();
-    done(&mut f.c, id);
+    done(f.c.retrieve(Retrieve::new(&f.inst, &lease, &dst)).unwrap());
     f.verify(&a, &dst, 0, 0);
     // Lease gone: now the old prompt gives way.
     let r = e.store(0, &b, &blocks_b);
     assert_eq!((r.value, r.aux), (20, 0));
     let st = e.c.stats().unwrap();
     assert!(st.evicted_objects > 0 && st.pool_used_bytes <= st.pool_bytes);
-    assert!(lookup(&mut e.c, 1, 0, &a).1 < 20);
+    assert!(lookup(&mut e.c, 1, 0, &a).hits() < 20);
 }
 
 #[test]
 fn tensor_parallel_ranks_store_and_retrieve_concurrently_and_mla_shares() {
-    let _w = watchdog(Duration::from_secs(90));
-    let s = Scope::new("tp");
-    let _srv = s.server(&server_args());
+    let s = Fixture::new("tp", Duration::from_secs(90), &KV_SERVER_ARGS);
     let mut total_objects = 0;
     for kind in [KvLayoutKind::FlashAttn, KvLayoutKind::Mla] {
         let l = layout(kind, 2, 64);
@@ -496,8 +394,9 @@ fn tensor_parallel_ranks_store_and_retrieve_concurrently_and_mla_shares() {
             "{kind:?}"
         );
         let mut sched = s.client();
-        let (lease, hits) = lookup(&mut sched, world, 0, &hashes);
-        assert_eq!(hits, 8);
+        let lease = lookup(&mut sched, world, 0, &hashes);
+        assert_eq!(lease.hits(), 8);
+        let lease = lease.id();
         // Fresh caches, both ranks retrieving at once from one lease.
         let mut fresh: Vec<Engine> = (0..world).map(|r| Engine::new(&s, l, world, r)).collect();
         std::thread::scope(|sc| {
@@ -506,8 +405,7 @@ fn tensor_parallel_ranks_store_and_retrieve_concurrently_and_mla_shares() {
                 sc.spawn(move || {
                     e.cache.fill(0x5a);
                     let dst = e.blocks(e.rank + 20, 8);
-                    let id = e.c.retrieve(&e.inst, lease, 0, &dst, 0).unwrap();
-                    done(&mut e.c, id);
+                    done(e.c.retrieve(Retrieve::new(&e.inst, lease, &dst)).unwrap());
                     e.verify(hashes, &dst, 0, 0x5a);
                 });
             }
@@ -515,46 +413,45 @@ fn tensor_parallel_ranks_store_and_retrieve_concurrently_and_mla_shares() {
         assert_eq!(sched.stats().unwrap().leases, 0);
         // The next layout is another geometry under the same model name:
         // the server refuses that while ranks of the old one are registered.
-        for e in ranks.iter_mut().chain(fresh.iter_mut()) {
-            e.c.unregister_kv(&e.inst).unwrap();
+        for e in ranks.into_iter().chain(fresh) {
+            let mut c = e.c;
+            c.unregister(e.inst).unwrap();
         }
     }
 }
 
 #[test]
 fn bad_requests_get_clear_errors_and_the_server_keeps_serving() {
-    let _w = watchdog(Duration::from_secs(60));
-    let s = Scope::new("bad");
-    let _srv = s.server(&server_args());
+    let s = Fixture::new("bad", Duration::from_secs(60), &KV_SERVER_ARGS);
     let mut e = Engine::new(&s, layout(KvLayoutKind::FlashAttn, 2, 16), 1, 0);
     let hashes = chunk_hashes(&prompt(3, CHUNK as usize), CHUNK);
     // Unknown instance, and another client's instance.
-    let mut fake = e.inst;
-    fake.id += 1000;
+    let fake = e.inst.id() + 1000;
     expect_status(
-        e.c.store(&fake, 0, &hashes, &[0; 4]),
+        store_raw(&mut e.c, fake, &hashes, &[0; 4]),
         Status::UnknownInstance,
     );
     let mut other = s.client();
     expect_status(
-        other.store(&e.inst, 0, &hashes, &[0; 4]),
+        other.store(Store::new(&e.inst, &hashes, &[0; 4])),
         Status::UnknownInstance,
     );
     // Out-of-range block ids.
     expect_status(
-        e.c.store(&e.inst, 0, &hashes, &[0, 1, 2, 16]),
+        e.c.store(Store::new(&e.inst, &hashes, &[0, 1, 2, 16])),
         Status::InvalidArgument,
     );
     // Wrong lengths, sent raw: a truncated store, a lookup whose count lies.
     let send = |c: &mut Client, op: Opcode, payload: &[u8]| {
+        let mut raw = c.raw();
         let h = FrameHeader {
             opcode: op as u16,
-            session: c.session(),
+            session: raw.session(),
             user_data: 1,
             ..Default::default()
         };
-        c.submit_raw(h, payload, true).unwrap();
-        c.wait_completion(Instant::now() + Duration::from_secs(5))
+        raw.submit_raw(h, payload, true).unwrap();
+        raw.wait_completion(Instant::now() + Duration::from_secs(5))
             .unwrap()
             .status
     };
@@ -577,35 +474,38 @@ fn bad_requests_get_clear_errors_and_the_server_keeps_serving() {
     let blocks = e.blocks(0, 1);
     e.write(&hashes, &blocks);
     e.store(0, &hashes, &blocks);
-    let (lease, _) = lookup(&mut e.c, 1, 0, &hashes);
+    let lease = lookup(&mut e.c, 1, 0, &hashes);
     expect_status(
-        e.c.retrieve(&e.inst, lease, 0, &blocks, 5),
+        e.c.retrieve(Retrieve::new(&e.inst, &lease, &blocks).skip_tokens(5)),
         Status::InvalidArgument,
     );
     let mut bad = layout(KvLayoutKind::FlashAttn, 2, 16);
     bad.block_tokens = 48;
     match HostKvCache::new(bad, CHUNK) {
-        Err(Error::Config(m)) => assert!(m.contains("does not divide"), "{m}"),
+        Err(Error::InvalidArgument(m)) => assert!(m.contains("does not divide"), "{m}"),
         other => panic!("expected a chunk-size error, got {:?}", other.map(|_| ())),
     }
     let cache = HostKvCache::new(layout(KvLayoutKind::FlashAttn, 2, 16), 32).unwrap();
-    let mut spec = kvring::KvSpec {
-        model_id: model_id(MODEL),
-        world_size: 1,
-        rank: 0,
-        layout: *cache.layout(),
-    };
-    spec.layout.block_tokens = 48;
-    match e.c.register_kv(&spec, &cache.regions(), &[cache.fd()]) {
-        Err(Error::Config(m)) => assert!(
+    let mut spec = KvSpec::new(model_id(MODEL), 1, 0);
+    let mut l = *cache.layout();
+    l.block_tokens = 48;
+    let regions = cache.regions();
+    match e
+        .c
+        .register(&spec, l, Memory::Host(&regions), &[cache.fd()])
+    {
+        Err(Error::InvalidArgument(m)) => assert!(
             m.contains("does not divide the server's chunk size of 64"),
             "{m}"
         ),
         other => panic!("expected a chunk-size error, got {other:?}"),
     }
-    spec.layout.block_tokens = 16;
+    l.block_tokens = 16;
     spec.rank = 3;
-    match e.c.register_kv(&spec, &cache.regions(), &[cache.fd()]) {
+    match e
+        .c
+        .register(&spec, l, Memory::Host(&regions), &[cache.fd()])
+    {
         Err(Error::Registration {
             status: Status::InvalidArgument,
             reason,
@@ -619,28 +519,29 @@ fn bad_requests_get_clear_errors_and_the_server_keeps_serving() {
         nix::sys::memfd::memfd_create(c"unsealed", nix::sys::memfd::MFdFlags::MFD_CLOEXEC).unwrap();
     nix::unistd::ftruncate(&unsealed, 1 << 20).unwrap();
     spec.rank = 0;
-    match e.c.register_kv(
+    match e.c.register(
         &spec,
-        &cache.regions(),
+        l,
+        Memory::Host(&regions),
         &[std::os::fd::AsFd::as_fd(&unsealed)],
     ) {
         Err(Error::Registration { reason, .. }) => assert!(reason.contains("sealed"), "{reason}"),
         other => panic!("expected a seal error, got {other:?}"),
     }
     // Still serving, the same connection and others.
-    assert_eq!(
-        e.c.ping(b"alive", Duration::from_secs(5)).unwrap(),
-        b"alive"
+    assert_eq!(e.c.ping(b"alive", far()).unwrap(), b"alive");
+    done(
+        e.c.retrieve(Retrieve::new(&e.inst, &lease, &blocks))
+            .unwrap(),
     );
-    let id = e.c.retrieve(&e.inst, lease, 0, &blocks, 0).unwrap();
-    done(&mut e.c, id);
-    e.c.unregister_kv(&e.inst).unwrap();
+    let id = e.inst.id();
+    e.c.unregister(e.inst).unwrap();
     expect_status(
-        e.c.store(&e.inst, 0, &hashes, &blocks),
+        store_raw(&mut e.c, id, &hashes, &blocks),
         Status::UnknownInstance,
     );
     assert!(matches!(
-        e.c.unregister_kv(&e.inst),
+        e.c.raw().unregister(id),
         Err(Error::Registration {
             status: Status::UnknownInstance,
             ..
@@ -650,24 +551,30 @@ fn bad_requests_get_clear_errors_and_the_server_keeps_serving() {
 
 #[test]
 fn a_large_job_of_one_client_does_not_hold_up_another_clients_small_one() {
-    let _w = watchdog(Duration::from_secs(60));
-    let s = Scope::new("fair");
     // One copy worker: both clients' chunks queue for it.
-    let _srv = s.server(&[
-        "--chunk-tokens",
-        "64",
-        "--pool-bytes",
-        "256MiB",
-        "--copy-threads",
-        "1",
-    ]);
+    let s = Fixture::new(
+        "fair",
+        Duration::from_secs(60),
+        &[
+            "--chunk-tokens",
+            "64",
+            "--pool-bytes",
+            "256MiB",
+            "--copy-threads",
+            "1",
+        ],
+    );
     // 2 MiB chunk objects, 100 of them: 200 MiB to copy.
-    let big_layout = KvLayout {
-        num_layers: 8,
-        num_heads: 8,
-        head_dim: 128,
-        ..layout(KvLayoutKind::FlashAttn, 2, 4 * 100)
-    };
+    let big_layout = KvLayout::new(
+        KvLayoutKind::FlashAttn,
+        KvShape {
+            layers: 8,
+            heads: 8,
+            head_dim: 128,
+            ..layout(KvLayoutKind::FlashAttn, 2, 4 * 100).shape()
+        },
+        dtype(2),
+    );
     let mut big = Engine::of_model(&s, "big-model", big_layout, 1, 0);
     let mut small = Engine::new(&s, layout(KvLayoutKind::FlashAttn, 2, 16), 1, 0);
     let many = chunk_hashes(&prompt(40, 100 * CHUNK as usize), CHUNK);
@@ -676,45 +583,87 @@ fn a_large_job_of_one_client_does_not_hold_up_another_clients_small_one() {
     let small_blocks = small.blocks(0, 1);
     small.write(&one, &small_blocks);
     // 100 chunks queued first, then one small chunk.
-    let big_job = big.c.store(&big.inst, 0, &many, &big_blocks).unwrap();
-    let small_job = small.c.store(&small.inst, 0, &one, &small_blocks).unwrap();
-    let st = small
+    let big_job = big
         .c
-        .wait_job(small_job, Instant::now() + Duration::from_secs(30))
+        .store(Store::new(&big.inst, &many, &big_blocks))
+        .unwrap();
+    let small_job = small
+        .c
+        .store(Store::new(&small.inst, &one, &small_blocks))
+        .unwrap();
+    let st = small_job
+        .wait(Instant::now() + Duration::from_secs(30))
         .unwrap();
     assert!(matches!(st, JobStatus::Done(_)), "{st:?}");
     // The small job finished while the big one was still copying.
-    let big_now = big.c.job_status(big_job).unwrap();
+    let big_now = big_job.status().unwrap();
     assert!(
         !big_now.is_terminal(),
         "the big job ended first: {big_now:?}"
     );
-    let st = big
-        .c
-        .wait_job(big_job, Instant::now() + Duration::from_secs(50))
+    let st = big_job
+        .wait(Instant::now() + Duration::from_secs(50))
         .unwrap();
     assert!(matches!(st, JobStatus::Done(_)), "{st:?}");
 }
 
 #[test]
 fn a_request_over_the_servers_limit_is_refused_and_the_ring_goes_on() {
-    let _w = watchdog(Duration::from_secs(30));
-    let s = Scope::new("limit");
-    let _srv = s.server(&[
-        "--chunk-tokens",
-        "64",
-        "--pool-bytes",
-        "16MiB",
-        "--max-request-bytes",
-        "64KiB",
-    ]);
+    let s = Fixture::new(
+        "limit",
+        Duration::from_secs(30),
+        &[
+            "--chunk-tokens",
+            "64",
+            "--pool-bytes",
+            "16MiB",
+            "--max-request-bytes",
+            "64KiB",
+        ],
+    );
     let mut c = s.client();
     // 5000 hashes: 80 KB in six frames, over the 64 KiB limit.
     let long = chunk_hashes(&prompt(9, 5000 * CHUNK as usize), CHUNK);
-    expect_status(c.lookup(model_id(MODEL), 1, 0, &long), Status::BadLength);
+    expect_status(
+        c.lookup(Lookup::new(model_id(MODEL), 1, &long)),
+        Status::BadLength,
+    );
     // Just under it works, and so does everything after.
     let fits = &long[..4000];
-    let (_, hits) = lookup(&mut c, 1, 0, fits);
-    assert_eq!(hits, 0);
-    assert_eq!(c.ping(b"after", Duration::from_secs(5)).unwrap(), b"after");
+    assert_eq!(lookup(&mut c, 1, 0, fits).hits(), 0);
+    assert_eq!(c.ping(b"after", far()).unwrap(), b"after");
+}
+
+#[test]
+fn dropped_handles_release_what_they_hold_with_the_next_request() {
+    let s = Fixture::new("drop", Duration::from_secs(30), &KV_SERVER_ARGS);
+    let mut e = Engine::new(&s, layout(KvLayoutKind::FlashAttn, 2, 64), 1, 0);
+    let hashes = prompt_hashes(12, 2);
+    let blocks = e.blocks(0, 2);
+    e.write(&hashes, &blocks);
+    // A finished store: released with the next request.
+    let job = e.c.store(Store::new(&e.inst, &hashes, &blocks)).unwrap();
+    let id = job.id();
+    assert!(matches!(job.wait(far()).unwrap(), JobStatus::Done(_)));
+    drop(job);
+    let lease = lookup(&mut e.c, 1, 0, &hashes);
+    assert!(matches!(
+        e.c.job_status(id).unwrap(),
+        JobStatus::Tombstoned(Ok(_))
+    ));
+    // A lease with its holds: ended (and its lookup job released) with the
+    // next request.
+    let lookup_job = lease.id().job();
+    assert_eq!(e.c.stats().unwrap().leases, 1);
+    drop(lease);
+    assert_eq!(e.c.stats().unwrap().leases, 0);
+    assert!(matches!(
+        e.c.job_status(lookup_job).unwrap(),
+        JobStatus::Tombstoned(Ok(_))
+    ));
+    // A registration: unregistered with the next request.
+    assert_eq!(e.c.stats().unwrap().instances, 1);
+    let Engine { inst, mut c, .. } = e;
+    drop(inst);
+    assert_eq!(c.stats().unwrap().instances, 0);
 }

@@ -4,7 +4,7 @@
 //!   ends with `ServerGone` within 1 s; a new server of the same name
 //!   replaces the stale segment; `Client::reconnect` registers the engines'
 //!   caches again, old job ids read `Unknown`, and the engines go on with
-//!   the `Instance` values they had, bytes verified.
+//!   the `Registration` handles they had, bytes verified.
 //! * SIGSTOP with requests, jobs and a synchronous store in flight: every
 //!   wait ends with `Timeout` at its deadline; after SIGCONT every request
 //!   is answered exactly once, in order, the abandoned store is carried out
@@ -15,45 +15,30 @@ mod common;
 use common::*;
 use kvring::jobs::{JobId, JobStatus};
 use kvring::kv::{chunk_hashes, model_id, pattern};
-use kvring::{Client, Error, HostKvCache, Instance};
+use kvring::{Client, DelayJob, Error, HostKvCache, KvSpec, Lookup, Registration, Retrieve, Store};
 use std::sync::{Barrier, Mutex};
 use std::time::{Duration, Instant};
 
-const CHUNK: u32 = 64;
-
-fn server_args() -> [&'static str; 6] {
-    [
-        "--chunk-tokens",
-        "64",
-        "--pool-bytes",
-        "128MiB",
-        "--copy-threads",
-        "2",
-    ]
-}
-
 /// One engine worker: a cache it stores from and a fresh one it retrieves
-/// into, both registered.
-struct Engine {
+/// into, both registered; its calls return the client's errors (the test is
+/// about which ones).
+struct TwoCacheEngine {
+    inst: Registration,
+    finst: Registration,
     c: Client,
     cache: HostKvCache,
-    inst: Instance,
     fresh: HostKvCache,
-    finst: Instance,
 }
 
-impl Engine {
-    fn new(s: &Scope) -> Engine {
+impl TwoCacheEngine {
+    fn new(s: &Scope) -> TwoCacheEngine {
         let mut c = s.client();
         let cache = HostKvCache::new(small_layout(), CHUNK).unwrap();
         let fresh = HostKvCache::new(small_layout(), CHUNK).unwrap();
-        let inst = c
-            .register_host_cache(model_id("restart"), 1, 0, &cache)
-            .unwrap();
-        let finst = c
-            .register_host_cache(model_id("restart"), 1, 0, &fresh)
-            .unwrap();
-        Engine {
+        let spec = KvSpec::new(model_id("restart"), 1, 0);
+        let inst = c.register_host(&spec, &cache).unwrap();
+        let finst = c.register_host(&spec, &fresh).unwrap();
+        TwoCacheEngine {
             c,
             cache,
             inst,
@@ -79,31 +64,33 @@ impl Engine {
         for (h, b) in hashes.iter().zip(blocks.chunks(4)) {
             pattern::write_chunk(&self.cache, seed as u32, h, b);
         }
-        let id = self.c.store(&self.inst, 0, &hashes, &blocks)?;
-        *last = Some(id);
-        let st = self.c.wait_job(id, far())?;
+        let job = self.c.store(Store::new(&self.inst, &hashes, &blocks))?;
+        *last = Some(job.id());
+        let st = job.wait(far())?;
         assert!(matches!(st, JobStatus::Done(_)), "store ended {st:?}");
-        self.c.release_job(id)
+        self.c.release_job(job)
     }
 
     /// Looks up the 4 chunks of `seed` (all must hit), retrieves them into
     /// the fresh cache and checks every byte.
     fn fetch(&mut self, seed: u64, last: &mut Option<JobId>) -> Result<(), Error> {
         let hashes = Self::hashes(seed);
-        let lease = self.c.lookup(model_id("restart"), 1, 0, &hashes)?;
-        *last = Some(lease);
-        match self.c.wait_job(lease, far())? {
-            JobStatus::Done(r) => assert_eq!(r.value, 4, "lookup hits"),
-            st => panic!("lookup ended {st:?}"),
-        }
+        let lease = self
+            .c
+            .lookup(Lookup::new(model_id("restart"), 1, &hashes))?;
+        *last = Some(lease.id().job());
+        assert_eq!(lease.hits(), 4, "lookup hits");
         let blocks: Vec<u32> = (16..32).collect();
         self.fresh.fill(0xcc);
-        let id = self.c.retrieve(&self.finst, lease, 0, &blocks, 0)?;
-        *last = Some(id);
-        let st = self.c.wait_job(id, far())?;
+        let job = self
+            .c
+            .retrieve(Retrieve::new(&self.finst, &lease, &blocks))?;
+        *last = Some(job.id());
+        let st = job.wait(far())?;
         assert!(matches!(st, JobStatus::Done(_)), "retrieve ended {st:?}");
-        self.c.release_job(id)?;
-        self.c.release_job(lease)?;
+        self.c.release_job(job)?;
+        // The retrieve took the holds; the lookup job goes too.
+        self.c.release_job(lease.into_id().job())?;
         for (h, b) in hashes.iter().zip(blocks.chunks(4)) {
             pattern::verify_chunk(&self.fresh, seed as u32, h, b, 0, 0xcc)
                 .unwrap_or_else(|e| panic!("seed {seed:#x}: {e}"));
@@ -112,15 +99,13 @@ impl Engine {
     }
 }
 
-fn far() -> Instant {
-    Instant::now() + Duration::from_secs(10)
-}
-
 #[test]
 fn killed_server_ends_every_wait_and_clients_reconnect_to_its_successor() {
-    let _w = watchdog(Duration::from_secs(150));
-    let s = Scope::new("restart");
-    let mut srv = s.server(&server_args());
+    let mut s = Fixture::new("restart", Duration::from_secs(150), &KV_SERVER_ARGS);
+    // Killed and restarted below while the engines hold the fixture.
+    let mut srv = ServerProc {
+        child: s.srv.child.take(),
+    };
     const CLIENTS: usize = 8;
     const KILLS: usize = 10;
     let sync = Barrier::new(CLIENTS + 1);
@@ -131,7 +116,7 @@ fn killed_server_ends_every_wait_and_clients_reconnect_to_its_successor() {
         for t in 0..CLIENTS {
             let (s, sync, killed_at, slowest, units) = (&s, &sync, &killed_at, &slowest, &units);
             sc.spawn(move || {
-                let mut e = Engine::new(s);
+                let mut e = TwoCacheEngine::new(s);
                 let epoch0 = e.c.epoch();
                 let mut seed = (t as u64 + 1) << 40;
                 sync.wait();
@@ -174,8 +159,10 @@ fn killed_server_ends_every_wait_and_clients_reconnect_to_its_successor() {
                     }
                     sync.wait(); // everyone saw the server go
                     sync.wait(); // a new server is up
-                    let insts = e.c.reconnect(Duration::from_secs(10)).unwrap();
-                    assert_eq!(insts.len(), 2, "both caches registered again");
+                    let registered =
+                        e.c.reconnect(Instant::now() + Duration::from_secs(10))
+                            .unwrap();
+                    assert_eq!(registered, 2, "both caches registered again");
                     assert_ne!(e.c.epoch(), epoch0);
                     if let Some(id) = last {
                         assert_eq!(
@@ -198,7 +185,7 @@ fn killed_server_ends_every_wait_and_clients_reconnect_to_its_successor() {
             srv.kill();
             sync.wait();
             // The stale segment and socket are replaced by the new server.
-            srv = s.server(&server_args());
+            srv = s.server(&KV_SERVER_ARGS);
             sync.wait();
         }
         sync.wait();
@@ -218,9 +205,7 @@ fn killed_server_ends_every_wait_and_clients_reconnect_to_its_successor() {
 
 #[test]
 fn wedged_server_times_waits_out_and_resumes_with_nothing_lost_or_repeated() {
-    let _w = watchdog(Duration::from_secs(120));
-    let s = Scope::new("wedge");
-    let srv = s.server(&server_args());
+    let s = Fixture::new("wedge", Duration::from_secs(120), &KV_SERVER_ARGS);
     const CLIENTS: usize = 6;
     const PINGS: u64 = 32;
     let wait = Duration::from_millis(300);
@@ -230,18 +215,16 @@ fn wedged_server_times_waits_out_and_resumes_with_nothing_lost_or_repeated() {
         for t in 0..CLIENTS {
             let (s, sync, late) = (&s, &sync, &late);
             sc.spawn(move || {
-                let mut e = Engine::new(s);
+                let mut e = TwoCacheEngine::new(s);
                 let a = (t as u64 + 1) << 32;
                 let b = a | 0xb;
                 let mut last = None;
                 e.store(a, &mut last).unwrap();
                 let delay =
-                    e.c.submit_delay_job(&kvring::proto::DelayJobRequest {
-                        pending_us: 100_000,
-                        running_us: 100_000,
-                        result_value: 7,
-                        ..Default::default()
-                    })
+                    e.c.delay_job(
+                        DelayJob::new(Duration::from_millis(100), Duration::from_millis(100))
+                            .result(7, 0),
+                    )
                     .unwrap();
                 sync.wait();
                 sync.wait(); // the server is stopped
@@ -260,24 +243,25 @@ fn wedged_server_times_waits_out_and_resumes_with_nothing_lost_or_repeated() {
                 };
                 // A synchronous store: its submission times out, abandoned.
                 e.c.set_call_timeout(wait);
-                let hashes = Engine::hashes(b);
+                let hashes = TwoCacheEngine::hashes(b);
                 let blocks: Vec<u32> = (32..48).collect();
                 for (h, bl) in hashes.iter().zip(blocks.chunks(4)) {
                     pattern::write_chunk(&e.cache, b as u32, h, bl);
                 }
                 let t0 = Instant::now();
-                let r = e.c.store(&e.inst, 0, &hashes, &blocks).map(|_| ());
+                let r = e.c.store(Store::new(&e.inst, &hashes, &blocks)).map(|_| ());
                 check("store", r, t0);
                 // Pipelined requests, then waits.
                 for seq in 0..PINGS {
-                    e.c.submit(kvring::proto::Opcode::Ping, &seq.to_le_bytes(), seq)
+                    e.c.raw()
+                        .submit(kvring::proto::Opcode::Ping, &seq.to_le_bytes(), seq)
                         .unwrap();
                 }
                 let t0 = Instant::now();
-                let r = e.c.wait_completion(t0 + wait).map(|_| ());
+                let r = e.c.raw().wait_completion(t0 + wait).map(|_| ());
                 check("completion wait", r, t0);
                 let t0 = Instant::now();
-                let r = e.c.wait_job(delay, t0 + wait).map(|_| ());
+                let r = delay.wait(t0 + wait).map(|_| ());
                 check("job wait", r, t0);
                 sync.wait();
                 sync.wait(); // the server runs again
@@ -285,15 +269,16 @@ fn wedged_server_times_waits_out_and_resumes_with_nothing_lost_or_repeated() {
                 // Every request answered once, in order (the abandoned
                 // store's answer is dropped by the client).
                 for seq in 0..PINGS {
-                    let c = e.c.wait_completion(far()).unwrap();
+                    let c = e.c.raw().wait_completion(far()).unwrap();
                     assert_eq!((c.status, c.user_data), (0, seq));
                     assert_eq!(c.payload, seq.to_le_bytes());
                 }
                 assert!(matches!(
-                    e.c.wait_completion(Instant::now() + Duration::from_millis(50)),
+                    e.c.raw()
+                        .wait_completion(Instant::now() + Duration::from_millis(50)),
                     Err(Error::Protocol(_))
                 ));
-                match e.c.wait_job(delay, far()).unwrap() {
+                match delay.wait(far()).unwrap() {
                     JobStatus::Done(r) => assert_eq!(r.value, 7),
                     st => panic!("delay job ended {st:?}"),
                 }
@@ -302,11 +287,14 @@ fn wedged_server_times_waits_out_and_resumes_with_nothing_lost_or_repeated() {
                 // come back.
                 let deadline = far();
                 loop {
-                    let lease = e.c.lookup(model_id("restart"), 1, 0, &hashes).unwrap();
-                    let st = e.c.wait_job(lease, far()).unwrap();
-                    e.c.end_session(lease).unwrap();
-                    e.c.release_job(lease).unwrap();
-                    if matches!(st, JobStatus::Done(r) if r.value == 4) {
+                    let lease =
+                        e.c.lookup(Lookup::new(model_id("restart"), 1, &hashes))
+                            .unwrap();
+                    let hits = lease.hits();
+                    let lease = lease.into_id();
+                    e.c.end_lease_id(lease).unwrap();
+                    e.c.release_job(lease.job()).unwrap();
+                    if hits == 4 {
                         break;
                     }
                     assert!(Instant::now() < deadline, "abandoned store never landed");
@@ -317,10 +305,10 @@ fn wedged_server_times_waits_out_and_resumes_with_nothing_lost_or_repeated() {
             });
         }
         sync.wait();
-        srv.pause();
+        s.srv.pause();
         sync.wait();
         sync.wait(); // every wait timed out
-        srv.signal(libc::SIGCONT);
+        s.srv.signal(libc::SIGCONT);
         sync.wait();
     });
     let mut c = s.client();

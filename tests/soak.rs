@@ -17,16 +17,14 @@
 mod common;
 
 use common::*;
-use kvring::jobs::{JobId, JobStatus};
+use kvring::jobs::JobStatus;
 use kvring::kv::pattern::{self, Slabs};
 use kvring::kv::{chunk_hashes, model_id, ChunkHash};
-use kvring::proto::{DelayJobRequest, Opcode};
-use kvring::{Client, Error, Instance};
+use kvring::proto::Opcode;
+use kvring::{Client, DelayJob, Error, Job, KvSpec, Lookup, Registration, Retrieve, Store};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
-
-const CHUNK: u32 = 64;
 
 fn env_u64(name: &str, default: u64) -> u64 {
     std::env::var(name)
@@ -44,7 +42,7 @@ trait Caches: Send {
     fn src(&self) -> &dyn Slabs;
     fn dst(&self) -> &dyn Slabs;
     fn poison_dst(&self, byte: u8);
-    fn register(&self, c: &mut Client) -> (Instance, Instance);
+    fn register(&self, c: &mut Client) -> (Registration, Registration);
 }
 
 struct HostCaches(kvring::HostKvCache, kvring::HostKvCache);
@@ -59,12 +57,11 @@ impl Caches for HostCaches {
     fn poison_dst(&self, byte: u8) {
         self.1.fill(byte);
     }
-    fn register(&self, c: &mut Client) -> (Instance, Instance) {
+    fn register(&self, c: &mut Client) -> (Registration, Registration) {
+        let spec = KvSpec::new(model_id("soak"), 1, 0);
         (
-            c.register_host_cache(model_id("soak"), 1, 0, &self.0)
-                .unwrap(),
-            c.register_host_cache(model_id("soak"), 1, 0, &self.1)
-                .unwrap(),
+            c.register_host(&spec, &self.0).unwrap(),
+            c.register_host(&spec, &self.1).unwrap(),
         )
     }
 }
@@ -84,12 +81,11 @@ impl Caches for GpuCaches {
     fn poison_dst(&self, byte: u8) {
         self.1.fill(byte).unwrap();
     }
-    fn register(&self, c: &mut Client) -> (Instance, Instance) {
+    fn register(&self, c: &mut Client) -> (Registration, Registration) {
+        let spec = KvSpec::new(model_id("soak"), 1, 0);
         (
-            c.register_cuda_cache(model_id("soak"), 1, 0, &self.0)
-                .unwrap(),
-            c.register_cuda_cache(model_id("soak"), 1, 0, &self.1)
-                .unwrap(),
+            c.register_cuda(&spec, &self.0).unwrap(),
+            c.register_cuda(&spec, &self.1).unwrap(),
         )
     }
 }
@@ -123,10 +119,11 @@ fn deadline() -> Instant {
 }
 
 /// Waits for a job to end, failing the test on a hang or a failure.
-fn finish(c: &mut Client, id: JobId, what: &str) -> kvring::jobs::JobResult {
-    match c.wait_job(id, deadline()) {
+fn finish(c: &mut Client, job: Job, what: &str) -> kvring::jobs::JobResult {
+    let id = job.id();
+    match job.wait(deadline()) {
         Ok(JobStatus::Done(r)) => {
-            c.release_job(id).unwrap();
+            c.release_job(job).unwrap();
             r
         }
         Err(Error::Timeout(_)) => panic!("{what} {id}: no answer within 10 s (hang)"),
@@ -158,11 +155,13 @@ fn engine(s: &Scope, t: u64, caches: &dyn Caches, until: Instant) -> (Lat, u64) 
         // Eight pipelined PINGs, answered in order with their payloads.
         let t0 = Instant::now();
         for k in 0..8u64 {
-            c.submit(Opcode::Ping, &(iter * 8 + k).to_le_bytes(), k)
+            c.raw()
+                .submit(Opcode::Ping, &(iter * 8 + k).to_le_bytes(), k)
                 .unwrap();
         }
         for k in 0..8u64 {
             let done = c
+                .raw()
                 .wait_completion(deadline())
                 .unwrap_or_else(|e| panic!("engine {t}: ping {k}: {e}"));
             assert_eq!((done.status, done.user_data), (0, k));
@@ -172,13 +171,10 @@ fn engine(s: &Scope, t: u64, caches: &dyn Caches, until: Instant) -> (Lat, u64) 
         lat.ping_batch.push(ns(t0));
         // A job through the whole job path.
         let t0 = Instant::now();
-        let id = c
-            .submit_delay_job(&DelayJobRequest {
-                result_value: iter,
-                ..Default::default()
-            })
+        let job = c
+            .delay_job(DelayJob::new(Duration::ZERO, Duration::ZERO).result(iter, 0))
             .unwrap();
-        assert_eq!(finish(&mut c, id, "delay job").value, iter);
+        assert_eq!(finish(&mut c, job, "delay job").value, iter);
         lat.delay_job.push(ns(t0));
         answered += 2;
         // Store two chunks, look them up, retrieve them into poisoned
@@ -192,24 +188,24 @@ fn engine(s: &Scope, t: u64, caches: &dyn Caches, until: Instant) -> (Lat, u64) 
             pattern::write_chunk(caches.src(), seed as u32, h, b);
         }
         let t0 = Instant::now();
-        let id = c.store(&src, 0, &hs, &sb).unwrap();
-        assert_eq!(finish(&mut c, id, "store").value, 2);
+        let job = c.store(Store::new(&src, &hs, &sb)).unwrap();
+        assert_eq!(finish(&mut c, job, "store").value, 2);
         lat.store.push(ns(t0));
         let t0 = Instant::now();
-        let lease = c.lookup(model_id("soak"), 1, 0, &hs).unwrap();
-        let hits = match c.wait_job(lease, deadline()).unwrap() {
-            JobStatus::Done(r) => r.value,
-            st => panic!("engine {t}: lookup {st:?}"),
-        };
+        let lease = c
+            .lookup(Lookup::new(model_id("soak"), 1, &hs))
+            .unwrap_or_else(|e| panic!("engine {t}: lookup {e}"));
+        let hits = lease.hits();
         lat.lookup.push(ns(t0));
         assert_eq!(hits, 2, "engine {t}: a chunk stored a moment ago is gone");
         let db: Vec<u32> = (32..32 + 2 * bpc).collect();
         caches.poison_dst(0xa5);
         let t0 = Instant::now();
-        let id = c.retrieve(&dst, lease, 0, &db, 0).unwrap();
-        finish(&mut c, id, "retrieve");
+        let job = c.retrieve(Retrieve::new(&dst, &lease, &db)).unwrap();
+        finish(&mut c, job, "retrieve");
         lat.retrieve.push(ns(t0));
-        c.release_job(lease).unwrap();
+        // The retrieve took the holds; the lookup job goes too.
+        c.release_job(lease.into_id().job()).unwrap();
         for (h, b) in hs.iter().zip(db.chunks(bpc as usize)) {
             pattern::verify_chunk(caches.dst(), seed as u32, h, b, 0, 0xa5)
                 .unwrap_or_else(|e| panic!("engine {t}: {e}"));
@@ -243,19 +239,21 @@ fn many_engines_at_full_rate_with_telemetry() {
         Ok("host") | Err(_) => false,
         Ok(other) => panic!("KVRING_SOAK_BACKEND={other}: host or cuda"),
     };
-    let _w = watchdog(Duration::from_secs(secs + 90));
-    let s = Scope::new("soak");
     let backend = if cuda { "cuda" } else { "host" };
-    let _srv = s.server(&[
-        "--backend",
-        backend,
-        "--chunk-tokens",
-        "64",
-        "--pool-bytes",
-        "256MiB",
-        "--max-clients",
-        &(clients + 8).to_string(),
-    ]);
+    let s = Fixture::new(
+        "soak",
+        Duration::from_secs(secs + 90),
+        &[
+            "--backend",
+            backend,
+            "--chunk-tokens",
+            "64",
+            "--pool-bytes",
+            "256MiB",
+            "--max-clients",
+            &(clients + 8).to_string(),
+        ],
+    );
     let caches: Vec<Box<dyn Caches>> = (0..clients)
         .map(|_| -> Box<dyn Caches> {
             if cuda {

@@ -7,7 +7,8 @@
 //! by GPU engines written in Rust, the tests and the demo.
 #![cfg(feature = "cuda")]
 
-use crate::gpu::{Context, DeviceBuffer, Event, EventKind, ExportedVmm, IpcEventHandle, Stream};
+use crate::device::{DeviceUuid, IpcEventHandle};
+use crate::gpu::{Context, DeviceBuffer, Event, EventKind, ExportedVmm, Stream};
 use crate::kv::pattern::Slabs;
 use crate::kv::KvLayout;
 use crate::proto::kv::CudaRegion;
@@ -77,8 +78,8 @@ impl CudaKvCache {
         &self.layout
     }
 
-    pub fn device_uuid(&self) -> [u8; 16] {
-        self.ctx.info.uuid
+    pub fn device_uuid(&self) -> DeviceUuid {
+        DeviceUuid::from_bytes(self.ctx.info.uuid)
     }
 
     pub fn export(&self) -> Export {
@@ -251,8 +252,8 @@ impl IpcEvent {
     }
 
     /// The handle to send to the server.
-    pub fn handle(&self) -> [u8; 64] {
-        self.handle.0
+    pub fn handle(&self) -> IpcEventHandle {
+        self.handle
     }
 }
 
@@ -264,10 +265,10 @@ pub struct ServerEvents {
 
 impl ServerEvents {
     /// Opens the handles a `Client::job_events` call returned.
-    pub fn open(cache: &CudaKvCache, handles: &[[u8; 64]]) -> crate::Result<ServerEvents> {
+    pub fn open(cache: &CudaKvCache, handles: &[IpcEventHandle]) -> crate::Result<ServerEvents> {
         let events = handles
             .iter()
-            .map(|h| Event::open_ipc(&cache.ctx, &IpcEventHandle(*h)))
+            .map(|h| Event::open_ipc(&cache.ctx, h))
             .collect::<Result<_, _>>()?;
         Ok(ServerEvents { events })
     }

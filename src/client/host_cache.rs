@@ -37,11 +37,13 @@ impl HostKvCache {
     /// Allocates a zeroed cache for `layout` (`chunk_tokens`: the server's
     /// chunk size, which the block size must divide).
     pub fn new(layout: KvLayout, chunk_tokens: u32) -> Result<HostKvCache> {
-        layout.validate(chunk_tokens).map_err(Error::Config)?;
+        layout
+            .validate(chunk_tokens)
+            .map_err(Error::InvalidArgument)?;
         let stride = round_page(layout.tensor_bytes());
         let total = stride
             .checked_mul(u64::from(layout.num_tensors()))
-            .ok_or_else(|| Error::Config("cache size overflows".into()))?;
+            .ok_or_else(|| Error::InvalidArgument("cache size overflows".into()))?;
         let fd = nix::sys::memfd::memfd_create(
             c"kvring-kv-cache",
             nix::sys::memfd::MFdFlags::MFD_CLOEXEC | nix::sys::memfd::MFdFlags::MFD_ALLOW_SEALING,

@@ -1,34 +1,87 @@
-//! The client's side of asynchronous jobs: submit, poll (a read of shared
-//! memory, no round trip), wait (the futex path, with a deadline) and
-//! release.
+//! Asynchronous jobs from the client's side: the [`Job`] handle (status and
+//! progress are reads of shared memory, no round trip; a wait is the futex
+//! path with a deadline), the [`DelayJob`] request, and the calls by id for
+//! jobs a handle no longer owns.
 
-use super::{server_block, Client};
+use super::connect::Link;
+use super::{Client, Release, Releases};
 use crate::error::{Error, Result};
-use crate::jobs::{JobId, JobInfo, JobStatus};
+use crate::jobs::{FailReason, JobId, JobInfo, JobResult, JobStatus};
 use crate::proto::{DelayJobRequest, Opcode};
-use crate::wait::{self, Parking, WaitEnd};
+use crate::wait::{self, WaitEnd};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// How often a status poll that reads a non-terminal state also checks that
-/// the server is still there (a non-blocking poll of the bootstrap socket).
-const ALIVE_CHECK_EVERY: Duration = Duration::from_millis(1);
+/// A job this client submitted (a store, a retrieve, a delay job).
+///
+/// Its status, info and progress are reads of the server's job table in
+/// shared memory (no round trip); [`Job::wait`] parks on this client's
+/// doorbell until the server says the job ended.
+///
+/// Dropping a `Job` releases its slot in the job table: the release is
+/// queued with the client, which sends RELEASE_JOB with its next synchronous
+/// request once the job has finished (an unfinished job is never cut short;
+/// it runs to its end and is released then). If the client closes first, the
+/// server releases it with the rest of the connection. [`Job::into_id`]
+/// detaches the id instead: the caller then releases it with
+/// [`Client::release_job`] (or leaves it to the disconnect).
+///
+/// # Examples
+///
+/// ```
+/// use kvring::{Client, DelayJob, ServerConfig};
+/// use kvring::jobs::JobStatus;
+/// use std::time::{Duration, Instant};
+///
+/// # let pid = std::process::id();
+/// # let name = format!("doc-job-{pid}");
+/// # let dir = std::env::temp_dir().join(format!("kvring-doc-job-{pid}"));
+/// # let mut cfg = ServerConfig::new(&name);
+/// # cfg.runtime_dir = dir.clone();
+/// # cfg.kv.pool_bytes = 8 << 20;
+/// # cfg.kv.backend = kvring::server::BackendChoice::Host;
+/// # let server = kvring::server::start(cfg)?;
+/// let mut client = Client::builder(&name).runtime_dir(&dir).connect()?;
+/// let job = client.delay_job(
+///     DelayJob::new(Duration::ZERO, Duration::from_millis(20)).result(42, 7),
+/// )?;
+/// match job.wait(Instant::now() + Duration::from_secs(5))? {
+///     JobStatus::Done(r) => assert_eq!((r.value, r.aux), (42, 7)),
+///     other => panic!("{other:?}"),
+/// }
+/// drop(job); // released with the client's next request
+/// # client.close();
+/// # server.stop();
+/// # std::fs::remove_dir_all(&dir)?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[must_use = "dropping a Job releases it; keep it to wait on it"]
+pub struct Job {
+    id: JobId,
+    link: Arc<Link>,
+    releases: Arc<Releases>,
+    detached: bool,
+}
 
-impl Client {
-    /// Starts a delay job (see [`DelayJobRequest`]) and returns its id.
-    pub fn submit_delay_job(&mut self, req: &DelayJobRequest) -> Result<JobId> {
-        req.validate().map_err(Error::Config)?;
-        let reply = self.call(
-            Opcode::DelayJob,
-            bytemuck::bytes_of(req),
-            self.opts.call_timeout,
-        )?;
-        if reply.len() != std::mem::size_of::<JobId>() {
-            return Err(Error::Protocol(format!(
-                "job submission answered {} bytes, expected a 16-byte job id",
-                reply.len()
-            )));
+impl std::fmt::Debug for Job {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Job").field("id", &self.id).finish()
+    }
+}
+
+impl Job {
+    pub(super) fn new(id: JobId, link: Arc<Link>, releases: Arc<Releases>) -> Job {
+        Job {
+            id,
+            link,
+            releases,
+            detached: false,
         }
-        Ok(bytemuck::pod_read_unaligned(&reply))
+    }
+
+    /// The job's id.
+    pub fn id(&self) -> JobId {
+        self.id
     }
 
     /// The job's status, read from the job table in shared memory: no round
@@ -36,94 +89,245 @@ impl Client {
     /// as good as the server's life, so at most every millisecond it also
     /// checks the server is still there (`Error::ServerGone` otherwise).
     #[inline]
-    pub fn job_status(&self, id: JobId) -> Result<JobStatus> {
-        let st = self.seg.mapping.job_reader().status(id)?;
-        if !st.is_terminal() {
-            self.check_alive()?;
-        }
-        Ok(st)
+    pub fn status(&self) -> Result<JobStatus> {
+        status(&self.link, self.id)
     }
 
-    fn check_alive(&self) -> Result<()> {
-        let now = Instant::now();
-        if now.duration_since(self.alive_checked.get()) >= ALIVE_CHECK_EVERY {
-            if self.conn.peer_closed() {
-                return Err(Error::ServerGone);
-            }
-            self.alive_checked.set(now);
-        }
-        Ok(())
+    /// Everything the job table says of it (kind, owner, progress,
+    /// timestamps); `None` once its slot was reused.
+    pub fn info(&self) -> Result<Option<JobInfo>> {
+        Ok(self.link.seg.mapping.job_reader().info(self.id)?)
     }
 
-    /// Everything the job table says of a job (kind, owner, progress,
-    /// timestamps); `None` for an id this server never issued or whose slot
-    /// was reused since.
-    pub fn job_info(&self, id: JobId) -> Result<Option<JobInfo>> {
-        Ok(self.seg.mapping.job_reader().info(id)?)
+    /// The job's progress counter (0 when its slot was reused).
+    pub fn progress(&self) -> Result<u64> {
+        Ok(self.info()?.map_or(0, |i| i.progress))
     }
 
     /// Waits until the job is terminal and returns its status. Ends with
-    /// `Error::Timeout` at the deadline and `Error::ServerGone` as soon as
-    /// the server's end of the connection closes. The server wakes the job's
-    /// owner through its doorbell when the job ends; a job of another client
-    /// is polled with a backoff up to 1 ms.
-    pub fn wait_job(&mut self, id: JobId, deadline: Instant) -> Result<JobStatus> {
-        self.touch();
-        let reader = self.seg.mapping.job_reader();
-        let st = reader.status(id)?;
-        if st.is_terminal() {
-            return Ok(st);
-        }
-        let mine = reader
-            .info(id)?
-            .is_some_and(|i| i.owner_slot == self.slot && i.owner_session == self.session);
+    /// `Error::Timeout` (the time waited) at the deadline,
+    /// `Error::ServerGone` as soon as the server's end of the connection
+    /// closes, and `Error::ClientClosed` when the handle outlived its client.
+    pub fn wait(&self, deadline: Instant) -> Result<JobStatus> {
+        wait_job(&self.link, self.id, deadline)
+    }
+
+    /// The job event that covers this job's device copies, once they are all
+    /// queued (a retrieve built with `Retrieve::publish_event`): `Some(index)`
+    /// of the event in `Client::job_events` for the stream to wait on, `None`
+    /// when the job already finished (nothing to wait for). A shared-memory
+    /// poll; ends with `Error::JobFailed` if the job fails, and
+    /// `Error::Timeout` (the time waited) at the deadline.
+    pub fn device_event(&self, deadline: Instant) -> Result<Option<u32>> {
         let start = Instant::now();
-        let conn = &self.conn;
-        let r = if mine {
-            let seg = &self.seg;
-            let parking = Parking {
-                sleeping: &seg.block_rw().client_sleeping,
-                doorbell: &server_block(seg, self.slot).client_doorbell,
-            };
-            wait::wait_until(
-                &self.wait,
-                parking,
-                deadline,
-                || match reader.status(id) {
-                    Ok(s) if !s.is_terminal() => None,
-                    other => Some(other),
-                },
-                || if conn.peer_closed() { Err(()) } else { Ok(()) },
-            )
-        } else {
-            poll_until(deadline, || match reader.status(id) {
-                Ok(s) if !s.is_terminal() => {
-                    if conn.peer_closed() {
-                        Some(Err(WaitEnd::Dead(())))
-                    } else {
-                        None
-                    }
+        loop {
+            let info = self
+                .info()?
+                .ok_or_else(|| Error::Protocol(format!("{} is not in the job table", self.id)))?;
+            if info.progress > 0 {
+                return Ok(Some((info.progress - 1) as u32));
+            }
+            match info.status {
+                JobStatus::Done(_) | JobStatus::Tombstoned(Ok(_)) => return Ok(None),
+                JobStatus::Failed(r) | JobStatus::Tombstoned(Err(r)) => {
+                    return Err(Error::JobFailed(r))
                 }
-                other => Some(Ok(other)),
-            })
-        };
-        match r {
-            Ok(s) => Ok(s?),
-            Err(WaitEnd::Timeout) => Err(Error::Timeout(deadline.saturating_duration_since(start))),
-            Err(WaitEnd::Dead(())) => Err(Error::ServerGone),
+                s if s.is_terminal() => {
+                    return Err(Error::Protocol(format!("{} ended {s:?}", self.id)))
+                }
+                _ => {}
+            }
+            if Instant::now() > deadline {
+                return Err(Error::Timeout(start.elapsed()));
+            }
+            self.link.check_alive()?;
+            std::hint::spin_loop();
         }
     }
 
-    /// Releases a finished job: its slot becomes a tombstone (the outcome
-    /// stays readable) and may be reused later. Releasing twice is harmless;
-    /// releasing an unfinished job fails with `JobNotFinished`.
-    pub fn release_job(&mut self, id: JobId) -> Result<()> {
-        self.call(
-            Opcode::ReleaseJob,
-            bytemuck::bytes_of(&id),
-            self.opts.call_timeout,
-        )?;
+    /// Detaches the id: nothing is released when the handle goes; the caller
+    /// releases it by id ([`Client::release_job`]) or leaves it to the
+    /// disconnect.
+    pub fn into_id(mut self) -> JobId {
+        self.detached = true;
+        self.id
+    }
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        if !self.detached {
+            self.releases.push(Release::Job(self.id));
+        }
+    }
+}
+
+/// A delay job: a job that waits `pending`, then runs `running` (counting
+/// progress every `progress_every`), then ends with a result or a failure.
+/// It exercises the whole job path (table, timers, wake-ups) for health
+/// checks, tests and benchmarks.
+#[derive(Clone, Copy, Debug)]
+#[must_use = "a request does nothing until submitted with Client::delay_job"]
+pub struct DelayJob {
+    req: DelayJobRequest,
+}
+
+fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}
+
+impl DelayJob {
+    /// A job pending for `pending`, then running for `running`, ending with
+    /// result (0, 0).
+    pub fn new(pending: Duration, running: Duration) -> DelayJob {
+        DelayJob {
+            req: DelayJobRequest {
+                pending_us: micros(pending),
+                running_us: micros(running),
+                ..Default::default()
+            },
+        }
+    }
+
+    /// Counts progress every `every` while running.
+    pub fn progress_every(mut self, every: Duration) -> Self {
+        self.req.progress_every_us = micros(every);
+        self
+    }
+
+    /// The result it ends with.
+    pub fn result(mut self, value: u64, aux: u64) -> Self {
+        self.req.result_value = value;
+        self.req.result_aux = aux;
+        self
+    }
+
+    /// Ends with this failure instead of a result.
+    pub fn fail(mut self, reason: FailReason) -> Self {
+        self.req.fail_reason = reason.code();
+        self
+    }
+}
+
+impl Client {
+    /// Starts a delay job.
+    pub fn delay_job(&mut self, req: DelayJob) -> Result<Job> {
+        req.req.validate().map_err(Error::InvalidArgument)?;
+        self.submit_job(Opcode::DelayJob, bytemuck::bytes_of(&req.req))
+    }
+
+    /// Submits a request that answers with a job id, and wraps the id.
+    pub(super) fn submit_job(&mut self, op: Opcode, payload: &[u8]) -> Result<Job> {
+        let reply = self.call_now(op, payload)?;
+        if reply.len() != std::mem::size_of::<JobId>() {
+            return Err(Error::Protocol(format!(
+                "job submission answered {} bytes, expected a 16-byte job id",
+                reply.len()
+            )));
+        }
+        let id = bytemuck::pod_read_unaligned(&reply);
+        Ok(self.job_handle(id))
+    }
+
+    pub(super) fn job_handle(&self, id: JobId) -> Job {
+        Job::new(id, self.link.clone(), self.releases.clone())
+    }
+
+    /// The status of any job of this server by id (one of another client,
+    /// or a detached one); see [`Job::status`].
+    #[inline]
+    pub fn job_status(&self, id: JobId) -> Result<JobStatus> {
+        status(&self.link, id)
+    }
+
+    /// Everything the job table says of a job by id; `None` for an id this
+    /// server never issued or whose slot was reused since.
+    pub fn job_info(&self, id: JobId) -> Result<Option<JobInfo>> {
+        Ok(self.link.seg.mapping.job_reader().info(id)?)
+    }
+
+    /// Waits for any job by id; see [`Job::wait`]. A job of another client
+    /// is polled with a backoff up to 1 ms (only the owner's doorbell rings).
+    pub fn wait_job(&self, id: JobId, deadline: Instant) -> Result<JobStatus> {
+        wait_job(&self.link, id, deadline)
+    }
+
+    /// Releases a finished job now: its slot becomes a tombstone (the
+    /// outcome stays readable) and may be reused later. Takes a [`Job`]
+    /// (which is then not released again) or a detached [`JobId`].
+    /// Releasing twice is harmless; releasing an unfinished job fails with
+    /// `JobNotFinished`.
+    pub fn release_job(&mut self, job: impl Into<JobId>) -> Result<()> {
+        let id = job.into();
+        self.call_now(Opcode::ReleaseJob, bytemuck::bytes_of(&id))?;
         Ok(())
+    }
+}
+
+impl From<Job> for JobId {
+    /// Detaches the job (see [`Job::into_id`]).
+    fn from(job: Job) -> JobId {
+        job.into_id()
+    }
+}
+
+pub(super) fn status(link: &Link, id: JobId) -> Result<JobStatus> {
+    let st = link.seg.mapping.job_reader().status(id)?;
+    if !st.is_terminal() {
+        link.check_alive()?;
+    }
+    Ok(st)
+}
+
+/// The result of a job that ended `Done`, `JobFailed` for one that failed.
+pub(super) fn outcome(st: JobStatus) -> Result<JobResult> {
+    match st {
+        JobStatus::Done(r) | JobStatus::Tombstoned(Ok(r)) => Ok(r),
+        JobStatus::Failed(r) | JobStatus::Tombstoned(Err(r)) => Err(Error::JobFailed(r)),
+        other => Err(Error::Protocol(format!("job ended {other:?}"))),
+    }
+}
+
+pub(super) fn wait_job(link: &Link, id: JobId, deadline: Instant) -> Result<JobStatus> {
+    link.check_open()?;
+    link.touch();
+    let reader = link.seg.mapping.job_reader();
+    let st = reader.status(id)?;
+    if st.is_terminal() {
+        return Ok(st);
+    }
+    let mine = reader
+        .info(id)?
+        .is_some_and(|i| i.owner_slot == link.slot && i.owner_session == link.session);
+    let start = Instant::now();
+    let conn = &link.conn;
+    let r = if mine {
+        wait::wait_until(
+            &link.wait,
+            link.parking(),
+            deadline,
+            || match reader.status(id) {
+                Ok(s) if !s.is_terminal() => None,
+                other => Some(other),
+            },
+            || if conn.peer_closed() { Err(()) } else { Ok(()) },
+        )
+    } else {
+        poll_until(deadline, || match reader.status(id) {
+            Ok(s) if !s.is_terminal() => {
+                if conn.peer_closed() {
+                    Some(Err(WaitEnd::Dead(())))
+                } else {
+                    None
+                }
+            }
+            other => Some(Ok(other)),
+        })
+    };
+    match r {
+        Ok(s) => Ok(s?),
+        Err(WaitEnd::Timeout) => Err(Error::Timeout(start.elapsed())),
+        Err(WaitEnd::Dead(())) => Err(Error::ServerGone),
     }
 }
 

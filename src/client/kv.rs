@@ -1,55 +1,173 @@
-//! The engine's side of the cache: register a KV cache, then LOOKUP (from
-//! the scheduler), STORE and RETRIEVE (from each worker) as jobs, and the
-//! lease and cache controls.
+//! The engine's side of the cache: register a KV cache ([`Registration`]),
+//! then STORE and RETRIEVE (from each worker) as jobs, built with
+//! [`Store`] and [`Retrieve`].
 //!
 //! A request larger than one ring frame (a long prompt's hashes, a large
 //! block list) is sent as several frames and answered once.
 
-use super::Client;
+use crate::device::{DeviceUuid, IpcEventHandle};
+use super::lease::LeaseId;
+use super::{reconnect::Saved, Client, Job, Release, Releases};
 use crate::error::{Error, Result};
-use crate::jobs::JobId;
 use crate::kv::{ChunkHash, KvLayout};
 use crate::proto::kv::{
-    ClearReply, ConfigReply, EndSessionRequest, FreeLocksRequest, LookupRequest, MemKind,
-    RegisterKv, RegisterReply, RetrieveRequest, StatsReply, StoreRequest, TensorRegion,
-    UnregisterKv, FLAG_EVENT,
+    CudaRegion, MemKind, RegisterKv, RegisterReply, RetrieveRequest, StoreRequest, TensorRegion,
+    UnregisterKv, KvFlags,
 };
-use crate::proto::{BootKind, Opcode, Status, BOOT_MAGIC};
-use crate::ring::{FrameHeader, RingError, FLAG_MORE};
+use crate::proto::{BootKind, Opcode, BOOT_MAGIC};
 use std::os::fd::{AsFd, BorrowedFd};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
 
-/// What an engine instance registers.
-#[derive(Clone, Copy, Debug)]
+/// Who registers a KV cache: the model, the tensor-parallel world and this
+/// worker's rank in it, and (optionally) the GPU the worker runs on.
+///
+/// # Examples
+///
+/// ```
+/// use kvring::kv::model_id;
+/// use kvring::{DeviceUuid, KvSpec};
+///
+/// let spec = KvSpec::new(model_id("llama-3-8b"), 2, 1).on_device(DeviceUuid::from_bytes([7; 16]));
+/// assert_eq!((spec.world_size, spec.rank), (2, 1));
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct KvSpec {
     /// `kv::model_id(name)`.
     pub model_id: u64,
-    /// Tensor-parallel world size and this worker's rank.
+    /// Tensor-parallel world size.
     pub world_size: u32,
+    /// This worker's rank.
     pub rank: u32,
-    pub layout: KvLayout,
+    /// The device of the memory (device caches), or the device the worker
+    /// runs on (host caches: its copies go to that device's copy lane, next
+    /// to, never behind, other devices' copies).
+    pub device: Option<DeviceUuid>,
 }
 
-/// A registered KV cache, as STORE and RETRIEVE name it.
+impl KvSpec {
+    pub fn new(model_id: u64, world_size: u32, rank: u32) -> KvSpec {
+        KvSpec {
+            model_id,
+            world_size,
+            rank,
+            device: None,
+        }
+    }
+
+    /// See [`KvSpec::device`].
+    pub fn on_device(mut self, uuid: DeviceUuid) -> Self {
+        self.device = Some(uuid);
+        self
+    }
+}
+
+/// Where a KV cache's tensors are, for [`Client::register`].
+#[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
+pub enum Memory<'a> {
+    /// Host memory: each region names a memfd of the registration's `fds`
+    /// (sealed against shrinking, see [`super::HostKvCache`]).
+    Host(&'a [TensorRegion]),
+    /// Device memory on `KvSpec::device`: legacy IPC handles
+    /// (`MemKind::CudaIpc`) or VMM allocations whose fds are the
+    /// registration's `fds` (`MemKind::CudaVmmFd`).
+    Cuda {
+        kind: MemKind,
+        regions: &'a [CudaRegion],
+    },
+}
+
+/// A KV cache the server has mapped, as STORE and RETRIEVE name it.
 ///
 /// It stays usable across [`Client::reconnect`]: the client registers the
 /// same memory with the new server and sends the new server's id for it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Instance {
-    /// The server's id for it (of the server it was registered with).
-    pub id: u32,
-    pub layout: KvLayout,
-    pub chunk_tokens: u32,
+///
+/// Dropping it unregisters the cache: the request is queued with the client
+/// and sent with its next synchronous request (the server unmaps the memory
+/// once copies in flight have finished); if the client closes first, the
+/// server unregisters it with the connection. [`Client::unregister`] does it
+/// now. Keep the cache's memory alive at least as long as the registration.
+///
+/// # Examples
+///
+/// ```
+/// # use kvring::kv::{chunk_hashes, model_id, pattern, Dtype, KvLayout, KvLayoutKind, KvShape};
+/// # use kvring::{Client, HostKvCache, KvSpec, ServerConfig};
+/// # use std::time::{Duration, Instant};
+/// # let name = format!("doc-registration-{}", std::process::id());
+/// # let dir = std::env::temp_dir().join(&name);
+/// # let mut cfg = ServerConfig::new(&name);
+/// # cfg.runtime_dir = dir.clone();
+/// # cfg.kv.pool_bytes = 8 << 20;
+/// # cfg.kv.backend = kvring::server::BackendChoice::Host;
+/// # let server = kvring::server::start(cfg)?;
+/// # let mut client = Client::builder(&name).runtime_dir(&dir).connect()?;
+/// # let shape = KvShape { layers: 2, blocks: 64, block_tokens: 16, heads: 2, head_dim: 32 };
+/// # let layout = KvLayout::new(KvLayoutKind::FlashAttn, shape, Dtype::Bf16);
+/// # let cache = HostKvCache::new(layout, 256)?;
+/// # let deadline = Instant::now() + Duration::from_secs(10);
+/// let spec = KvSpec::new(model_id("doc-model"), 2, 0); // rank 0 of 2
+/// let reg = client.register_host(&spec, &cache)?;
+/// assert_eq!(reg.chunk_tokens(), 256);
+/// assert_eq!(reg.blocks_per_chunk(), 16);
+/// assert_eq!(client.stats()?.instances, 1);
+/// client.unregister(reg)?; // or drop it: unregistered with the next request
+/// assert_eq!(client.stats()?.instances, 0);
+/// # client.close();
+/// # server.stop();
+/// # std::fs::remove_dir_all(&dir)?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[must_use = "dropping a Registration unregisters the KV cache"]
+pub struct Registration {
+    pub(super) id: u32,
+    pub(super) layout: KvLayout,
+    pub(super) chunk_tokens: u32,
     /// The epoch of the server that gave `id`.
-    pub(crate) epoch: u64,
+    pub(super) epoch: u64,
     /// This registration, among every registration of this process.
-    pub(crate) key: u64,
+    pub(super) key: u64,
+    releases: Arc<Releases>,
+    detached: bool,
 }
 
-impl Instance {
+impl std::fmt::Debug for Registration {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registration")
+            .field("id", &self.id)
+            .field("layout", &self.layout)
+            .field("chunk_tokens", &self.chunk_tokens)
+            .finish()
+    }
+}
+
+impl Registration {
+    /// The server's id for it (of the server it was registered with).
+    pub fn id(&self) -> u32 {
+        self.id
+    }
+
+    pub fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    /// The server's chunk size (tokens).
+    pub fn chunk_tokens(&self) -> u32 {
+        self.chunk_tokens
+    }
+
     /// Blocks per chunk.
     pub fn blocks_per_chunk(&self) -> u32 {
         self.layout.blocks_per_chunk(self.chunk_tokens)
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        if !self.detached {
+            self.releases.push(Release::Unregister(self.key));
+        }
     }
 }
 
@@ -61,155 +179,280 @@ fn payload(header: &impl bytemuck::Pod, parts: &[&[u8]]) -> Vec<u8> {
     v
 }
 
+/// A STORE request: copy the blocks of each chunk (`blocks.len()` is
+/// `hashes.len() * blocks_per_chunk`) into the pool. The job's result value
+/// is the chunks present after it; aux, the chunks that got no space.
+///
+/// # Examples
+///
+/// ```
+/// # use kvring::kv::{chunk_hashes, model_id, pattern, Dtype, KvLayout, KvLayoutKind, KvShape};
+/// # use kvring::{Client, HostKvCache, KvSpec, ServerConfig};
+/// # use std::time::{Duration, Instant};
+/// # let name = format!("doc-store-{}", std::process::id());
+/// # let dir = std::env::temp_dir().join(&name);
+/// # let mut cfg = ServerConfig::new(&name);
+/// # cfg.runtime_dir = dir.clone();
+/// # cfg.kv.pool_bytes = 8 << 20;
+/// # cfg.kv.backend = kvring::server::BackendChoice::Host;
+/// # let server = kvring::server::start(cfg)?;
+/// # let mut client = Client::builder(&name).runtime_dir(&dir).connect()?;
+/// # let shape = KvShape { layers: 2, blocks: 64, block_tokens: 16, heads: 2, head_dim: 32 };
+/// # let layout = KvLayout::new(KvLayoutKind::FlashAttn, shape, Dtype::Bf16);
+/// # let cache = HostKvCache::new(layout, 256)?;
+/// # let deadline = Instant::now() + Duration::from_secs(10);
+/// use kvring::jobs::JobStatus;
+/// use kvring::kv::salt_id;
+/// use kvring::{Lookup, Store};
+///
+/// let reg = client.register_host(&KvSpec::new(model_id("doc-model"), 1, 0), &cache)?;
+/// let tokens: Vec<u32> = (0..512).collect();
+/// let hashes = chunk_hashes(&tokens, reg.chunk_tokens()); // 2 chunks
+/// let blocks: Vec<u32> = (0..2 * reg.blocks_per_chunk()).collect();
+/// let salt = salt_id(Some("tenant-a"));
+/// // (A GPU engine adds `.after(event.handle())`: the copies wait for its event.)
+/// let job = client.store(Store::new(&reg, &hashes, &blocks).salt(salt))?;
+/// match job.wait(deadline)? {
+///     JobStatus::Done(r) => assert_eq!((r.value, r.aux), (2, 0)), // present, no space
+///     other => panic!("{other:?}"),
+/// }
+/// let lease = client.lookup(Lookup::new(model_id("doc-model"), 1, &hashes).salt(salt))?;
+/// assert_eq!(lease.hits(), 2);
+/// # client.close();
+/// # server.stop();
+/// # std::fs::remove_dir_all(&dir)?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Clone, Copy, Debug)]
+#[must_use = "a request does nothing until submitted with Client::store"]
+pub struct Store<'a> {
+    reg: &'a Registration,
+    hashes: &'a [ChunkHash],
+    blocks: &'a [u32],
+    salt: u64,
+    after: Option<IpcEventHandle>,
+}
+
+impl<'a> Store<'a> {
+    pub fn new(reg: &'a Registration, hashes: &'a [ChunkHash], blocks: &'a [u32]) -> Store<'a> {
+        Store {
+            reg,
+            hashes,
+            blocks,
+            salt: 0,
+            after: None,
+        }
+    }
+
+    /// The cache salt (`kv::salt_id`) to store the chunks under.
+    pub fn salt(mut self, salt: u64) -> Self {
+        self.salt = salt;
+        self
+    }
+
+    /// The copies wait (on the device) for the CUDA IPC event the engine
+    /// recorded after writing the blocks.
+    pub fn after(mut self, event: IpcEventHandle) -> Self {
+        self.after = Some(event);
+        self
+    }
+}
+
+/// A RETRIEVE request: copy chunks `first_chunk ..` of a lease into `blocks`
+/// (`n_chunks * blocks_per_chunk` ids). All or nothing: fails at once with
+/// `NoLease` unless the lease holds every chunk for this rank; it consumes
+/// the lease's holds for this rank.
+///
+/// The lease is a [`super::Lease`] of this process (`&lease`) or a
+/// [`LeaseId`] received from the scheduler.
+///
+/// # Examples
+///
+/// ```
+/// # use kvring::kv::{chunk_hashes, model_id, pattern, Dtype, KvLayout, KvLayoutKind, KvShape};
+/// # use kvring::{Client, HostKvCache, KvSpec, ServerConfig};
+/// # use std::time::{Duration, Instant};
+/// # let name = format!("doc-retrieve-{}", std::process::id());
+/// # let dir = std::env::temp_dir().join(&name);
+/// # let mut cfg = ServerConfig::new(&name);
+/// # cfg.runtime_dir = dir.clone();
+/// # cfg.kv.pool_bytes = 8 << 20;
+/// # cfg.kv.backend = kvring::server::BackendChoice::Host;
+/// # let server = kvring::server::start(cfg)?;
+/// # let mut client = Client::builder(&name).runtime_dir(&dir).connect()?;
+/// # let shape = KvShape { layers: 2, blocks: 64, block_tokens: 16, heads: 2, head_dim: 32 };
+/// # let layout = KvLayout::new(KvLayoutKind::FlashAttn, shape, Dtype::Bf16);
+/// # let cache = HostKvCache::new(layout, 256)?;
+/// # let deadline = Instant::now() + Duration::from_secs(10);
+/// use kvring::jobs::JobStatus;
+/// use kvring::{Lookup, Retrieve, Store};
+///
+/// let reg = client.register_host(&KvSpec::new(model_id("doc-model"), 1, 0), &cache)?;
+/// let bpc = reg.blocks_per_chunk();
+/// let hashes = chunk_hashes(&(0..768).collect::<Vec<u32>>(), 256); // 3 chunks
+/// let stored: Vec<u32> = (0..3 * bpc).collect();
+/// for (h, b) in hashes.iter().zip(stored.chunks(bpc as usize)) {
+///     pattern::write_chunk(&cache, 0, h, b);
+/// }
+/// let job = client.store(Store::new(&reg, &hashes, &stored))?;
+/// assert!(matches!(job.wait(deadline)?, JobStatus::Done(_)));
+///
+/// let lease = client.lookup(Lookup::new(model_id("doc-model"), 1, &hashes))?;
+/// assert_eq!(lease.hits(), 3);
+/// // Chunks 1 and 2 of the lease into other blocks, leaving the first 16
+/// // tokens (one block) untouched: the engine still has them.
+/// cache.fill(0xa5);
+/// let fresh: Vec<u32> = (32..32 + 2 * bpc).collect();
+/// let job = client.retrieve(Retrieve::new(&reg, &lease, &fresh).first_chunk(1).skip_tokens(16))?;
+/// assert!(matches!(job.wait(deadline)?, JobStatus::Done(_)));
+/// for (i, (h, b)) in hashes[1..].iter().zip(fresh.chunks(bpc as usize)).enumerate() {
+///     let skip_blocks = if i == 0 { 1 } else { 0 };
+///     pattern::verify_chunk(&cache, 0, h, b, skip_blocks, 0xa5)?;
+/// }
+/// # client.close();
+/// # server.stop();
+/// # std::fs::remove_dir_all(&dir)?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Clone, Copy, Debug)]
+#[must_use = "a request does nothing until submitted with Client::retrieve"]
+pub struct Retrieve<'a> {
+    reg: &'a Registration,
+    lease: LeaseId,
+    blocks: &'a [u32],
+    first_chunk: u32,
+    skip_tokens: u32,
+    after: Option<IpcEventHandle>,
+    publish_event: bool,
+}
+
+impl<'a> Retrieve<'a> {
+    pub fn new(
+        reg: &'a Registration,
+        lease: impl Into<LeaseId>,
+        blocks: &'a [u32],
+    ) -> Retrieve<'a> {
+        Retrieve {
+            reg,
+            lease: lease.into(),
+            blocks,
+            first_chunk: 0,
+            skip_tokens: 0,
+            after: None,
+            publish_event: false,
+        }
+    }
+
+    /// The first chunk of the lease to copy (default 0).
+    pub fn first_chunk(mut self, i: u32) -> Self {
+        self.first_chunk = i;
+        self
+    }
+
+    /// Leaves the first `n` tokens (a multiple of the block size) untouched.
+    pub fn skip_tokens(mut self, n: u32) -> Self {
+        self.skip_tokens = n;
+        self
+    }
+
+    /// The copies wait (on the device) for the CUDA IPC event the engine
+    /// recorded once it stopped using the blocks.
+    pub fn after(mut self, event: IpcEventHandle) -> Self {
+        self.after = Some(event);
+        self
+    }
+
+    /// The server publishes a job event covering the copies (device memory,
+    /// CUDA backend): see [`Job::device_event`].
+    pub fn publish_event(mut self) -> Self {
+        self.publish_event = true;
+        self
+    }
+}
+
 impl Client {
-    /// One request of any size up to the server's `max_request_bytes`:
-    /// split over frames when it exceeds one, answered once.
-    pub fn call_large(&mut self, op: Opcode, payload: &[u8], timeout: Duration) -> Result<Vec<u8>> {
-        let max = self.max_payload();
-        if payload.len() <= max {
-            return self.call(op, payload, timeout);
-        }
-        self.check_no_call_in_flight(op)?;
-        let deadline = Instant::now() + timeout;
-        let pieces: Vec<&[u8]> = payload.chunks(max).collect();
-        let tag = 0x4c52_4745_0000_0000 | op as u64;
-        for (i, piece) in pieces.iter().enumerate() {
-            let last = i + 1 == pieces.len();
-            let h = FrameHeader {
-                opcode: op as u16,
-                flags: if last { 0 } else { FLAG_MORE },
-                session: self.session,
-                user_data: tag,
-                ..Default::default()
-            };
-            loop {
-                let r = if last {
-                    self.enqueue(op, piece, tag)
-                } else {
-                    self.req.write(&h, piece).map_err(Error::from)
-                };
-                match r {
-                    Ok(()) => break,
-                    Err(Error::Ring(RingError::Full { .. })) => {
-                        // The server drains the ring as we go: publish what
-                        // is written and wait for room.
-                        self.flush();
-                        if Instant::now() > deadline {
-                            return Err(Error::Timeout(timeout));
-                        }
-                        if self.server_gone() {
-                            return Err(Error::ServerGone);
-                        }
-                        std::thread::yield_now();
-                    }
-                    Err(e) => return Err(e),
-                }
-            }
-        }
-        self.flush();
-        self.finish_call(op, deadline)
-    }
-
-    /// The server's configuration (chunk size, pool, limits).
-    pub fn server_config(&mut self) -> Result<ConfigReply> {
-        let r = self.call(Opcode::GetConfig, &[], self.opts.call_timeout)?;
-        reply_struct(&r)
-    }
-
-    /// Registers a KV cache whose tensors are `regions` of the memfds `fds`
-    /// (`regions[i].fd_index` indexes `fds`). Host memory must be sealed
-    /// against shrinking (see `HostKvCache`). Fails with a clear message
-    /// when the layout does not suit the server (a block size that does not
-    /// divide the chunk size, a rank out of range, ...).
-    pub fn register_kv(
+    /// Registers a `HostKvCache` (with `spec.device`, the device whose copy
+    /// lane serves it).
+    pub fn register_host(
         &mut self,
         spec: &KvSpec,
-        regions: &[TensorRegion],
-        fds: &[BorrowedFd<'_>],
-    ) -> Result<Instance> {
-        self.register_memory(
+        cache: &super::HostKvCache,
+    ) -> Result<Registration> {
+        self.register(
             spec,
-            MemKind::HostFd,
-            [0; 16],
-            bytemuck::cast_slice(regions),
-            regions.len(),
-            fds,
+            *cache.layout(),
+            Memory::Host(&cache.regions()),
+            &[cache.fd()],
         )
     }
 
-    /// Registers a KV cache in device memory: `regions` (one per tensor)
-    /// name legacy IPC handles (`MemKind::CudaIpc`) or the VMM allocations
-    /// whose fds are `fds` (`MemKind::CudaVmmFd`), on the device `uuid`.
-    pub fn register_device_kv(
+    /// Registers a `CudaKvCache` (its device is the cache's; `spec.device`
+    /// is ignored).
+    pub fn register_cuda(
         &mut self,
         spec: &KvSpec,
-        kind: MemKind,
-        uuid: [u8; 16],
-        regions: &[crate::proto::kv::CudaRegion],
-        fds: &[BorrowedFd<'_>],
-    ) -> Result<Instance> {
-        self.register_memory(
-            spec,
-            kind,
-            uuid,
-            bytemuck::cast_slice(regions),
-            regions.len(),
-            fds,
-        )
-    }
-
-    /// Registers a `CudaKvCache` (see `kvring::client::cuda_cache`).
-    #[cfg(feature = "cuda")]
-    pub fn register_cuda_cache(
-        &mut self,
-        model_id: u64,
-        world_size: u32,
-        rank: u32,
         cache: &crate::client::cuda_cache::CudaKvCache,
-    ) -> Result<Instance> {
-        let spec = KvSpec {
-            model_id,
-            world_size,
-            rank,
-            layout: *cache.layout(),
-        };
+    ) -> Result<Registration> {
         let fds: Vec<BorrowedFd<'_>> = cache.fd().into_iter().collect();
         let kind = match cache.export() {
             crate::client::cuda_cache::Export::Ipc => MemKind::CudaIpc,
             crate::client::cuda_cache::Export::VmmFd => MemKind::CudaVmmFd,
         };
-        self.register_device_kv(&spec, kind, cache.device_uuid(), &cache.regions(), &fds)
+        let spec = spec.on_device(cache.device_uuid());
+        self.register(
+            &spec,
+            *cache.layout(),
+            Memory::Cuda {
+                kind,
+                regions: &cache.regions(),
+            },
+            &fds,
+        )
     }
 
-    fn register_memory(
+    /// Registers a KV cache of `layout` whose tensors are `memory`, with
+    /// the descriptors `fds` (indexed by the regions). Fails with a clear
+    /// message when the layout does not suit the server (a block size that
+    /// does not divide the chunk size, a rank out of range, ...).
+    pub fn register(
         &mut self,
         spec: &KvSpec,
-        mem_kind: MemKind,
-        device_uuid: [u8; 16],
-        regions: &[u8],
-        n_tensors: usize,
+        layout: KvLayout,
+        memory: Memory<'_>,
         fds: &[BorrowedFd<'_>],
-    ) -> Result<Instance> {
+    ) -> Result<Registration> {
+        let (mem_kind, regions, n) = match memory {
+            Memory::Host(r) => (MemKind::HostFd, bytemuck::cast_slice(r), r.len()),
+            Memory::Cuda { kind, regions } => (kind, bytemuck::cast_slice(regions), regions.len()),
+        };
+        self.send_releases();
         // Kept (with duplicates of the descriptors) to register again after
         // a reconnect.
-        let saved =
-            super::reconnect::Saved::new(spec, mem_kind, device_uuid, regions, n_tensors, fds)?;
-        let inst = self.send_registration(&saved)?;
-        self.registrations.push(saved.with_id(inst.id));
-        Ok(inst)
+        let mut saved = Saved::new(spec, layout, mem_kind, regions, n, fds)?;
+        let (id, chunk_tokens) = self.send_registration(&saved)?;
+        saved.id = id;
+        let reg = Registration {
+            id,
+            layout,
+            chunk_tokens,
+            epoch: self.link.epoch,
+            key: saved.key,
+            releases: self.releases.clone(),
+            detached: false,
+        };
+        self.registrations.push(saved);
+        Ok(reg)
     }
 
-    /// Sends one registration and waits for the server's answer.
-    pub(super) fn send_registration(
-        &mut self,
-        saved: &super::reconnect::Saved,
-    ) -> Result<Instance> {
-        let spec = &saved.spec;
+    /// Sends one registration and waits for the server's answer: the
+    /// server's id for it and its chunk size.
+    pub(super) fn send_registration(&mut self, saved: &Saved) -> Result<(u32, u32)> {
         let fds: Vec<BorrowedFd<'_>> = saved.fds.iter().map(|f| f.as_fd()).collect();
         let chunk_tokens = self.server_config()?.chunk_tokens;
-        spec.layout
+        saved
+            .layout
             .validate(chunk_tokens)
-            .map_err(|e| Error::Config(format!("KV layout refused: {e}")))?;
+            .map_err(|e| Error::InvalidArgument(format!("KV layout refused: {e}")))?;
         let max_fds = crate::bootstrap::MAX_FDS;
         let (early, last) = fds.split_at(fds.len() - fds.len().min(max_fds));
         for batch in early.chunks(max_fds) {
@@ -218,10 +461,12 @@ impl Client {
                 kind: BootKind::AttachFds as u32,
                 count: batch.len() as u32,
             };
-            self.conn
+            self.link
+                .conn
                 .send(bytemuck::bytes_of(&m), batch)
                 .map_err(crate::error::io("send descriptors"))?;
         }
+        let spec = &saved.spec;
         let req = RegisterKv {
             magic: BOOT_MAGIC,
             kind: BootKind::Register as u32,
@@ -229,99 +474,65 @@ impl Client {
             model_id: spec.model_id,
             world_size: spec.world_size,
             rank: spec.rank,
-            layout: spec.layout,
+            layout: saved.layout,
             n_tensors: saved.n_tensors as u32,
             _reserved: 0,
-            device_uuid: saved.device_uuid,
+            device_uuid: spec.device.unwrap_or_default().to_bytes(),
         };
         let msg = payload(&req, &[&saved.regions]);
-        self.conn
+        self.link
+            .conn
             .send(&msg, last)
             .map_err(crate::error::io("send registration"))?;
         let r = self.boot_reply()?;
-        if r.status != 0 {
-            return Err(Error::Registration {
-                status: Status::from_i32(r.status).unwrap_or(Status::Malformed),
-                reason: r.text(),
-            });
-        }
-        Ok(Instance {
-            id: r.instance,
-            layout: spec.layout,
-            chunk_tokens: r.chunk_tokens,
-            epoch: self.epoch,
-            key: saved.key,
-        })
+        check_boot_status(&r)?;
+        Ok((r.instance, r.chunk_tokens))
     }
 
-    /// Registers a `HostKvCache`.
-    pub fn register_host_cache(
-        &mut self,
-        model_id: u64,
-        world_size: u32,
-        rank: u32,
-        cache: &super::HostKvCache,
-    ) -> Result<Instance> {
-        self.register_host_cache_on(model_id, world_size, rank, cache, [0; 16])
-    }
-
-    /// Registers a `HostKvCache` of a worker that runs on the device
-    /// `device_uuid`: its copies go to that device's copy lane, next to
-    /// (never behind) other devices' copies.
-    pub fn register_host_cache_on(
-        &mut self,
-        model_id: u64,
-        world_size: u32,
-        rank: u32,
-        cache: &super::HostKvCache,
-        device_uuid: [u8; 16],
-    ) -> Result<Instance> {
-        let spec = KvSpec {
-            model_id,
-            world_size,
-            rank,
-            layout: *cache.layout(),
-        };
-        let regions = cache.regions();
-        self.register_memory(
-            &spec,
-            MemKind::HostFd,
-            device_uuid,
-            bytemuck::cast_slice(&regions),
-            regions.len(),
-            &[cache.fd()],
-        )
-    }
-
-    /// Unregisters an instance: the server unmaps its memory once copies
+    /// Unregisters a KV cache now: the server unmaps its memory once copies
     /// in flight have finished.
-    pub fn unregister_kv(&mut self, instance: &Instance) -> Result<()> {
+    pub fn unregister(&mut self, mut reg: Registration) -> Result<()> {
+        reg.detached = true;
+        let key = reg.key;
+        let instance = self.server_instance(&reg)?;
+        self.send_unregister(instance)?;
+        self.registrations.retain(|s| s.key != key);
+        Ok(())
+    }
+
+    /// Unregisters the registration saved under `key` (a dropped handle's).
+    pub(super) fn unregister_key(&mut self, key: u64) -> Result<()> {
+        let Some(s) = self.registrations.iter().find(|s| s.key == key) else {
+            return Ok(());
+        };
+        let instance = s.id;
+        self.registrations.retain(|s| s.key != key);
+        self.send_unregister(instance)
+    }
+
+    pub(super) fn send_unregister(&mut self, instance: u32) -> Result<()> {
         let m = UnregisterKv {
             magic: BOOT_MAGIC,
             kind: BootKind::Unregister as u32,
-            instance: self.server_instance(instance)?,
+            instance,
         };
-        self.conn
+        self.link
+            .conn
             .send(bytemuck::bytes_of(&m), &[])
             .map_err(crate::error::io("send unregister"))?;
         let r = self.boot_reply()?;
-        if r.status != 0 {
-            return Err(Error::Registration {
-                status: Status::from_i32(r.status).unwrap_or(Status::Malformed),
-                reason: r.text(),
-            });
-        }
-        self.registrations.retain(|s| s.key != instance.key);
-        Ok(())
+        check_boot_status(&r)
     }
 
     fn boot_reply(&mut self) -> Result<RegisterReply> {
         let mut buf = [0u8; std::mem::size_of::<RegisterReply>() + 8];
+        let timeout = self.opts.call_timeout;
         let (n, _fds) = self
+            .link
             .conn
-            .recv(&mut buf, self.opts.call_timeout)
+            .recv(&mut buf, timeout)
             .map_err(|e| match e.kind() {
-                std::io::ErrorKind::TimedOut => Error::Timeout(self.opts.call_timeout),
+                std::io::ErrorKind::TimedOut => Error::Timeout(timeout),
                 _ => Error::Io {
                     context: "receive registration reply".into(),
                     source: e,
@@ -340,256 +551,92 @@ impl Client {
         Ok(r)
     }
 
-    fn submit_job(&mut self, op: Opcode, payload: &[u8]) -> Result<JobId> {
-        let r = self.call_large(op, payload, self.opts.call_timeout)?;
-        reply_struct(&r)
-    }
-
-    /// LOOKUP: a job whose result value is the number of leading chunks of
-    /// `hashes` stored for every rank of `world_size`; it takes read leases
-    /// on them (the job id names the lease) for RETRIEVE.
-    pub fn lookup(
-        &mut self,
-        model_id: u64,
-        world_size: u32,
-        salt: u64,
-        hashes: &[ChunkHash],
-    ) -> Result<JobId> {
-        let h = LookupRequest {
-            model_id,
-            salt,
-            world_size,
-            n_chunks: hashes.len() as u32,
-        };
-        self.submit_job(Opcode::Lookup, &payload(&h, &[hashes.concat().as_slice()]))
-    }
-
-    /// STORE: a job copying the blocks of each chunk (`blocks.len()` is
-    /// `hashes.len() * blocks_per_chunk`) into the pool. Result value: chunks
-    /// present after it; aux: chunks that got no space.
-    pub fn store(
-        &mut self,
-        inst: &Instance,
-        salt: u64,
-        hashes: &[ChunkHash],
-        blocks: &[u32],
-    ) -> Result<JobId> {
-        self.store_after(inst, salt, hashes, blocks, None)
-    }
-
-    /// STORE whose copies wait (on the device) for the CUDA IPC event
-    /// `event` that the engine recorded after writing the blocks.
-    pub fn store_after(
-        &mut self,
-        inst: &Instance,
-        salt: u64,
-        hashes: &[ChunkHash],
-        blocks: &[u32],
-        event: Option<[u8; 64]>,
-    ) -> Result<JobId> {
-        check_blocks(inst, hashes.len(), blocks)?;
+    /// STORE: a job copying the blocks into the pool (see [`Store`]).
+    pub fn store(&mut self, req: Store<'_>) -> Result<Job> {
+        let reg = req.reg;
+        let want = req.hashes.len() * reg.blocks_per_chunk() as usize;
+        if req.blocks.len() != want {
+            return Err(Error::InvalidArgument(format!(
+                "{} block ids for {} chunks: need {want}",
+                req.blocks.len(),
+                req.hashes.len()
+            )));
+        }
         let h = StoreRequest {
-            instance: self.server_instance(inst)?,
-            n_chunks: hashes.len() as u32,
-            salt,
-            flags: if event.is_some() { FLAG_EVENT } else { 0 },
+            instance: self.server_instance(reg)?,
+            n_chunks: req.hashes.len() as u32,
+            salt: req.salt,
+            flags: if req.after.is_some() {
+                KvFlags::EVENT.bits()
+            } else {
+                0
+            },
             _reserved: 0,
-            event: event.unwrap_or([0; 64]),
+            event: req.after.map_or([0; 64], IpcEventHandle::to_bytes),
         };
         self.submit_job(
             Opcode::Store,
             &payload(
                 &h,
-                &[hashes.concat().as_slice(), bytemuck::cast_slice(blocks)],
+                &[
+                    req.hashes.concat().as_slice(),
+                    bytemuck::cast_slice(req.blocks),
+                ],
             ),
         )
     }
 
-    /// RETRIEVE: a job copying chunks `first_chunk ..` of the lookup `lease`
-    /// into `blocks` (`n_chunks * blocks_per_chunk` ids), leaving the first
-    /// `skip_tokens` tokens (a multiple of the block size) untouched. All or
-    /// nothing: fails at once with `NoLease` unless the lease holds every
-    /// chunk for this rank.
-    pub fn retrieve(
-        &mut self,
-        inst: &Instance,
-        lease: JobId,
-        first_chunk: u32,
-        blocks: &[u32],
-        skip_tokens: u32,
-    ) -> Result<JobId> {
-        self.retrieve_after(inst, lease, first_chunk, blocks, skip_tokens, None)
-    }
-
-    /// RETRIEVE whose copies wait (on the device) for the CUDA IPC event
-    /// `event` that the engine recorded once it stopped using the blocks.
-    pub fn retrieve_after(
-        &mut self,
-        inst: &Instance,
-        lease: JobId,
-        first_chunk: u32,
-        blocks: &[u32],
-        skip_tokens: u32,
-        event: Option<[u8; 64]>,
-    ) -> Result<JobId> {
-        self.retrieve_flags(inst, lease, first_chunk, blocks, skip_tokens, event, 0)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn retrieve_flags(
-        &mut self,
-        inst: &Instance,
-        lease: JobId,
-        first_chunk: u32,
-        blocks: &[u32],
-        skip_tokens: u32,
-        event: Option<[u8; 64]>,
-        extra_flags: u32,
-    ) -> Result<JobId> {
-        let bpc = inst.blocks_per_chunk() as usize;
-        if blocks.is_empty() || blocks.len() % bpc != 0 {
-            return Err(Error::Config(format!(
+    /// RETRIEVE: a job copying chunks of a lease into blocks (see
+    /// [`Retrieve`]).
+    pub fn retrieve(&mut self, req: Retrieve<'_>) -> Result<Job> {
+        let bpc = req.reg.blocks_per_chunk() as usize;
+        if req.blocks.is_empty() || req.blocks.len() % bpc != 0 {
+            return Err(Error::InvalidArgument(format!(
                 "{} block ids: need a positive multiple of {bpc} (blocks per chunk)",
-                blocks.len()
+                req.blocks.len()
             )));
         }
+        let mut flags = KvFlags::empty();
+        flags.set(KvFlags::EVENT, req.after.is_some());
+        flags.set(KvFlags::PUBLISH_EVENT, req.publish_event);
         let h = RetrieveRequest {
-            lease,
-            instance: self.server_instance(inst)?,
-            first_chunk,
-            n_chunks: (blocks.len() / bpc) as u32,
-            skip_tokens,
-            flags: extra_flags | if event.is_some() { FLAG_EVENT } else { 0 },
+            lease: req.lease.job(),
+            instance: self.server_instance(req.reg)?,
+            first_chunk: req.first_chunk,
+            n_chunks: (req.blocks.len() / bpc) as u32,
+            skip_tokens: req.skip_tokens,
+            flags: flags.bits(),
             _reserved: 0,
-            event: event.unwrap_or([0; 64]),
+            event: req.after.map_or([0; 64], IpcEventHandle::to_bytes),
         };
         self.submit_job(
             Opcode::Retrieve,
-            &payload(&h, &[bytemuck::cast_slice(blocks)]),
+            &payload(&h, &[bytemuck::cast_slice(req.blocks)]),
         )
     }
 
     /// The handles of this client's job events on device `uuid` (open them
     /// with `kvring::client::cuda_cache::ServerEvents`).
-    pub fn job_events(&mut self, uuid: [u8; 16]) -> Result<Vec<[u8; 64]>> {
-        let r = self.call(Opcode::JobEvents, &uuid, self.opts.call_timeout)?;
+    pub fn job_events(&mut self, uuid: DeviceUuid) -> Result<Vec<IpcEventHandle>> {
+        let r = self.call_now(Opcode::JobEvents, uuid.as_bytes())?;
         if r.len() != crate::proto::kv::JOB_EVENTS * 64 {
             return Err(Error::Protocol(format!("{} bytes of job events", r.len())));
         }
         Ok(r.chunks_exact(64)
-            .map(|c| c.try_into().expect("64 bytes"))
+            .map(|c| IpcEventHandle::from_bytes(c.try_into().expect("64 bytes")))
             .collect())
     }
-
-    /// RETRIEVE that publishes a job event (device memory, CUDA backend):
-    /// see [`Client::job_device_event`].
-    pub fn retrieve_published(
-        &mut self,
-        inst: &Instance,
-        lease: JobId,
-        first_chunk: u32,
-        blocks: &[u32],
-        skip_tokens: u32,
-        event: Option<[u8; 64]>,
-    ) -> Result<JobId> {
-        self.retrieve_flags(
-            inst,
-            lease,
-            first_chunk,
-            blocks,
-            skip_tokens,
-            event,
-            crate::proto::kv::FLAG_PUBLISH_EVENT,
-        )
-    }
-
-    /// The job event that covers job `id`'s device copies, once they are all
-    /// queued: `Some(index)` for the stream to wait on, `None` when the job
-    /// already finished (nothing to wait for). A shared-memory poll; ends
-    /// with an error if the job fails, `Timeout` at the deadline.
-    pub fn job_device_event(&self, id: JobId, deadline: Instant) -> Result<Option<u32>> {
-        loop {
-            let info = self
-                .job_info(id)?
-                .ok_or_else(|| Error::Protocol(format!("{id} is not in the job table")))?;
-            if info.progress > 0 {
-                return Ok(Some((info.progress - 1) as u32));
-            }
-            match info.status {
-                crate::jobs::JobStatus::Done(_) | crate::jobs::JobStatus::Tombstoned(Ok(_)) => {
-                    return Ok(None)
-                }
-                s if s.is_terminal() => return Err(Error::Protocol(format!("{id} ended {s:?}"))),
-                _ => {}
-            }
-            if Instant::now() > deadline {
-                return Err(Error::Timeout(self.opts.call_timeout));
-            }
-            if self.server_gone() {
-                return Err(Error::ServerGone);
-            }
-            std::hint::spin_loop();
-        }
-    }
-
-    /// Ends the lease's holds on chunks `first_chunk .. first_chunk + n`
-    /// (u32::MAX: to the end), for chunks that will not be retrieved.
-    pub fn free_lookup_locks(&mut self, lease: JobId, first_chunk: u32, n: u32) -> Result<()> {
-        let h = FreeLocksRequest {
-            lease,
-            first_chunk,
-            n_chunks: n,
-        };
-        self.call(
-            Opcode::FreeLookupLocks,
-            bytemuck::bytes_of(&h),
-            self.opts.call_timeout,
-        )?;
-        Ok(())
-    }
-
-    /// Ends a lease (the request is over) and marks its chunks recently used.
-    pub fn end_session(&mut self, lease: JobId) -> Result<()> {
-        let h = EndSessionRequest { lease };
-        self.call(
-            Opcode::EndSession,
-            bytemuck::bytes_of(&h),
-            self.opts.call_timeout,
-        )?;
-        Ok(())
-    }
-
-    /// Drops every stored object not leased or being written.
-    pub fn clear(&mut self) -> Result<ClearReply> {
-        let r = self.call(Opcode::Clear, &[], self.opts.call_timeout)?;
-        reply_struct(&r)
-    }
-
-    /// The cache's counters.
-    pub fn stats(&mut self) -> Result<StatsReply> {
-        let r = self.call(Opcode::Stats, &[], self.opts.call_timeout)?;
-        reply_struct(&r)
-    }
 }
 
-fn check_blocks(inst: &Instance, chunks: usize, blocks: &[u32]) -> Result<()> {
-    let want = chunks * inst.blocks_per_chunk() as usize;
-    if blocks.len() != want {
-        return Err(Error::Config(format!(
-            "{} block ids for {chunks} chunks: need {want}",
-            blocks.len()
-        )));
+fn check_boot_status(r: &RegisterReply) -> Result<()> {
+    if r.status == 0 {
+        return Ok(());
     }
-    Ok(())
-}
-
-fn reply_struct<T: bytemuck::Pod>(r: &[u8]) -> Result<T> {
-    if r.len() != std::mem::size_of::<T>() {
-        return Err(Error::Protocol(format!(
-            "reply of {} bytes, expected {}",
-            r.len(),
-            std::mem::size_of::<T>()
-        )));
+    match crate::proto::Status::decode(r.status).ok() {
+        Some(status) => Err(Error::Registration {
+            status,
+            reason: r.text(),
+        }),
+        None => Err(Error::UnknownStatus(r.status)),
     }
-    Ok(bytemuck::pod_read_unaligned(r))
 }

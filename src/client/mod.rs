@@ -1,51 +1,75 @@
-//! The client library an engine links: connect over the bootstrap socket,
-//! submit requests on its ring, and wait for completions.
+//! The client library an engine links: connect to the node's kvring server,
+//! register KV caches, and look up, store and retrieve chunks as jobs.
 //!
-//! Credits: before a request is submitted, the completion space it may need
-//! (`Opcode::completion_bound`) is reserved out of the completion ring's
-//! capacity, and returned when its completion is consumed. A client therefore
-//! never has more requests in flight than its completion ring can hold, and
-//! the server, which checks the same bound before serving, never has to drop
-//! or hold back a completion of an honest client.
+//! The API is one of handles that release what they hold:
 //!
-//! Completions of ring requests arrive in request order (the server serves a
-//! client's ring in order and answers every request it serves at once); the
-//! library checks this and treats anything else as a protocol error.
+//! * [`Job`] (a store, a retrieve, a delay job): wait on it, read its status
+//!   and progress from shared memory; dropping it releases its job slot.
+//! * [`Lease`] (a lookup): the chunks it found are held against eviction
+//!   until a retrieve takes them or the lease ends; dropping it ends it.
+//! * [`Registration`] (a KV cache the server maps): dropping it unregisters.
+//!
+//! A handle's drop never needs the [`Client`]: it pushes what it releases
+//! onto a small queue shared with its client, and the client sends the
+//! queue with its next synchronous request (a job's release once the job
+//! has finished). When the client itself closes, the server reclaims
+//! everything the connection held (jobs, leases, registrations) anyway.
+//!
+//! Requests are built with one builder per operation ([`Store`],
+//! [`Retrieve`], [`Lookup`], [`DelayJob`]): required fields in `new`,
+//! options as chained setters, then submitted by the client call of the same
+//! name. Every call that can block takes a deadline (`Instant`); options
+//! hold spans (`Duration`).
+//!
+//! Words: the wire keeps LMCache's names for a lookup's holds.
+//! `END_SESSION` is [`Client::end_lease`] (and a [`Lease`]'s drop);
+//! `FREE_LOOKUP_LOCKS` is [`Client::release_lease_chunks`]. A lease is
+//! named by its lookup job's id ([`LeaseId`]).
+//!
+//! The ring level (frames, credits, completions, synchronous calls by
+//! opcode) is behind [`Client::raw`].
 
+mod channel;
+mod connect;
 pub mod cuda_cache;
 mod host_cache;
 mod jobs;
 mod kv;
+mod lease;
 mod reconnect;
 
+pub use channel::{Completion, RawChannel};
 pub use host_cache::HostKvCache;
-pub use kv::{Instance, KvSpec};
+pub use jobs::{DelayJob, Job};
+pub use kv::{KvSpec, Memory, Registration, Retrieve, Store};
+pub use lease::{Lease, LeaseId, Lookup};
 
-use crate::bootstrap::Conn;
 use crate::error::{Error, Result};
-use crate::proto::{
-    BootKind, Goodbye, Hello, Opcode, Status, Welcome, BOOT_MAGIC, PROTOCOL_VERSION,
-};
-use crate::ring::{Consumer, FrameHeader, Producer, RingError, RingPtrs, HEADER_BYTES};
+use crate::jobs::JobId;
+use crate::proto::kv::{ClearReply, ConfigReply, StatsReply};
+use crate::proto::{BootKind, Goodbye, Opcode, BOOT_MAGIC};
+use crate::ring::{Consumer, Producer};
 use crate::rundir::ServerPaths;
 use crate::segment::ClientSegment;
-use crate::shm::{ServerClientBlock, LAYOUT_VERSION, PAGE};
-use crate::wait::{self, Parking, WaitEnd, WaitPolicy};
+use crate::wait::WaitPolicy;
+use connect::Link;
 use std::collections::VecDeque;
-use std::path::Path;
-use std::sync::atomic::Ordering;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-/// Options for [`Client::connect_with`].
+/// How a client connects and waits. Filled by [`ClientBuilder`];
+/// `Default` gives the values the builder starts from.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct ClientOptions {
     /// How long to keep retrying while the server is not up yet.
     pub connect_timeout: Duration,
     /// How waits spin, yield and park (`park_slice` is also how often a
     /// parked wait checks that the server is still there).
     pub wait: WaitPolicy,
-    /// How long a synchronous request (a submission that returns a job id,
-    /// a control request, a registration) may wait for its answer.
+    /// How long a synchronous request (a submission that returns a job, a
+    /// control request, a registration) may wait for its answer.
     pub call_timeout: Duration,
 }
 
@@ -59,585 +83,304 @@ impl Default for ClientOptions {
     }
 }
 
-/// One completion, copied out of the ring.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Completion {
-    pub opcode: u16,
-    pub status: i32,
-    pub user_data: u64,
-    pub payload: Vec<u8>,
+/// Connection settings for [`Client::builder`].
+#[derive(Clone, Debug)]
+#[must_use = "a builder does nothing until .connect()"]
+pub struct ClientBuilder {
+    name: String,
+    dir: Option<PathBuf>,
+    opts: ClientOptions,
 }
 
-struct InFlight {
-    user_data: u64,
-    reserved: usize,
-    /// A synchronous call that timed out: its completion, when it comes, is
-    /// consumed and dropped (a job it created is released once finished).
-    abandoned: Option<Opcode>,
+impl ClientBuilder {
+    /// The runtime directory the server's socket is in (default: the
+    /// user's runtime directory, `KVRING_RUNTIME_DIR` if set).
+    pub fn runtime_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.dir = Some(dir.into());
+        self
+    }
+
+    /// How long to keep retrying while the server is not up yet.
+    pub fn connect_timeout(mut self, d: Duration) -> Self {
+        self.opts.connect_timeout = d;
+        self
+    }
+
+    /// How long a synchronous request may wait for its answer.
+    pub fn call_timeout(mut self, d: Duration) -> Self {
+        self.opts.call_timeout = d;
+        self
+    }
+
+    /// How waits spin, yield and park.
+    pub fn wait_policy(mut self, p: WaitPolicy) -> Self {
+        self.opts.wait = p;
+        self
+    }
+
+    /// All options at once.
+    pub fn options(mut self, opts: ClientOptions) -> Self {
+        self.opts = opts;
+        self
+    }
+
+    /// Connects. Retries with backoff while the socket does not exist or
+    /// refuses connections, up to the connect timeout.
+    pub fn connect(self) -> Result<Client> {
+        let paths = match &self.dir {
+            Some(dir) => ServerPaths::in_dir(&self.name, dir)?,
+            None => ServerPaths::new(&self.name)?,
+        };
+        connect::connect(&paths, &self.opts)
+    }
+}
+
+/// What a dropped handle leaves for its client to send.
+pub(crate) enum Release {
+    /// RELEASE_JOB, once the job is terminal.
+    Job(JobId),
+    /// END_SESSION for the lease, then RELEASE_JOB for its lookup job.
+    Lease(JobId),
+    /// Unregister the registration with this key.
+    Unregister(u64),
+}
+
+/// The queue a client shares with its handles.
+#[derive(Default)]
+pub(crate) struct Releases(Mutex<Vec<Release>>);
+
+impl Releases {
+    pub fn push(&self, r: Release) {
+        // A poisoned lock only means a thread panicked while pushing: the
+        // vector is still whole.
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).push(r);
+    }
+
+    fn take(&self) -> Vec<Release> {
+        std::mem::take(&mut *self.0.lock().unwrap_or_else(|e| e.into_inner()))
+    }
 }
 
 /// A connection to a kvring server.
+///
+/// # Examples
+///
+/// Start a server in this process, connect, and make a round trip:
+///
+/// ```
+/// use kvring::{Client, ServerConfig};
+/// use std::time::{Duration, Instant};
+///
+/// let name = format!("doc-client-{}", std::process::id());
+/// let dir = std::env::temp_dir().join(&name);
+/// let mut cfg = ServerConfig::new(&name);
+/// cfg.runtime_dir = dir.clone();
+/// cfg.kv.pool_bytes = 8 << 20;
+/// cfg.kv.backend = kvring::server::BackendChoice::Host;
+/// let server = kvring::server::start(cfg)?;
+///
+/// let mut client = Client::builder(&name)
+///     .runtime_dir(&dir)
+///     .call_timeout(Duration::from_secs(5))
+///     .connect()?;
+/// let deadline = Instant::now() + Duration::from_secs(5);
+/// assert_eq!(client.ping(b"hello", deadline)?, b"hello");
+/// assert_eq!(client.server_config()?.chunk_tokens, 256);
+///
+/// client.close();
+/// server.stop();
+/// std::fs::remove_dir_all(&dir)?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 pub struct Client {
-    conn: Conn,
-    seg: ClientSegment,
-    slot: u32,
-    session: u32,
-    epoch: u64,
+    // The rings point into `link.seg`: declared (so dropped) before `link`.
     req: Producer,
     cq: Consumer,
     /// Completion bytes not reserved by any in-flight request.
     credits: usize,
-    inflight: VecDeque<InFlight>,
+    inflight: VecDeque<channel::InFlight>,
     /// How many of `inflight` are abandoned (kept so no wait scans them).
     abandoned: usize,
-    wait: WaitPolicy,
     buf: Vec<u64>,
-    name: String,
+    link: Arc<Link>,
     /// Where the server is and how to connect, for [`Client::reconnect`].
     paths: ServerPaths,
     opts: ClientOptions,
     /// Every KV cache registered and not unregistered, to register again
     /// after a reconnect.
     registrations: Vec<reconnect::Saved>,
-    /// Jobs created by abandoned calls, released once they finish.
-    orphans: Vec<crate::jobs::JobId>,
-    /// When the server's liveness was last checked by a job status read.
-    alive_checked: std::cell::Cell<Instant>,
-}
-
-fn server_block(seg: &ClientSegment, slot: u32) -> &ServerClientBlock {
-    seg.mapping.server_client(slot)
+    /// Jobs to release once they finish: those of abandoned calls and of
+    /// dropped handles.
+    orphans: Vec<JobId>,
+    /// What dropped handles left to send; survives a reconnect.
+    releases: Arc<Releases>,
+    /// Set while the queued releases are being sent (they are calls too).
+    draining: bool,
 }
 
 impl Client {
-    /// Connects to server `name` in the default runtime directory.
+    /// Connects to server `name` in the default runtime directory, with the
+    /// default options.
     pub fn connect(name: &str) -> Result<Client> {
-        Self::connect_with(&ServerPaths::new(name)?, &ClientOptions::default())
+        Self::builder(name).connect()
     }
 
-    /// Connects to server `name` in runtime directory `dir`.
-    pub fn connect_in(dir: &Path, name: &str) -> Result<Client> {
-        Self::connect_with(&ServerPaths::in_dir(name, dir)?, &ClientOptions::default())
+    /// Connection settings for server `name`; `.connect()` connects.
+    pub fn builder(name: &str) -> ClientBuilder {
+        ClientBuilder {
+            name: name.to_string(),
+            dir: None,
+            opts: ClientOptions::default(),
+        }
     }
 
-    /// Connects with explicit options. Retries with backoff while the socket
-    /// does not exist or refuses connections, up to `connect_timeout`.
-    pub fn connect_with(paths: &ServerPaths, opts: &ClientOptions) -> Result<Client> {
-        crate::rundir::check_runtime_dir(&paths.dir)?;
-        let deadline = Instant::now() + opts.connect_timeout;
-        let mut backoff = Duration::from_millis(1);
-        let conn = loop {
-            match Conn::connect(&paths.socket) {
-                Ok(c) => break c,
-                Err(e) => {
-                    let retry = matches!(
-                        e.kind(),
-                        std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
-                    );
-                    if !retry || Instant::now() + backoff > deadline {
-                        return Err(Error::NoServer {
-                            name: paths.name.clone(),
-                            path: paths.socket.display().to_string(),
-                            reason: e.to_string(),
-                        });
-                    }
-                    std::thread::sleep(backoff);
-                    backoff = (backoff * 2).min(Duration::from_millis(100));
-                }
-            }
-        };
-        let hello = Hello {
-            magic: BOOT_MAGIC,
-            kind: BootKind::Hello as u32,
-            protocol: PROTOCOL_VERSION,
-            layout_version: LAYOUT_VERSION,
-            _reserved: 0,
-        };
-        conn.send(bytemuck::bytes_of(&hello), &[])
-            .map_err(crate::error::io("send hello"))?;
-        let mut buf = [0u8; 128];
-        let wait = deadline
-            .saturating_duration_since(Instant::now())
-            .max(Duration::from_millis(500));
-        let (n, mut fds) = conn.recv(&mut buf, wait).map_err(|e| match e.kind() {
-            std::io::ErrorKind::TimedOut => Error::Timeout(wait),
-            _ => Error::Io {
-                context: "receive welcome".into(),
-                source: e,
-            },
-        })?;
-        if n == 0 {
-            return Err(Error::ServerGone);
-        }
-        if n != std::mem::size_of::<Welcome>() {
-            return Err(Error::Protocol(format!("welcome of {n} bytes")));
-        }
-        let w: Welcome = bytemuck::pod_read_unaligned(&buf[..n]);
-        if w.magic != BOOT_MAGIC || w.kind != BootKind::Welcome as u32 {
-            return Err(Error::Protocol("not a welcome message".into()));
-        }
-        if w.status != 0 {
-            return Err(Error::Refused(
-                Status::from_i32(w.status).unwrap_or(Status::Malformed),
-            ));
-        }
-        if fds.len() != 1 {
-            return Err(Error::Protocol(format!(
-                "welcome carried {} descriptors, expected 1",
-                fds.len()
-            )));
-        }
-        let seg = ClientSegment::attach(&paths.shm_name, fds.pop().expect("one fd"), w.slot)?;
-        let info = seg.mapping.info().clone();
-        if info.epoch != w.epoch {
-            return Err(Error::Protocol(
-                "welcome epoch differs from the segment's".into(),
-            ));
-        }
-        let g = info.geometry;
-        let sb_off = seg.mapping.server_client_off(w.slot);
-        let sb = server_block(&seg, w.slot);
-        let cb = seg.block_rw();
-        let req = RingPtrs {
-            head: &*sb.req_head,
-            tail: &*cb.req_tail,
-            data: seg.req_data_rw(),
-            capacity: g.req_ring_bytes as usize,
-            max_frame: g.max_frame_bytes as usize,
-        };
-        let cq = RingPtrs {
-            head: &*cb.cq_head,
-            tail: &*sb.cq_tail,
-            data: seg
-                .mapping
-                .words(sb_off + PAGE as u64, u64::from(g.cq_ring_bytes)),
-            capacity: g.cq_ring_bytes as usize,
-            max_frame: g.max_frame_bytes as usize,
-        };
-        // SAFETY: both rings lie in mappings owned by `seg`, which the Client
-        // keeps alive as long as the producer and consumer; this client is the
-        // only producer of its request ring and the only consumer of its
-        // completion ring.
-        let (req, cq) = unsafe { (Producer::new(req)?, Consumer::new(cq)?) };
-        Ok(Client {
-            conn,
-            seg,
-            slot: w.slot,
-            session: w.session,
-            epoch: w.epoch,
-            req,
-            cq,
-            credits: g.cq_ring_bytes as usize,
-            inflight: VecDeque::new(),
-            abandoned: 0,
-            wait: opts.wait,
-            buf: vec![0u64; g.max_frame_bytes as usize / 8],
-            name: paths.name.clone(),
-            paths: paths.clone(),
-            opts: opts.clone(),
-            registrations: Vec::new(),
-            orphans: Vec::new(),
-            alive_checked: std::cell::Cell::new(Instant::now()),
-        })
+    /// The ring level of this connection.
+    #[inline]
+    pub fn raw(&mut self) -> RawChannel<'_> {
+        RawChannel { c: self }
     }
 
     /// The slot the server assigned.
     pub fn slot(&self) -> u32 {
-        self.slot
+        self.link.slot
     }
 
     /// The server instance's epoch.
     pub fn epoch(&self) -> u64 {
-        self.epoch
+        self.link.epoch
     }
 
     /// The server name.
     pub fn name(&self) -> &str {
-        &self.name
+        &self.paths.name
     }
 
-    /// The segment as this client maps it.
-    pub fn segment(&self) -> &ClientSegment {
-        &self.seg
+    /// The options this client was connected with.
+    pub fn options(&self) -> &ClientOptions {
+        &self.opts
     }
 
-    /// Largest request payload one frame can carry.
-    pub fn max_payload(&self) -> usize {
-        self.req.max_payload()
-    }
-
-    /// Completion credit not reserved by in-flight requests (bytes).
-    pub fn credits(&self) -> usize {
-        self.credits
-    }
-
-    /// Requests submitted and not yet completed.
-    pub fn in_flight(&self) -> usize {
-        self.inflight.len()
-    }
-
-    /// Sets how waits spin, yield and park.
-    pub fn set_wait_policy(&mut self, policy: WaitPolicy) {
-        self.wait = policy;
-    }
-
-    /// Sets how long synchronous requests wait for their answer.
+    /// Changes how long synchronous requests wait for their answer, from
+    /// now on (the builder sets it at connect time).
     pub fn set_call_timeout(&mut self, timeout: Duration) {
         self.opts.call_timeout = timeout;
     }
 
+    /// The segment as this client maps it.
+    pub fn segment(&self) -> &ClientSegment {
+        &self.link.seg
+    }
+
     /// Whether the server has gone (its end of the connection closed).
     pub fn server_gone(&self) -> bool {
-        self.conn.peer_closed()
-    }
-
-    /// Queues a request without making it visible; [`Client::flush`] publishes
-    /// everything queued with one store. Fails with `RingError::TooLarge` when
-    /// the payload exceeds the frame bound, and `RingError::Full` when the
-    /// request ring or the completion credit is exhausted (consume
-    /// completions and retry).
-    pub fn enqueue(&mut self, op: Opcode, payload: &[u8], user_data: u64) -> Result<()> {
-        if payload.len() > self.req.max_payload() {
-            return Err(RingError::TooLarge {
-                len: payload.len(),
-                max: self.req.max_payload(),
-            }
-            .into());
-        }
-        let bound = op.completion_bound(payload.len());
-        if bound > self.credits {
-            return Err(RingError::Full {
-                need: bound,
-                free: self.credits,
-            }
-            .into());
-        }
-        let h = FrameHeader {
-            opcode: op as u16,
-            session: self.session,
-            user_data,
-            ..Default::default()
-        };
-        self.req.write(&h, payload)?;
-        self.credits -= bound;
-        self.inflight.push_back(InFlight {
-            user_data,
-            reserved: bound,
-            abandoned: None,
-        });
-        self.show_load();
-        Ok(())
-    }
-
-    /// Publishes requests in flight and credit in this client's block, for
-    /// observers (two stores on a line only this client writes).
-    fn show_load(&self) {
-        let b = self.seg.block_rw();
-        // Observers only: Relaxed.
-        b.in_flight
-            .store(self.inflight.len() as u32, Ordering::Relaxed);
-        b.credits.store(self.credits as u32, Ordering::Relaxed);
-    }
-
-    /// Submits a frame exactly as given (opcode, flags, session tag), for
-    /// diagnostics and fault tests. With `expect_completion` the frame counts
-    /// as in flight like any request (reserving `completion_bound` credit, or
-    /// a bare header for an unknown opcode); without it, nothing is expected
-    /// back (a frame with a stale session tag is dropped by the server).
-    #[doc(hidden)]
-    pub fn submit_raw(
-        &mut self,
-        header: FrameHeader,
-        payload: &[u8],
-        expect_completion: bool,
-    ) -> Result<()> {
-        let bound = Opcode::from_u16(header.opcode)
-            .map_or(HEADER_BYTES, |op| op.completion_bound(payload.len()));
-        if expect_completion && bound > self.credits {
-            return Err(RingError::Full {
-                need: bound,
-                free: self.credits,
-            }
-            .into());
-        }
-        self.req.write(&header, payload)?;
-        if expect_completion {
-            self.credits -= bound;
-            self.inflight.push_back(InFlight {
-                user_data: header.user_data,
-                reserved: bound,
-                abandoned: None,
-            });
-            self.show_load();
-        }
-        self.flush();
-        Ok(())
-    }
-
-    /// The session tag the server gave this connection.
-    pub fn session(&self) -> u32 {
-        self.session
-    }
-
-    /// Publishes queued requests and wakes the server if it is parked.
-    pub fn flush(&mut self) {
-        if self.req.publish() {
-            let m = &self.seg.mapping;
-            wait::notify(Parking {
-                sleeping: &m.header().server_sleeping,
-                doorbell: &self.seg.doorbell_rw().server_doorbell,
-            });
-        }
-    }
-
-    /// Queues and publishes one request.
-    pub fn submit(&mut self, op: Opcode, payload: &[u8], user_data: u64) -> Result<()> {
-        self.enqueue(op, payload, user_data)?;
-        self.flush();
-        Ok(())
-    }
-
-    /// Takes one completion if there is one. Its payload is copied into
-    /// `payload` (cleared first). Returns the header.
-    pub fn poll_into(&mut self, payload: &mut Vec<u8>) -> Result<Option<FrameHeader>> {
-        let Some(h) = self.take_frame()? else {
-            return Ok(None);
-        };
-        payload.clear();
-        payload.extend_from_slice(&bytemuck::cast_slice::<u64, u8>(&self.buf)[..h.len as usize]);
-        Ok(Some(h))
-    }
-
-    /// Consumes one completion frame (payload left in `self.buf`), returning
-    /// its credit.
-    fn take_frame(&mut self) -> Result<Option<FrameHeader>> {
-        while let Some((h, abandoned)) = self.take_any_frame()? {
-            match abandoned {
-                Some(op) => {
-                    self.abandoned -= 1;
-                    self.adopt_orphan(op, &h);
-                }
-                None => return Ok(Some(h)),
-            }
-        }
-        Ok(None)
-    }
-
-    /// A late completion of an abandoned call: a job it created is kept
-    /// to be released once it finishes.
-    fn adopt_orphan(&mut self, op: Opcode, h: &FrameHeader) {
-        let job_op = matches!(
-            op,
-            Opcode::DelayJob | Opcode::Lookup | Opcode::Store | Opcode::Retrieve
-        );
-        if job_op && h.status == 0 && h.len as usize == size_of::<crate::jobs::JobId>() {
-            let bytes = &bytemuck::cast_slice::<u64, u8>(&self.buf)[..h.len as usize];
-            self.orphans.push(bytemuck::pod_read_unaligned(bytes));
-        }
-    }
-
-    /// Consumes one completion frame, with the opcode of the abandoned call
-    /// it answers, if it answers one.
-    fn take_any_frame(&mut self) -> Result<Option<(FrameHeader, Option<Opcode>)>> {
-        let h = match self.cq.pop(&mut self.buf) {
-            Ok(Some(h)) => h,
-            Ok(None) => return Ok(None),
-            Err(e) => return Err(e.into()),
-        };
-        self.cq.release();
-        let Some(f) = self.inflight.pop_front() else {
-            return Err(Error::Protocol(
-                "completion without a request in flight".into(),
-            ));
-        };
-        self.credits += f.reserved;
-        self.show_load();
-        if f.user_data != h.user_data || h.session != self.session {
-            return Err(Error::Protocol(format!(
-                "completion for {:#x} (session {}) where {:#x} (session {}) was next",
-                h.user_data, h.session, f.user_data, self.session
-            )));
-        }
-        if frame_len(&h) > f.reserved {
-            return Err(Error::Protocol("completion larger than its bound".into()));
-        }
-        Ok(Some((h, f.abandoned)))
-    }
-
-    /// Waits for the next completion until `deadline`. Ends with
-    /// `Error::Timeout` at the deadline and `Error::ServerGone` as soon as the
-    /// server's end of the connection closes.
-    pub fn wait_completion(&mut self, deadline: Instant) -> Result<Completion> {
-        let mut payload = Vec::new();
-        let h = self.wait_into(deadline, &mut payload)?;
-        Ok(Completion {
-            opcode: h.opcode,
-            status: h.status,
-            user_data: h.user_data,
-            payload,
-        })
-    }
-
-    /// [`Client::wait_completion`] into a caller-owned buffer (no allocation
-    /// once the buffer has grown).
-    pub fn wait_into(&mut self, deadline: Instant, payload: &mut Vec<u8>) -> Result<FrameHeader> {
-        loop {
-            if self.live_in_flight() == 0 {
-                return Err(Error::Protocol(
-                    "waiting for a completion with nothing in flight".into(),
-                ));
-            }
-            self.wait_frame(deadline)?;
-            if let Some(h) = self.take_frame()? {
-                payload.clear();
-                payload.extend_from_slice(
-                    &bytemuck::cast_slice::<u64, u8>(&self.buf)[..h.len as usize],
-                );
-                return Ok(h);
-            }
-        }
-    }
-
-    /// Waits until a completion frame is in the ring.
-    fn wait_frame(&mut self, deadline: Instant) -> Result<()> {
-        self.touch();
-        let start = Instant::now();
-        let seg = &self.seg;
-        let parking = Parking {
-            sleeping: &seg.block_rw().client_sleeping,
-            doorbell: &server_block(seg, self.slot).client_doorbell,
-        };
-        let cq = &mut self.cq;
-        let conn = &self.conn;
-        let r = wait::wait_until(
-            &self.wait,
-            parking,
-            deadline,
-            || match cq.has_frame() {
-                Ok(true) => Some(Ok(())),
-                Ok(false) => None,
-                Err(e) => Some(Err(e)),
-            },
-            || if conn.peer_closed() { Err(()) } else { Ok(()) },
-        );
-        match r {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => return Err(e.into()),
-            Err(WaitEnd::Timeout) => {
-                return Err(Error::Timeout(deadline.saturating_duration_since(start)))
-            }
-            Err(WaitEnd::Dead(())) => return Err(Error::ServerGone),
-        }
-        Ok(())
+        self.link.conn.peer_closed()
     }
 
     /// One PING round trip: the payload comes back unchanged.
-    pub fn ping(&mut self, payload: &[u8], timeout: Duration) -> Result<Vec<u8>> {
-        self.call(Opcode::Ping, payload, timeout)
+    pub fn ping(&mut self, payload: &[u8], deadline: Instant) -> Result<Vec<u8>> {
+        self.call(Opcode::Ping, payload, deadline)
     }
 
-    /// One synchronous request: submits it, waits for its completion, and
-    /// turns an error status into `Error::Status`. Completions arrive in
-    /// order, so other requests may not be in flight.
-    ///
-    /// When the wait times out the request stays in flight, abandoned: its
-    /// completion is dropped when it arrives (and a job it created is
-    /// released once it finishes), so the next call works as usual.
-    pub fn call(&mut self, op: Opcode, payload: &[u8], timeout: Duration) -> Result<Vec<u8>> {
-        self.check_no_call_in_flight(op)?;
-        if op != Opcode::ReleaseJob {
-            self.release_orphans();
-        }
-        let tag = 0x4341_4c4c_0000_0000 | op as u64;
-        self.submit(op, payload, tag)?;
-        self.finish_call(op, Instant::now() + timeout)
+    /// The server's configuration (chunk size, pool, limits).
+    pub fn server_config(&mut self) -> Result<ConfigReply> {
+        let r = self.call_now(Opcode::GetConfig, &[])?;
+        reply_struct(&r)
     }
 
-    /// A synchronous request may start only when no other request waits
-    /// for its completion (completions come in order).
-    pub(crate) fn check_no_call_in_flight(&self, op: Opcode) -> Result<()> {
-        match self.live_in_flight() {
-            0 => Ok(()),
-            live => Err(Error::Protocol(format!(
-                "synchronous {op:?} while {live} requests are in flight; consume their completions first",
-            ))),
-        }
+    /// Drops every stored object not leased or being written.
+    pub fn clear(&mut self) -> Result<ClearReply> {
+        let r = self.call_now(Opcode::Clear, &[])?;
+        reply_struct(&r)
     }
 
-    /// Waits for the answer of the synchronous request just submitted (the
-    /// newest in flight): its payload, or its error status as an error. At
-    /// the deadline the request is abandoned (see [`Client::call`]).
-    pub(crate) fn finish_call(&mut self, op: Opcode, deadline: Instant) -> Result<Vec<u8>> {
-        let c = match self.wait_completion(deadline) {
-            Err(Error::Timeout(d)) => {
-                if let Some(f) = self.inflight.back_mut() {
-                    f.abandoned = Some(op);
-                    self.abandoned += 1;
-                }
-                return Err(Error::Timeout(d));
-            }
-            r => r?,
-        };
-        if c.status != 0 {
-            return Err(Error::Status(
-                Status::from_i32(c.status).unwrap_or(Status::Malformed),
-            ));
-        }
-        Ok(c.payload)
+    /// The cache's counters.
+    pub fn stats(&mut self) -> Result<StatsReply> {
+        let r = self.call_now(Opcode::Stats, &[])?;
+        reply_struct(&r)
     }
 
-    /// Requests in flight whose completions someone will wait for.
-    fn live_in_flight(&self) -> usize {
-        self.inflight.len() - self.abandoned
-    }
-
-    /// Releases the finished jobs of abandoned calls (a shared-memory read
-    /// each; one RELEASE_JOB per finished job).
-    fn release_orphans(&mut self) {
-        if self.orphans.is_empty() {
+    /// Sends what dropped handles left queued: leases ended, registrations
+    /// unregistered, and the jobs released that have finished (the others
+    /// stay queued until they do). Best effort: a failure leaves the rest
+    /// to the server's cleanup when this client disconnects. Runs before
+    /// every synchronous request; only with nothing else in flight.
+    fn send_releases(&mut self) {
+        if self.draining || self.live_in_flight() != 0 {
             return;
+        }
+        let queued = self.releases.take();
+        if queued.is_empty() && self.orphans.is_empty() {
+            return;
+        }
+        self.draining = true;
+        let epoch = self.link.epoch;
+        for r in queued {
+            match r {
+                // Jobs of an earlier server are gone with it.
+                Release::Job(id) if id.epoch == epoch => self.orphans.push(id),
+                Release::Lease(id) if id.epoch == epoch => {
+                    let _ = self.send_end_lease(LeaseId::from_job(id));
+                    self.orphans.push(id);
+                }
+                Release::Unregister(key) => {
+                    let _ = self.unregister_key(key);
+                }
+                _ => {}
+            }
         }
         let orphans = std::mem::take(&mut self.orphans);
         for id in orphans {
             match self.job_status(id) {
                 Ok(s) if s.is_terminal() => {
-                    // Best effort: an error here leaves the job to be
-                    // tombstoned when this client disconnects.
                     let _ = self.release_job(id);
                 }
                 Ok(_) => self.orphans.push(id),
                 Err(_) => {}
             }
         }
+        self.draining = false;
     }
 
-    /// Records that this client is alive and calling in (for observers).
-    fn touch(&self) {
-        self.seg
-            .block_rw()
-            .heartbeat_ns
-            .store(crate::liveness::monotonic_ns(), Ordering::Relaxed);
-    }
-
-    /// Ends the session cleanly: the server frees the slot at once.
+    /// Ends the session cleanly: the server frees the slot at once, and
+    /// with it every job, lease and registration of this connection.
     pub fn close(self) {
         drop(self);
     }
 }
 
-fn frame_len(h: &FrameHeader) -> usize {
-    HEADER_BYTES + (h.len as usize).div_ceil(8) * 8
+pub(crate) fn reply_struct<T: bytemuck::Pod>(r: &[u8]) -> Result<T> {
+    if r.len() != std::mem::size_of::<T>() {
+        return Err(Error::Protocol(format!(
+            "reply of {} bytes, expected {}",
+            r.len(),
+            std::mem::size_of::<T>()
+        )));
+    }
+    Ok(bytemuck::pod_read_unaligned(r))
 }
 
 impl Drop for Client {
     fn drop(&mut self) {
-        // The rings are unmapped when `seg` drops right after this; the
-        // goodbye tells the server it may reuse the slot immediately.
+        // The goodbye tells the server it may reuse the slot immediately and
+        // reclaim what the connection held; the rings are unmapped once the
+        // last handle sharing the link is gone.
         let g = Goodbye {
             magic: BOOT_MAGIC,
             kind: BootKind::Goodbye as u32,
             _reserved: 0,
         };
-        let _ = self.conn.send(bytemuck::bytes_of(&g), &[]);
+        self.link.close();
+        let _ = self.link.conn.send(bytemuck::bytes_of(&g), &[]);
     }
 }
+
+// Handles move to the threads that wait on them; the client moves between
+// threads too (one at a time).
+const _: () = {
+    const fn send_sync<T: Send + Sync>() {}
+    const fn send<T: Send>() {}
+    send_sync::<Job>();
+    send_sync::<Lease>();
+    send_sync::<Registration>();
+    send::<Client>();
+};

@@ -2,26 +2,27 @@
 //! of the same name (a restarted one), and every KV cache this client had
 //! registered registered again with it.
 //!
-//! The client keeps what each registration sent (spec, tensor table, and
-//! duplicates of its descriptors). [`Instance`] values the engine holds stay
-//! usable: one registered with an earlier server is sent as the id the
-//! current server gave the same registration.
+//! The client keeps what each registration sent (spec, layout, tensor
+//! table, and duplicates of its descriptors). [`Registration`] handles the
+//! engine holds stay usable: one registered with an earlier server is sent
+//! as the id the current server gave the same registration.
 
-use super::kv::{Instance, KvSpec};
-use super::{Client, ClientOptions};
+use super::kv::{KvSpec, Registration};
+use super::{connect, Client, ClientOptions};
 use crate::error::{Error, Result};
+use crate::kv::KvLayout;
 use crate::proto::kv::MemKind;
 use crate::proto::Status;
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::Instant;
 
 /// One registration, as sent, to send again.
 pub(crate) struct Saved {
     pub key: u64,
     pub spec: KvSpec,
+    pub layout: KvLayout,
     pub mem_kind: MemKind,
-    pub device_uuid: [u8; 16],
     pub regions: Vec<u8>,
     pub n_tensors: usize,
     pub fds: Vec<OwnedFd>,
@@ -32,13 +33,13 @@ pub(crate) struct Saved {
 impl Saved {
     pub fn new(
         spec: &KvSpec,
+        layout: KvLayout,
         mem_kind: MemKind,
-        device_uuid: [u8; 16],
         regions: &[u8],
         n_tensors: usize,
         fds: &[BorrowedFd<'_>],
     ) -> Result<Saved> {
-        // Unique in this process, so an Instance of one client is never
+        // Unique in this process, so a Registration of one client is never
         // taken for another's.
         static NEXT: AtomicU64 = AtomicU64::new(1);
         let fds = fds
@@ -50,50 +51,44 @@ impl Saved {
             // A counter only: Relaxed.
             key: NEXT.fetch_add(1, Ordering::Relaxed),
             spec: *spec,
+            layout,
             mem_kind,
-            device_uuid,
             regions: regions.to_vec(),
             n_tensors,
             fds,
             id: 0,
         })
     }
-
-    pub fn with_id(mut self, id: u32) -> Saved {
-        self.id = id;
-        self
-    }
 }
 
 impl Client {
     /// Connects again to the server of this name (normally a new server
-    /// after the old one died: waits for it up to `timeout`), and registers
+    /// after the old one died: waits for it until `deadline`), and registers
     /// again every KV cache this client has registered. Requests in flight
-    /// on the old connection are dropped; job ids of the old server read
-    /// `Unknown` from now on. Returns the instances as the new server
-    /// numbered them (the old [`Instance`] values keep working).
+    /// on the old connection are dropped; job ids (and jobs and leases) of
+    /// the old server read `Unknown` from now on. Returns how many caches
+    /// were registered again (the [`Registration`] handles keep working).
     ///
     /// When a registration is refused by the new server (another chunk
     /// size, say), the others are still registered and the first refusal is
     /// returned; the refused cache is no longer registered.
-    pub fn reconnect(&mut self, timeout: Duration) -> Result<Vec<Instance>> {
-        let opts = ClientOptions {
-            connect_timeout: timeout,
-            ..self.opts.clone()
-        };
-        let mut fresh = Client::connect_with(&self.paths, &opts)?;
+    pub fn reconnect(&mut self, deadline: Instant) -> Result<usize> {
+        let mut opts: ClientOptions = self.opts.clone();
+        opts.connect_timeout = deadline.saturating_duration_since(Instant::now());
+        let mut fresh = connect::connect(&self.paths, &opts)?;
         fresh.opts = self.opts.clone();
-        fresh.wait = self.wait;
+        fresh.releases = self.releases.clone();
         let saved = std::mem::take(&mut self.registrations);
         // The old connection says goodbye (harmless when its server is gone).
         *self = fresh;
-        let mut out = Vec::with_capacity(saved.len());
+        let mut n = 0;
         let mut first_err = None;
-        for s in saved {
+        for mut s in saved {
             match self.send_registration(&s) {
-                Ok(inst) => {
-                    out.push(inst);
-                    self.registrations.push(s.with_id(inst.id));
+                Ok((id, _)) => {
+                    n += 1;
+                    s.id = id;
+                    self.registrations.push(s);
                 }
                 Err(e) => {
                     first_err.get_or_insert(e);
@@ -102,18 +97,18 @@ impl Client {
         }
         match first_err {
             Some(e) => Err(e),
-            None => Ok(out),
+            None => Ok(n),
         }
     }
 
-    /// The id the current server knows `inst` by.
-    pub(crate) fn server_instance(&self, inst: &Instance) -> Result<u32> {
-        if inst.epoch == self.epoch {
-            return Ok(inst.id);
+    /// The id the current server knows `reg` by.
+    pub(crate) fn server_instance(&self, reg: &Registration) -> Result<u32> {
+        if reg.epoch == self.link.epoch {
+            return Ok(reg.id);
         }
         self.registrations
             .iter()
-            .find(|s| s.key == inst.key)
+            .find(|s| s.key == reg.key)
             .map(|s| s.id)
             .ok_or(Error::Status(Status::UnknownInstance))
     }

@@ -1,22 +1,17 @@
 //! Events, and the handles that share them between processes.
 
 use super::{check, sys, Context, CudaError, Stream};
+use crate::device::IpcEventHandle;
 use std::sync::Arc;
 
-/// The 64-byte handle of an interprocess event (`cuIpcGetEventHandle`), as
-/// it travels in requests and replies.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct IpcEventHandle(pub [u8; 64]);
-
-impl IpcEventHandle {
-    fn to_sys(self) -> sys::CUipcEventHandle {
-        // SAFETY: `CUipcEventHandle` is 64 plain bytes; all-zero is valid.
-        let mut h: sys::CUipcEventHandle = unsafe { std::mem::zeroed() };
-        for (d, s) in h.reserved.iter_mut().zip(self.0) {
-            *d = s as _;
-        }
-        h
+/// The driver's form of a handle.
+fn to_sys(handle: &IpcEventHandle) -> sys::CUipcEventHandle {
+    // SAFETY: `CUipcEventHandle` is 64 plain bytes; all-zero is valid.
+    let mut h: sys::CUipcEventHandle = unsafe { std::mem::zeroed() };
+    for (d, s) in h.reserved.iter_mut().zip(handle.as_bytes()) {
+        *d = *s as _;
     }
+    h
 }
 
 /// What an event is for.
@@ -72,7 +67,7 @@ impl Event {
         check(
             // SAFETY: `event` is a valid out-pointer; the handle is passed by
             // value and checked by the driver; destroyed in `Drop`.
-            unsafe { sys::cuIpcOpenEventHandle(&mut event, handle.to_sys()) },
+            unsafe { sys::cuIpcOpenEventHandle(&mut event, to_sys(handle)) },
             "cuIpcOpenEventHandle",
         )?;
         Ok(Event {
@@ -92,7 +87,7 @@ impl Event {
             unsafe { sys::cuIpcGetEventHandle(&mut h, self.event) },
             "cuIpcGetEventHandle",
         )?;
-        Ok(IpcEventHandle(h.reserved.map(|b| b as u8)))
+        Ok(IpcEventHandle::from_bytes(h.reserved.map(|b| b as u8)))
     }
 
     /// Records the event on `stream`, after what is queued there.

@@ -32,7 +32,7 @@ mod stream;
 
 pub use context::{device_uuid, probe, Context, DeviceInfo};
 pub use cudarc::driver::sys::CUresult;
-pub use event::{Event, EventKind, IpcEventHandle};
+pub use event::{Event, EventKind};
 pub use memory::{
     DeviceBuffer, DeviceTensor, ExportedVmm, HostRegistration, OpenedMemory, PinnedHostBuffer,
 };

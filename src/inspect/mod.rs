@@ -317,8 +317,8 @@ fn job_row(epoch: u64, index: u32, s: &crate::jobs::slot::SlotSnapshot, now: u64
             "{epoch}:{}",
             (s.status.generation << crate::jobs::INDEX_BITS) | u64::from(index)
         ),
-        kind: Field::read(s.kind, JobKind::from_u32, |k| format!("kind {k}")),
-        state: Field::read(s.status.state, JobState::from_u32, |v| {
+        kind: Field::read(s.kind, |v| JobKind::decode(v).ok(), |k| format!("kind {k}")),
+        state: Field::read(s.status.state, |v| JobState::decode(v).ok(), |v| {
             format!("state {v} (unknown)")
         }),
         owner_slot: s.owner_slot,
@@ -495,7 +495,7 @@ fn read_jobs(seg: &ReadOnlySegment, now: u64) -> (JobsSummary, Vec<JobRow>) {
                 continue;
             }
         };
-        let state = JobState::from_u32(snap.status.state);
+        let state = JobState::decode(snap.status.state).ok();
         let name = state.map_or("unknown", JobState::name);
         *jobs.by_state.entry(name.to_string()).or_default() += 1;
         if snap.status.generation == 0 {

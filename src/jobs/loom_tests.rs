@@ -51,7 +51,7 @@ fn transition(slot: &JobSlot, generation: u64, t: Transition, u: SlotUpdate) -> 
     if cur.status.generation != generation {
         return false;
     }
-    let state = JobState::from_u32(cur.status.state).unwrap();
+    let state = JobState::decode(cur.status.state).ok().unwrap();
     let Ok(next) = step(state, t) else {
         return false;
     };

@@ -114,11 +114,6 @@ wire_enum! {
 }
 
 impl JobState {
-    /// The state of a raw code, or None for one this build does not know.
-    pub fn from_u32(v: u32) -> Option<JobState> {
-        Self::decode(v).ok()
-    }
-
     /// Whether a job in this state has finished.
     pub fn is_terminal(self) -> bool {
         matches!(
@@ -141,13 +136,6 @@ wire_enum! {
         Store = 3 => "store",
         /// RETRIEVE: result value = chunks copied, aux = bytes copied.
         Retrieve = 4 => "retrieve",
-    }
-}
-
-impl JobKind {
-    /// The kind of a raw code, or None for one this build does not know.
-    pub fn from_u32(v: u32) -> Option<JobKind> {
-        Self::decode(v).ok()
     }
 }
 
@@ -251,7 +239,7 @@ pub fn decode(id: JobId, epoch: u64, job_slots: u32, s: &SlotStatus) -> Option<J
             Err(FailReason::from_code(s.fail_reason))
         }
     };
-    Some(match JobState::from_u32(s.state)? {
+    Some(match JobState::decode(s.state).ok()? {
         // A generation is only published together with a non-free state.
         JobState::Free => return None,
         JobState::Pending => JobStatus::Pending,

@@ -129,7 +129,7 @@ impl<'a> JobReader<'a> {
         Ok(Some(JobInfo {
             id,
             status,
-            kind: JobKind::from_u32(snap.kind),
+            kind: JobKind::decode(snap.kind).ok(),
             owner_slot: snap.owner_slot,
             owner_session: snap.owner_session,
             progress: snap.progress,

@@ -173,7 +173,7 @@ impl JobTable {
         let w = slot.lock();
         let cur = w.current();
         debug_assert!(matches!(
-            JobState::from_u32(cur.status.state),
+            JobState::decode(cur.status.state).ok(),
             Some(JobState::Free | JobState::Tombstoned)
         ));
         let generation = cur.status.generation + 1;
@@ -215,7 +215,9 @@ impl JobTable {
         if g > id.generation() {
             return Err(TableError::Expired);
         }
-        let state = JobState::from_u32(cur.status.state).ok_or(TableError::Unknown)?;
+        let state = JobState::decode(cur.status.state)
+            .ok()
+            .ok_or(TableError::Unknown)?;
         let u = f(state)?;
         w.apply(&u);
         Ok(state)
@@ -291,7 +293,9 @@ impl JobTable {
         if cur.owner_slot != owner_slot || cur.owner_session != owner_session {
             return Err(TableError::NotOwner);
         }
-        let state = JobState::from_u32(cur.status.state).ok_or(TableError::Unknown)?;
+        let state = JobState::decode(cur.status.state)
+            .ok()
+            .ok_or(TableError::Unknown)?;
         if state == JobState::Tombstoned {
             return Ok(Released::Already);
         }
@@ -319,7 +323,7 @@ impl JobTable {
         for &index in &jobs {
             let w = self.slot(index).lock();
             let cur = w.current();
-            let state = JobState::from_u32(cur.status.state);
+            let state = JobState::decode(cur.status.state).ok();
             let mut u = SlotUpdate {
                 state: Some(JobState::Tombstoned as u32),
                 released_ns: Some(now_ns),
@@ -351,7 +355,7 @@ impl JobTable {
             let mut any = false;
             for &index in list {
                 let w = self.slot(index).lock();
-                let state = JobState::from_u32(w.current().status.state);
+                let state = JobState::decode(w.current().status.state).ok();
                 if state.is_some_and(|s| step(s, Transition::Fail).is_ok()) {
                     w.apply(&fail_update(reason, now_ns));
                     any = true;
@@ -378,7 +382,7 @@ impl JobTable {
         };
         (snap.status.generation == id.generation())
             .then_some(())
-            .and(JobKind::from_u32(snap.kind))
+            .and(JobKind::decode(snap.kind).ok())
             .map(|k| (k, snap.submitted_ns, snap.finished_ns))
     }
 
@@ -391,7 +395,7 @@ impl JobTable {
             if let Some(s) = slot.try_read_status() {
                 return s.generation == id.generation()
                     && matches!(
-                        JobState::from_u32(s.state),
+                        JobState::decode(s.state).ok(),
                         Some(JobState::Pending | JobState::Running)
                     );
             }

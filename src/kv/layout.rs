@@ -27,15 +27,66 @@ wire_enum! {
     }
 }
 
-impl KvLayoutKind {
-    /// The layout of a raw code, or None for one this build does not know.
-    pub fn from_u32(v: u32) -> Option<Self> {
-        Self::decode(v).ok()
+
+/// The element type of a KV cache: what a layout needs of it is its size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Dtype {
+    /// 8-bit floats (e4m3, e5m2) or int8.
+    Fp8,
+    F16,
+    Bf16,
+    F32,
+}
+
+impl Dtype {
+    /// Bytes per element.
+    pub const fn bytes(self) -> u32 {
+        match self {
+            Dtype::Fp8 => 1,
+            Dtype::F16 | Dtype::Bf16 => 2,
+            Dtype::F32 => 4,
+        }
     }
 }
 
+/// The dimensions of a paged KV cache.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct KvShape {
+    /// Layers (L).
+    pub layers: u32,
+    /// Blocks in the paged cache (NB).
+    pub blocks: u32,
+    /// Tokens per block (BS).
+    pub block_tokens: u32,
+    /// KV heads (H); 1 for MLA.
+    pub heads: u32,
+    /// Head dimension (D; MLA: the latent dimension).
+    pub head_dim: u32,
+}
+
 /// An engine's KV-cache geometry, as sent at registration (`shm_layout.md`,
-/// "KvLayout").
+/// "KvLayout"). Built with [`KvLayout::new`] (or [`KvLayout::mla`]); the
+/// fields read as the wire has them.
+///
+/// # Examples
+///
+/// ```
+/// use kvring::kv::{Dtype, KvLayout, KvLayoutKind, KvShape};
+///
+/// // Llama-3-8B in vLLM's flash-attention layout: 32 layers, 8 KV heads of
+/// // 128, bf16, 16-token blocks.
+/// let shape = KvShape { layers: 32, blocks: 1024, block_tokens: 16, heads: 8, head_dim: 128 };
+/// let layout = KvLayout::new(KvLayoutKind::FlashAttn, shape, Dtype::Bf16);
+/// layout.validate(256).unwrap();
+/// assert_eq!(layout.slab_bytes(), 16 * 8 * 128 * 2);
+/// assert_eq!(layout.num_tensors(), 32);
+/// assert_eq!(layout.shape(), shape);
+///
+/// // MLA: one part, one "head" of the latent dimension.
+/// let mla = KvLayout::mla(61, 512, 64, 576, Dtype::Bf16);
+/// assert_eq!((mla.parts(), mla.num_heads), (1, 1));
+/// ```
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
 pub struct KvLayout {
@@ -52,7 +103,8 @@ pub struct KvLayout {
     pub head_dim: u32,
     /// Bytes per element: 1, 2 or 4.
     pub elem_bytes: u32,
-    pub _reserved: u32,
+    /// Zero on the wire; private so a layout is built by a constructor.
+    pub(crate) _reserved: u32,
 }
 
 const _: () = assert!(std::mem::size_of::<KvLayout>() == 32);
@@ -66,8 +118,62 @@ pub const MAX_BLOCKS: u32 = 1 << 31;
 pub const MAX_TENSOR_BYTES: u64 = 1 << 40;
 
 impl KvLayout {
+    /// A layout of `kind` with the dimensions `shape` and elements of
+    /// `dtype`. Check it with [`KvLayout::validate`] (registration does).
+    pub const fn new(kind: KvLayoutKind, shape: KvShape, dtype: Dtype) -> KvLayout {
+        KvLayout {
+            kind: kind as u32,
+            num_layers: shape.layers,
+            num_blocks: shape.blocks,
+            block_tokens: shape.block_tokens,
+            num_heads: shape.heads,
+            head_dim: shape.head_dim,
+            elem_bytes: dtype.bytes(),
+            _reserved: 0,
+        }
+    }
+
+    /// An MLA layout: one part per layer, `[NB, BS, D]`, one head of the
+    /// latent dimension `latent_dim`.
+    pub const fn mla(
+        layers: u32,
+        blocks: u32,
+        block_tokens: u32,
+        latent_dim: u32,
+        dtype: Dtype,
+    ) -> KvLayout {
+        KvLayout::new(
+            KvLayoutKind::Mla,
+            KvShape {
+                layers,
+                blocks,
+                block_tokens,
+                heads: 1,
+                head_dim: latent_dim,
+            },
+            dtype,
+        )
+    }
+
+    /// The same layout with `blocks` blocks.
+    pub const fn with_blocks(mut self, blocks: u32) -> KvLayout {
+        self.num_blocks = blocks;
+        self
+    }
+
+    /// The dimensions.
+    pub const fn shape(&self) -> KvShape {
+        KvShape {
+            layers: self.num_layers,
+            blocks: self.num_blocks,
+            block_tokens: self.block_tokens,
+            heads: self.num_heads,
+            head_dim: self.head_dim,
+        }
+    }
+
     pub fn kind(&self) -> Option<KvLayoutKind> {
-        KvLayoutKind::from_u32(self.kind)
+        KvLayoutKind::decode(self.kind).ok()
     }
 
     /// Checks every bound and that `block_tokens` divides `chunk_tokens`.
@@ -238,16 +344,14 @@ mod tests {
     use super::*;
 
     fn layout(kind: KvLayoutKind) -> KvLayout {
-        KvLayout {
-            kind: kind as u32,
-            num_layers: 3,
-            num_blocks: 5,
+        let shape = KvShape {
+            layers: 3,
+            blocks: 5,
             block_tokens: 4,
-            num_heads: if kind == KvLayoutKind::Mla { 1 } else { 2 },
+            heads: if kind == KvLayoutKind::Mla { 1 } else { 2 },
             head_dim: 8,
-            elem_bytes: 2,
-            _reserved: 0,
-        }
+        };
+        KvLayout::new(kind, shape, Dtype::Bf16)
     }
 
     /// Every slab of every layout lies inside its tensor, and no two slabs

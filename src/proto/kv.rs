@@ -52,10 +52,6 @@ bitflags::bitflags! {
     }
 }
 
-/// [`KvFlags::EVENT`] as the raw field value.
-pub const FLAG_EVENT: u32 = KvFlags::EVENT.bits();
-/// [`KvFlags::PUBLISH_EVENT`] as the raw field value.
-pub const FLAG_PUBLISH_EVENT: u32 = KvFlags::PUBLISH_EVENT.bits();
 /// Job events per client and device.
 pub const JOB_EVENTS: usize = 32;
 

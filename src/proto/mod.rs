@@ -99,11 +99,6 @@ impl OpSpec {
 pub const OPS: usize = Opcode::ALL.len();
 
 impl Opcode {
-    /// The opcode of a raw code, or None for one this build does not know.
-    pub fn from_u16(v: u16) -> Option<Opcode> {
-        Self::decode(v).ok()
-    }
-
     /// Bytes (whole frame) the completion of a request with this opcode and
     /// payload length may take in the completion ring. Both sides compute it:
     /// the client reserves this much credit before submitting, the server
@@ -208,12 +203,6 @@ impl From<crate::jobs::TableError> for Status {
     }
 }
 
-impl Status {
-    /// The status of a raw code, or None for one this build does not know.
-    pub fn from_i32(v: i32) -> Option<Status> {
-        Self::decode(v).ok()
-    }
-}
 
 /// Longest a delay job may take in all (pending + running): one hour.
 pub const MAX_DELAY_US: u64 = 3_600_000_000;

@@ -50,9 +50,6 @@ bitflags::bitflags! {
     }
 }
 
-/// [`FrameFlags::MORE`] as the raw field value.
-pub const FLAG_MORE: u16 = FrameFlags::MORE.bits();
-
 /// Size of the header in bytes.
 pub const HEADER_BYTES: usize = core::mem::size_of::<FrameHeader>();
 /// Size of the header in 8-byte words.

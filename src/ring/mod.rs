@@ -31,7 +31,7 @@ mod frame;
 mod producer;
 
 pub use consumer::Consumer;
-pub use frame::{frame_bytes, FrameFlags, FrameHeader, FLAG_MORE, HEADER_BYTES, HEADER_WORDS};
+pub use frame::{frame_bytes, FrameFlags, FrameHeader, HEADER_BYTES, HEADER_WORDS};
 pub use producer::Producer;
 
 /// Smallest ring data area, in bytes.

@@ -34,7 +34,7 @@ struct RingClient<'a> {
     broken: bool,
     /// Completion bytes the next request needs but the ring lacked.
     stalled_on: Option<usize>,
-    /// The pieces so far of a request sent in several frames (`FLAG_MORE`).
+    /// The pieces so far of a request sent in several frames (`FrameFlags::MORE`).
     pending: Vec<u8>,
     pending_op: u16,
     /// The pieces broke a rule (too large, opcodes differ): the last piece
@@ -200,7 +200,7 @@ fn serve(
     let max_request = shared.kv.max_request_bytes as usize;
     while served + rejected < BATCH {
         let Some(h) = c.req.peek()? else { break };
-        let op = Opcode::from_u16(h.opcode);
+        let op = Opcode::decode(h.opcode).ok();
         let bound = op.map_or(HEADER_BYTES, |op| op.completion_bound(h.len as usize));
         if h.session != c.session {
             // A previous occupant's late frame: never served, never answered.

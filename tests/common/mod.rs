@@ -1,7 +1,15 @@
 //! Shared test harness: unique names and runtime directories, the real
 //! `kvring` binary as the server, child client processes (this test binary
-//! re-executed), and a watchdog so a hang fails fast.
+//! re-executed), and a watchdog so a hang fails fast; [`Fixture`] puts the
+//! four together. Also the KV helpers several test files use: layouts,
+//! prompts, waiting for a job's result, and a host-memory [`Engine`].
 #![allow(dead_code)]
+
+use kvring::jobs::{JobResult, JobStatus};
+use kvring::kv::{
+    chunk_hashes, model_id, pattern, ChunkHash, Dtype, KvLayout, KvLayoutKind, KvShape,
+};
+use kvring::{Client, HostKvCache, Job, KvSpec, Lease, Lookup, Registration, Store};
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -100,8 +108,13 @@ impl Scope {
         }
     }
 
-    pub fn client(&self) -> kvring::Client {
-        kvring::Client::connect_in(&self.dir, &self.name).expect("connect")
+    pub fn client(&self) -> Client {
+        self.client_builder().connect().expect("connect")
+    }
+
+    /// A builder for a client of this scope's server (to set options).
+    pub fn client_builder(&self) -> kvring::ClientBuilder {
+        Client::builder(&self.name).runtime_dir(&self.dir)
     }
 
     /// Starts this test binary again as a child client process running
@@ -109,7 +122,14 @@ impl Scope {
     /// for its "ready" line.
     pub fn child(&self, test_name: &str, role: &str) -> ChildProc {
         let child = Command::new(std::env::current_exe().unwrap())
-            .args([test_name, "--exact", "--nocapture", "--test-threads=1"])
+            // --include-ignored: the parent may be an ignored test (GPU).
+            .args([
+                test_name,
+                "--exact",
+                "--nocapture",
+                "--test-threads=1",
+                "--include-ignored",
+            ])
             .env("KVRING_CHILD_ROLE", role)
             .env("KVRING_CHILD_NAME", &self.name)
             .env("KVRING_CHILD_DIR", &self.dir)
@@ -253,20 +273,209 @@ pub fn exists(p: &Path) -> bool {
     p.exists()
 }
 
+/// A test with a server: a unique scope, the `kvring` binary serving it,
+/// and a watchdog. Dereferences to its [`Scope`] (`f.client()`,
+/// `f.child(..)`); `srv` is the server process (kill it, restart it).
+pub struct Fixture {
+    /// Declared first: the server goes before its scope's directory.
+    pub srv: ServerProc,
+    pub scope: Scope,
+    _dog: Watchdog,
+}
+
+impl Fixture {
+    /// Starts a server named after `tag` with `server_args`; the whole test
+    /// process aborts if the test runs past `limit`.
+    pub fn new(tag: &str, limit: Duration, server_args: &[&str]) -> Fixture {
+        let dog = watchdog(limit);
+        let scope = Scope::new(tag);
+        let srv = scope.server(server_args);
+        Fixture {
+            srv,
+            scope,
+            _dog: dog,
+        }
+    }
+
+    /// Starts a new server for this scope (after the old one was killed).
+    pub fn restart(&mut self, server_args: &[&str]) {
+        self.srv = self.scope.server(server_args);
+    }
+}
+
+impl std::ops::Deref for Fixture {
+    type Target = Scope;
+    fn deref(&self) -> &Scope {
+        &self.scope
+    }
+}
+
+/// The chunk size (tokens) the KV tests run their servers with.
+pub const CHUNK: u32 = 64;
+
+/// Server arguments of the KV tests: 64-token chunks, a 64 MiB pool, two
+/// copy workers.
+pub const KV_SERVER_ARGS: [&str; 6] = [
+    "--chunk-tokens",
+    "64",
+    "--pool-bytes",
+    "64MiB",
+    "--copy-threads",
+    "2",
+];
+
+/// Twenty seconds from now: a deadline no healthy wait reaches.
+pub fn far() -> Instant {
+    Instant::now() + Duration::from_secs(20)
+}
+
+/// The element type of `elem_bytes`-byte elements.
+pub fn dtype(elem_bytes: u32) -> Dtype {
+    match elem_bytes {
+        1 => Dtype::Fp8,
+        2 => Dtype::Bf16,
+        4 => Dtype::F32,
+        n => panic!("no {n}-byte element type"),
+    }
+}
+
+/// A 3-layer layout of `kind`, 16-token blocks, 2 heads (1 for MLA) of
+/// `head_dim`.
+pub fn kv_layout(kind: KvLayoutKind, elem_bytes: u32, blocks: u32, head_dim: u32) -> KvLayout {
+    let shape = KvShape {
+        layers: 3,
+        blocks,
+        block_tokens: 16,
+        heads: if kind == KvLayoutKind::Mla { 1 } else { 2 },
+        head_dim,
+    };
+    KvLayout::new(kind, shape, dtype(elem_bytes))
+}
+
 /// A small flash-attention layout (2 layers, 64 blocks of 16 tokens, 2
 /// heads of 32 two-byte elements: 32 KiB per 64-token chunk object).
-#[allow(dead_code)]
-pub fn small_layout() -> kvring::kv::KvLayout {
-    kvring::kv::KvLayout {
-        kind: kvring::kv::KvLayoutKind::FlashAttn as u32,
-        num_layers: 2,
-        num_blocks: 64,
+pub fn small_layout() -> KvLayout {
+    let shape = KvShape {
+        layers: 2,
+        blocks: 64,
         block_tokens: 16,
-        num_heads: 2,
+        heads: 2,
         head_dim: 32,
-        elem_bytes: 2,
-        _reserved: 0,
+    };
+    KvLayout::new(KvLayoutKind::FlashAttn, shape, Dtype::Bf16)
+}
+
+/// `tokens` tokens of a prompt determined by `seed`.
+pub fn prompt(seed: u32, tokens: usize) -> Vec<u32> {
+    (0..tokens as u32)
+        .map(|i| i.wrapping_mul(2654435761) ^ seed)
+        .collect()
+}
+
+/// Waits (20 s at most) for a job that must end `Done` and returns its
+/// result; the job is released when the handle drops here.
+pub fn done(job: Job) -> JobResult {
+    match job.wait(far()).unwrap() {
+        JobStatus::Done(r) => r,
+        other => panic!("{}: {other:?}", job.id()),
     }
+}
+
+/// The model the KV tests store under.
+pub const MODEL: &str = "test-model";
+
+/// A LOOKUP of `hashes` under [`MODEL`]; checks that every chunk was looked
+/// at.
+pub fn lookup(c: &mut Client, world: u32, salt: u64, hashes: &[ChunkHash]) -> Lease {
+    let lease = c
+        .lookup(Lookup::new(model_id(MODEL), world, hashes).salt(salt))
+        .unwrap();
+    assert_eq!(lease.result().aux, hashes.len() as u64);
+    lease
+}
+
+/// One engine worker: a client, a host cache, its registration.
+pub struct Engine {
+    // The registration goes before its cache.
+    pub inst: Registration,
+    pub c: Client,
+    pub cache: HostKvCache,
+    pub rank: u32,
+}
+
+impl Engine {
+    /// A worker of [`MODEL`].
+    pub fn new(s: &Scope, l: KvLayout, world: u32, rank: u32) -> Engine {
+        Self::of_model(s, MODEL, l, world, rank)
+    }
+
+    pub fn of_model(s: &Scope, model: &str, l: KvLayout, world: u32, rank: u32) -> Engine {
+        let mut c = s.client();
+        let cache = HostKvCache::new(l, CHUNK).unwrap();
+        let inst = c
+            .register_host(&KvSpec::new(model_id(model), world, rank), &cache)
+            .unwrap();
+        Engine {
+            c,
+            cache,
+            inst,
+            rank,
+        }
+    }
+
+    /// The content id of this rank's objects (MLA ranks share one).
+    pub fn content(&self) -> u32 {
+        if self.cache.layout().parts() == 1 {
+            u32::MAX
+        } else {
+            self.rank
+        }
+    }
+
+    pub fn bpc(&self) -> u32 {
+        self.inst.blocks_per_chunk()
+    }
+
+    /// Blocks for chunk `i`, spread over the cache in a scrambled order.
+    pub fn blocks(&self, first_block: u32, n_chunks: usize) -> Vec<u32> {
+        let nb = self.cache.layout().num_blocks;
+        (0..n_chunks as u32 * self.bpc())
+            .map(|k| (first_block + k * 7) % nb)
+            .collect()
+    }
+
+    pub fn write(&self, hashes: &[ChunkHash], blocks: &[u32]) {
+        let bpc = self.bpc() as usize;
+        for (h, b) in hashes.iter().zip(blocks.chunks(bpc)) {
+            pattern::write_chunk(&self.cache, self.content(), h, b);
+        }
+    }
+
+    /// Stores and waits for the result.
+    pub fn store(&mut self, salt: u64, hashes: &[ChunkHash], blocks: &[u32]) -> JobResult {
+        done(
+            self.c
+                .store(Store::new(&self.inst, hashes, blocks).salt(salt))
+                .unwrap(),
+        )
+    }
+
+    pub fn verify(&self, hashes: &[ChunkHash], blocks: &[u32], skip_blocks: u32, poison: u8) {
+        let bpc = self.bpc() as usize;
+        let mut skip = skip_blocks;
+        for (i, (h, b)) in hashes.iter().zip(blocks.chunks(bpc)).enumerate() {
+            let s = skip.min(bpc as u32);
+            skip -= s;
+            if let Err(e) = pattern::verify_chunk(&self.cache, self.content(), h, b, s, poison) {
+                panic!("chunk {i}: {e}");
+            }
+        }
+    }
+}
+
+/// The hashes of a `chunks`-chunk prompt of `seed`.
+pub fn prompt_hashes(seed: u32, chunks: usize) -> Vec<ChunkHash> {
+    chunk_hashes(&prompt(seed, chunks * CHUNK as usize), CHUNK)
 }
 
 /// Fails the test if any job of the segment is still pending
@@ -277,7 +486,7 @@ pub fn assert_no_unfinished_jobs(ro: &kvring::segment::ReadOnlySegment) {
     let reader = ro.mapping.job_reader();
     for index in 0..ro.mapping.info().geometry.job_slots {
         if let Ok(Some(snap)) = reader.snapshot(index) {
-            let st = JobState::from_u32(snap.status.state);
+            let st = JobState::decode(snap.status.state).ok();
             assert!(
                 !matches!(st, Some(JobState::Pending | JobState::Running)),
                 "job slot {index} left {st:?}"

@@ -6,8 +6,9 @@
 use crate::peers::{self, cpus, kvring_client, kvring_server, pin, sample, stop_server};
 use crate::stats::Summary;
 use kvring::jobs::{JobId, JobStatus};
-use kvring::proto::{DelayJobRequest, Opcode};
+use kvring::proto::Opcode;
 use kvring::wait::WaitPolicy;
+use kvring::DelayJob;
 use serde_json::json;
 use std::time::{Duration, Instant};
 
@@ -36,17 +37,20 @@ pub fn run(json_out: bool, iters: usize) {
     let id_bytes = [0x5au8; 16];
     let mut buf = Vec::new();
     let ring_rtt = Summary::of(sample(iters, || {
-        c.submit(Opcode::Ping, &id_bytes, 1).unwrap();
-        c.wait_into(far, &mut buf).unwrap();
+        c.raw().submit(Opcode::Ping, &id_bytes, 1).unwrap();
+        c.raw().wait_into(far, &mut buf).unwrap();
     }));
     eprintln!(
         "ring round trip (16 B): p50 {} ns p99 {} ns",
         ring_rtt.p50, ring_rtt.p99
     );
     // 2. A finished, released job (a tombstone): nobody writes the slot.
-    let done = c.submit_delay_job(&DelayJobRequest::default()).unwrap();
-    c.wait_job(done, far).unwrap();
-    c.release_job(done).unwrap();
+    let job = c
+        .delay_job(DelayJob::new(Duration::ZERO, Duration::ZERO))
+        .unwrap();
+    job.wait(far).unwrap();
+    let done = job.id();
+    c.release_job(job).unwrap();
     let idle = Summary::of(sample(iters, || {
         assert!(c.job_status(done).unwrap().is_terminal());
     }));
@@ -60,15 +64,12 @@ pub fn run(json_out: bool, iters: usize) {
     let mut tags = 0u64;
     let submit_done = Summary::of(sample(n, || {
         tags += 1;
-        let id = c
-            .submit_delay_job(&DelayJobRequest {
-                result_value: tags,
-                ..Default::default()
-            })
+        let job = c
+            .delay_job(DelayJob::new(Duration::ZERO, Duration::ZERO).result(tags, 0))
             .unwrap();
-        let st = c.wait_job(id, far).unwrap();
+        let st = job.wait(far).unwrap();
         assert!(matches!(st, JobStatus::Done(r) if r.value == tags));
-        c.release_job(id).unwrap();
+        c.release_job(job).unwrap();
     }));
     eprintln!(
         "submit + wait done + release: p50 {} ns p99 {} ns",
@@ -78,12 +79,12 @@ pub fn run(json_out: bool, iters: usize) {
     // 4. A running job whose progress the server rewrites every microsecond
     //    (as fast as its loop turns) while the client polls it.
     let busy = c
-        .submit_delay_job(&DelayJobRequest {
-            running_us: 3_600_000_000,
-            progress_every_us: 1,
-            ..Default::default()
-        })
-        .unwrap();
+        .delay_job(
+            DelayJob::new(Duration::ZERO, Duration::from_secs(3600))
+                .progress_every(Duration::from_micros(1)),
+        )
+        .unwrap()
+        .into_id();
     let t = Instant::now();
     while c.job_status(busy).unwrap() != JobStatus::Running {
         assert!(t.elapsed() < Duration::from_secs(5), "job never started");

@@ -11,10 +11,10 @@
 
 use crate::peers::{cpus, kvring_client, kvring_server_with, pin, stop_server};
 use crate::stats::Summary;
-use kvring::jobs::{JobId, JobStatus};
-use kvring::kv::{chunk_hashes, model_id, pattern, KvLayout, KvLayoutKind};
+use kvring::jobs::JobStatus;
+use kvring::kv::{chunk_hashes, model_id, pattern, Dtype, KvLayout, KvLayoutKind, KvShape};
 use kvring::wait::WaitPolicy;
-use kvring::{Client, HostKvCache};
+use kvring::{HostKvCache, Job, KvSpec, Lookup, Retrieve, Store};
 use serde_json::json;
 use std::time::{Duration, Instant};
 
@@ -23,28 +23,22 @@ const CHUNKS: u32 = 24;
 
 /// Llama-3-8B's per-rank KV geometry (flash-attention layout).
 pub fn llama_layout(num_blocks: u32) -> KvLayout {
-    KvLayout {
-        kind: KvLayoutKind::FlashAttn as u32,
-        num_layers: 32,
-        num_blocks,
+    let shape = KvShape {
+        layers: 32,
+        blocks: num_blocks,
         block_tokens: 16,
-        num_heads: 8,
+        heads: 8,
         head_dim: 128,
-        elem_bytes: 2,
-        _reserved: 0,
-    }
+    };
+    KvLayout::new(KvLayoutKind::FlashAttn, shape, Dtype::Bf16)
 }
 
-fn done(c: &mut Client, id: JobId) -> kvring::jobs::JobResult {
-    match c
-        .wait_job(id, Instant::now() + Duration::from_secs(120))
-        .unwrap()
-    {
-        JobStatus::Done(r) => {
-            c.release_job(id).unwrap();
-            r
-        }
-        other => panic!("{id}: {other:?}"),
+/// Waits for a job that must end `Done`; it is released when the handle
+/// drops here.
+fn done(job: Job) -> kvring::jobs::JobResult {
+    match job.wait(Instant::now() + Duration::from_secs(120)).unwrap() {
+        JobStatus::Done(r) => r,
+        other => panic!("{}: {other:?}", job.id()),
     }
 }
 
@@ -111,7 +105,7 @@ pub fn run(json_out: bool, passes: usize, lookups: usize, copy_threads: Option<u
     let mut c = kvring_client(&name);
     let cache = HostKvCache::new(l, CHUNK).unwrap();
     let inst = c
-        .register_host_cache(model_id("bench-llama-3-8b"), 1, 0, &cache)
+        .register_host(&KvSpec::new(inst_model(), 1, 0), &cache)
         .unwrap();
     let tokens: Vec<u32> = (0..CHUNKS * CHUNK).map(|i| i.wrapping_mul(7919)).collect();
     let hashes = chunk_hashes(&tokens, CHUNK);
@@ -131,26 +125,25 @@ pub fn run(json_out: bool, passes: usize, lookups: usize, copy_threads: Option<u
     for pass in 0..=passes {
         c.clear().unwrap();
         let t = Instant::now();
-        let id = c.store(&inst, 0, &hashes, &src).unwrap();
-        let r = c
-            .wait_job(id, Instant::now() + Duration::from_secs(120))
-            .unwrap();
+        let job = c.store(Store::new(&inst, &hashes, &src)).unwrap();
+        let r = job.wait(Instant::now() + Duration::from_secs(120)).unwrap();
         let st = t.elapsed();
         assert!(
             matches!(r, JobStatus::Done(r) if r.value == u64::from(CHUNKS) && r.aux == 0),
             "{r:?}"
         );
-        c.release_job(id).unwrap();
-        let lease = c.lookup(inst_model(), 1, 0, &hashes).unwrap();
-        assert_eq!(done(&mut c, lease).value, u64::from(CHUNKS));
+        c.release_job(job).unwrap();
+        // The retrieve takes the lease's holds; its lookup job goes now.
+        let lease = c.lookup(Lookup::new(inst_model(), 1, &hashes)).unwrap();
+        assert_eq!(lease.hits(), u64::from(CHUNKS));
+        let lease = lease.into_id();
+        c.release_job(lease.job()).unwrap();
         let t = Instant::now();
-        let id = c.retrieve(&inst, lease, 0, &dst, 0).unwrap();
-        let r = c
-            .wait_job(id, Instant::now() + Duration::from_secs(120))
-            .unwrap();
+        let job = c.retrieve(Retrieve::new(&inst, lease, &dst)).unwrap();
+        let r = job.wait(Instant::now() + Duration::from_secs(120)).unwrap();
         let rt = t.elapsed();
         assert!(matches!(r, JobStatus::Done(r) if r.aux == bytes), "{r:?}");
-        c.release_job(id).unwrap();
+        c.release_job(job).unwrap();
         if pass > 0 {
             store.push(bytes as f64 / st.as_nanos() as f64);
             retrieve.push(bytes as f64 / rt.as_nanos() as f64);
@@ -171,34 +164,35 @@ pub fn run(json_out: bool, passes: usize, lookups: usize, copy_threads: Option<u
     );
 
     // Lookup latency: a 128-chunk prompt of a small model, stored.
-    let small = KvLayout {
-        num_layers: 1,
-        num_heads: 1,
-        head_dim: 8,
-        num_blocks: 128 * 16,
-        ..llama_layout(0)
-    };
+    let small = KvLayout::new(
+        KvLayoutKind::FlashAttn,
+        KvShape {
+            layers: 1,
+            heads: 1,
+            head_dim: 8,
+            blocks: 128 * 16,
+            ..llama_layout(0).shape()
+        },
+        Dtype::Bf16,
+    );
     let scache = HostKvCache::new(small, CHUNK).unwrap();
     let sinst = c
-        .register_host_cache(model_id("bench-small"), 1, 0, &scache)
+        .register_host(&KvSpec::new(model_id("bench-small"), 1, 0), &scache)
         .unwrap();
     let stokens: Vec<u32> = (0..128 * CHUNK).map(|i| i ^ 0x5555).collect();
     let shashes = chunk_hashes(&stokens, CHUNK);
     let sblocks: Vec<u32> = (0..128 * 16).collect();
-    let id = c.store(&sinst, 0, &shashes, &sblocks).unwrap();
-    done(&mut c, id);
-    c.set_wait_policy(WaitPolicy::SPIN);
+    done(c.store(Store::new(&sinst, &shashes, &sblocks)).unwrap());
+    // (kvring_client waits with WaitPolicy::SPIN.)
     let mut lat = Vec::with_capacity(lookups);
     for i in 0..lookups + lookups / 10 {
         let t = Instant::now();
-        let id = c.lookup(model_id("bench-small"), 1, 0, &shashes).unwrap();
-        let r = c
-            .wait_job(id, Instant::now() + Duration::from_secs(10))
+        let lease = c
+            .lookup(Lookup::new(model_id("bench-small"), 1, &shashes))
             .unwrap();
         let e = t.elapsed();
-        assert!(matches!(r, JobStatus::Done(r) if r.value == 128), "{r:?}");
-        c.release_job(id).unwrap();
-        c.end_session(id).unwrap();
+        assert_eq!(lease.hits(), 128, "{lease:?}");
+        c.end_lease(lease).unwrap();
         if i >= lookups / 10 {
             lat.push(e.as_nanos() as u64);
         }

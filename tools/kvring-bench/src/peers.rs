@@ -229,13 +229,12 @@ pub fn stop_server(mut child: std::process::Child) {
 }
 
 pub fn kvring_client(name: &str) -> kvring::Client {
-    let paths = kvring::rundir::ServerPaths::in_dir(name, &bench_dir()).unwrap();
-    let opts = kvring::ClientOptions {
-        connect_timeout: Duration::from_secs(10),
-        wait: WaitPolicy::SPIN,
-        ..Default::default()
-    };
-    kvring::Client::connect_with(&paths, &opts).expect("connect to bench server")
+    kvring::Client::builder(name)
+        .runtime_dir(bench_dir())
+        .connect_timeout(Duration::from_secs(10))
+        .wait_policy(WaitPolicy::SPIN)
+        .connect()
+        .expect("connect to bench server")
 }
 
 /// kvring PING round trips. `spin`: both sides busy-poll. Otherwise the server
@@ -255,8 +254,8 @@ pub fn kvring_rtt(iters: usize, spin: bool) -> Vec<u64> {
     let v = if spin {
         sample(iters, || {
             tag += 1;
-            c.submit(Opcode::Ping, &PAYLOAD, tag).unwrap();
-            c.wait_into(far, &mut buf).unwrap();
+            c.raw().submit(Opcode::Ping, &PAYLOAD, tag).unwrap();
+            c.raw().wait_into(far, &mut buf).unwrap();
         })
     } else {
         let mut v = Vec::with_capacity(iters);
@@ -273,8 +272,8 @@ pub fn kvring_rtt(iters: usize, spin: bool) -> Vec<u64> {
                 std::hint::spin_loop();
             }
             let t0 = Instant::now();
-            c.submit(Opcode::Ping, &PAYLOAD, i as u64).unwrap();
-            c.wait_into(far, &mut buf).unwrap();
+            c.raw().submit(Opcode::Ping, &PAYLOAD, i as u64).unwrap();
+            c.raw().wait_into(far, &mut buf).unwrap();
             if i >= WARMUP / 10 {
                 v.push(t0.elapsed().as_nanos() as u64);
             }
@@ -298,18 +297,18 @@ pub fn kvring_pipelined(total: u64) -> f64 {
         let (mut sent, mut done) = (0u64, 0u64);
         while done < n {
             while sent < n && sent - done < 512 {
-                match c.enqueue(Opcode::Ping, &PAYLOAD, sent) {
+                match c.raw().enqueue(Opcode::Ping, &PAYLOAD, sent) {
                     Ok(()) => sent += 1,
                     Err(_) => break,
                 }
             }
-            c.flush();
+            c.raw().flush();
             let mut got = 0;
-            while let Some(_h) = c.poll_into(buf).unwrap() {
+            while let Some(_h) = c.raw().poll_into(buf).unwrap() {
                 got += 1;
             }
             if got == 0 && done < sent {
-                c.wait_into(far, buf).unwrap();
+                c.raw().wait_into(far, buf).unwrap();
                 got = 1;
             }
             done += got;

@@ -14,8 +14,11 @@
 //! stdin and answering on stdout.
 
 use kvring::jobs::{JobId, JobStatus};
-use kvring::kv::{chunk_hashes, model_id, pattern, ChunkHash, KvLayout, KvLayoutKind};
-use kvring::{Client, Error, HostKvCache, Result};
+use kvring::kv::{
+    chunk_hashes, model_id, pattern, ChunkHash, Dtype, KvLayout, KvLayoutKind, KvShape,
+};
+use kvring::{Client, Error, HostKvCache, Job, KvSpec, LeaseId, Lookup, Registration, Result};
+use kvring::{Retrieve, Store};
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
@@ -44,16 +47,14 @@ const WAIT: Duration = Duration::from_secs(60);
 /// layers, 4 KV heads per rank, head dim 128, 2-byte elements, 16-token
 /// blocks).
 pub fn demo_layout(num_blocks: u32) -> KvLayout {
-    KvLayout {
-        kind: KvLayoutKind::FlashAttn as u32,
-        num_layers: 8,
-        num_blocks,
+    let shape = KvShape {
+        layers: 8,
+        blocks: num_blocks,
         block_tokens: 16,
-        num_heads: 4,
+        heads: 4,
         head_dim: 128,
-        elem_bytes: 2,
-        _reserved: 0,
-    }
+    };
+    KvLayout::new(KvLayoutKind::FlashAttn, shape, Dtype::Bf16)
 }
 
 /// A prompt: a system prompt (shared by all prompts of one `system`) and
@@ -210,13 +211,12 @@ impl Drop for ServerChild {
     }
 }
 
-fn wait_done(c: &mut Client, id: JobId) -> Result<kvring::jobs::JobResult> {
-    match c.wait_job(id, Instant::now() + WAIT)? {
-        JobStatus::Done(r) => {
-            c.release_job(id)?;
-            Ok(r)
-        }
-        other => Err(Error::Protocol(format!("{id} ended {other:?}"))),
+/// Waits for a job and returns its result; the job is released when the
+/// handle drops here.
+fn wait_done(job: Job) -> Result<kvring::jobs::JobResult> {
+    match job.wait(Instant::now() + WAIT)? {
+        JobStatus::Done(r) => Ok(r),
+        other => Err(Error::Protocol(format!("{} ended {other:?}", job.id()))),
     }
 }
 
@@ -243,12 +243,10 @@ pub fn run(json: bool) -> Result<()> {
         .spawn()
         .map_err(io_err("start the server"))?;
     let server = ServerChild(server);
-    let paths = kvring::rundir::ServerPaths::in_dir(&name, &dir)?;
-    let opts = kvring::ClientOptions {
-        connect_timeout: Duration::from_secs(20),
-        ..Default::default()
-    };
-    let mut sched = Client::connect_with(&paths, &opts)?;
+    let mut sched = Client::builder(&name)
+        .runtime_dir(&dir)
+        .connect_timeout(Duration::from_secs(20))
+        .connect()?;
     let cfg = sched.server_config()?;
     let mut workers = Vec::new();
     let mut on_gpu = false;
@@ -342,12 +340,12 @@ pub fn run(json: bool) -> Result<()> {
     {
         let hs = hashes(system, own);
         let t = Instant::now();
-        let id = sched.lookup(mid, WORLD, 0, &hs)?;
-        let r = match sched.wait_job(id, Instant::now() + WAIT)? {
-            JobStatus::Done(r) => r,
-            other => return Err(Error::Protocol(format!("lookup ended {other:?}"))),
-        };
+        let lease = sched.lookup(Lookup::new(mid, WORLD, &hs))?;
+        let r = lease.result();
         lookup.lat_ns.push(t.elapsed().as_nanos() as u64);
+        // The workers' retrieves take the holds: the lease goes to them by
+        // id, and the scheduler's lookup job is done with.
+        let id = lease.into_id().job();
         sched.release_job(id)?;
         lookup.count += 1;
         lookup.chunks += hs.len() as u64;
@@ -497,11 +495,11 @@ impl EngineCache {
         Ok(EngineCache::Host(HostKvCache::new(layout, CHUNK)?))
     }
 
-    fn register(&self, c: &mut Client, rank: u32) -> Result<kvring::Instance> {
+    fn register(&self, c: &mut Client, rank: u32) -> Result<Registration> {
+        let spec = KvSpec::new(model_id(MODEL), WORLD, rank);
         match self {
-            EngineCache::Host(h) => c.register_host_cache(model_id(MODEL), WORLD, rank, h),
-            #[cfg(feature = "cuda")]
-            EngineCache::Cuda(d) => c.register_cuda_cache(model_id(MODEL), WORLD, rank, d),
+            EngineCache::Host(h) => c.register_host(&spec, h),
+            EngineCache::Cuda(d) => c.register_cuda(&spec, d),
         }
     }
 
@@ -526,14 +524,14 @@ impl EngineCache {
 }
 
 fn worker_loop(name: &str, dir: &Path, rank: u32) -> Result<()> {
-    let mut c = Client::connect_in(dir, name)?;
+    let mut c = Client::builder(name).runtime_dir(dir).connect()?;
     let layout = demo_layout(PROMPT_BLOCKS * PROMPTS);
     // Engines on the GPU when the server copies with CUDA.
     let gpu = c.server_config()?.backend == 2;
     let cache = EngineCache::new(layout, gpu)?;
     let inst = cache.register(&mut c, rank)?;
     let bpc = inst.blocks_per_chunk();
-    println!("ready {} {}", inst.id, if gpu { "gpu" } else { "host" });
+    println!("ready {} {}", inst.id(), if gpu { "gpu" } else { "host" });
     let stdin = std::io::stdin();
     for line in stdin.lock().lines() {
         let line = line.map_err(io_err("read a command"))?;
@@ -557,8 +555,7 @@ fn worker_loop(name: &str, dir: &Path, rank: u32) -> Result<()> {
                     let hs = hashes(1, p);
                     let blocks: Vec<u32> = (p * PROMPT_BLOCKS..(p + 1) * PROMPT_BLOCKS).collect();
                     let t = kvring::liveness::monotonic_ns();
-                    let id = c.store(&inst, 0, &hs, &blocks)?;
-                    let r = wait_done(&mut c, id)?;
+                    let r = wait_done(c.store(Store::new(&inst, &hs, &blocks))?)?;
                     lat.push(format!("{t}:{}", kvring::liveness::monotonic_ns()));
                     chunks += r.value;
                     bytes += r.value * layout.object_bytes(CHUNK);
@@ -578,15 +575,14 @@ fn worker_loop(name: &str, dir: &Path, rank: u32) -> Result<()> {
                     let [epoch, key, system, own, hits] = f[..] else {
                         return Err(Error::Protocol(format!("bad lease spec {spec}")));
                     };
-                    let lease = JobId { epoch, key };
+                    let lease = LeaseId::from_job(JobId { epoch, key });
                     let hs = hashes(system as u32, own as u32);
                     let n = hits as u32;
                     // Each prompt lands in its own blocks of the fresh cache.
                     let blocks: Vec<u32> = (cursor..cursor + n * bpc).collect();
                     cursor += n * bpc;
                     let t = kvring::liveness::monotonic_ns();
-                    let id = c.retrieve(&finst, lease, 0, &blocks, 0)?;
-                    let r = wait_done(&mut c, id)?;
+                    let r = wait_done(c.retrieve(Retrieve::new(&finst, lease, &blocks))?)?;
                     lat.push(format!("{t}:{}", kvring::liveness::monotonic_ns()));
                     jobs += 1;
                     chunks += r.value;
@@ -596,7 +592,7 @@ fn worker_loop(name: &str, dir: &Path, rank: u32) -> Result<()> {
                             .map_err(|e| Error::Protocol(format!("rank {rank}: {e}")))?;
                     }
                 }
-                c.unregister_kv(&finst)?;
+                c.unregister(finst)?;
                 println!(
                     "retrieved {jobs} {chunks} {bytes} {checked} {}",
                     lat.join(" ")

@@ -310,12 +310,14 @@ fn run(cli: Cli) -> kvring::Result<()> {
             size,
             timeout_ms,
         } => {
-            let mut c = Client::connect_in(&target.dir(), &target.name)?;
+            let mut c = Client::builder(&target.name)
+                .runtime_dir(target.dir())
+                .connect()?;
             let payload: Vec<u8> = (0..size).map(|i| (i * 31 + 7) as u8).collect();
             let mut rtts = Vec::with_capacity(count as usize);
             for _ in 0..count {
                 let t = Instant::now();
-                let back = c.ping(&payload, Duration::from_millis(timeout_ms))?;
+                let back = c.ping(&payload, t + Duration::from_millis(timeout_ms))?;
                 rtts.push(t.elapsed().as_nanos() as u64);
                 if back != payload {
                     return Err(kvring::Error::Protocol(
@@ -346,21 +348,21 @@ fn run(cli: Cli) -> kvring::Result<()> {
             fail,
             keep,
         } => {
-            let mut c = Client::connect_in(&target.dir(), &target.name)?;
-            let req = kvring::proto::DelayJobRequest {
-                pending_us: pending_ms.saturating_mul(1000),
-                running_us: running_ms.saturating_mul(1000),
-                progress_every_us: 1000,
-                result_value: 1,
-                fail_reason: if fail {
-                    kvring::jobs::FailReason::Requested.code()
-                } else {
-                    0
-                },
-                ..Default::default()
-            };
+            let mut c = Client::builder(&target.name)
+                .runtime_dir(target.dir())
+                .connect()?;
+            let mut req = kvring::DelayJob::new(
+                Duration::from_millis(pending_ms),
+                Duration::from_millis(running_ms),
+            )
+            .progress_every(Duration::from_millis(1))
+            .result(1, 0);
+            if fail {
+                req = req.fail(kvring::jobs::FailReason::Requested);
+            }
             let start = Instant::now();
-            let id = c.submit_delay_job(&req)?;
+            // Released below by id (or kept, with --keep).
+            let id = c.delay_job(req)?.into_id();
             println!("submitted {id}");
             let deadline = start + Duration::from_millis(pending_ms + running_ms + 10_000);
             let mut last = None;

@@ -6,7 +6,8 @@
 use super::devices::{BackendState, CudaDevice, DeviceTable};
 use super::COPY_DEADLINE;
 use crate::gpu::kernels::KvCopyArgs;
-use crate::gpu::{DeviceBuffer, Event, EventKind, IpcEventHandle, PinnedHostBuffer, Stream};
+use crate::device::IpcEventHandle;
+use crate::gpu::{DeviceBuffer, Event, EventKind, PinnedHostBuffer, Stream};
 use crate::server::transfer::backend::{ChunkCopy, CopyError, CopyExecutor, Dir};
 use crate::server::transfer::host::host_copy;
 use std::collections::HashMap;
@@ -235,7 +236,7 @@ impl CudaExecutor {
         if let Some(e) = self.client_events.get(h) {
             return Ok(e.clone());
         }
-        let ev = Arc::new(Event::open_ipc(&dev.ctx, &IpcEventHandle(*h))?);
+        let ev = Arc::new(Event::open_ipc(&dev.ctx, &IpcEventHandle::from_bytes(*h))?);
         self.client_events.insert(*h, ev.clone());
         Ok(ev)
     }

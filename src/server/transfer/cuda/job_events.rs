@@ -24,7 +24,7 @@ impl JobEvents {
         let mut handles = Vec::with_capacity(crate::proto::kv::JOB_EVENTS);
         for _ in 0..crate::proto::kv::JOB_EVENTS {
             let ev = Event::new(ctx, EventKind::Interprocess)?;
-            handles.push(ev.ipc_handle()?.0);
+            handles.push(ev.ipc_handle()?.to_bytes());
             // Recorded once, so a wait on it before its first job use does
             // not wait forever.
             ev.record(&gate)?;

@@ -7,6 +7,7 @@ use kvring::gpu::{Context, DeviceBuffer, HostRegistration, Stream};
 use kvring::jobs::JobStatus;
 use kvring::kv::{chunk_hashes, model_id, pattern};
 use kvring::wait::WaitPolicy;
+use kvring::{KvSpec, LeaseId, Lookup, Retrieve, Store};
 use serde_json::json;
 use std::ffi::c_void;
 use std::time::{Duration, Instant};
@@ -345,7 +346,7 @@ fn measure(
                 sc.spawn(move || {
                     let mut c = kvring_client(name);
                     let inst = c
-                        .register_cuda_cache(model, world, rank as u32, cache)
+                        .register_cuda(&KvSpec::new(model, world, rank as u32), cache)
                         .unwrap();
                     let bpc = inst.blocks_per_chunk() as usize;
                     let mut out = Vec::new();
@@ -356,23 +357,23 @@ fn measure(
                         }
                         sync.wait(); // the pool is clear, everyone ready
                         let t = Instant::now();
-                        let id = c.store(&inst, 0, hashes, src).unwrap();
-                        let r = c.wait_job(id, far()).unwrap();
+                        let job = c.store(Store::new(&inst, hashes, src)).unwrap();
+                        let r = job.wait(far()).unwrap();
                         let st = t.elapsed().as_secs_f64();
                         assert!(
                             matches!(r, JobStatus::Done(r) if r.value == hashes.len() as u64 && r.aux == 0),
                             "{r:?}"
                         );
-                        c.release_job(id).unwrap();
+                        c.release_job(job).unwrap();
                         sync.wait(); // every rank stored
                         sync.wait(); // the scheduler's lease is there
-                        let lease = lease_slot.lock().unwrap().expect("lease");
+                        let lease: LeaseId = lease_slot.lock().unwrap().expect("lease");
                         let t = Instant::now();
-                        let id = c.retrieve(&inst, lease, 0, dst, 0).unwrap();
-                        let r = c.wait_job(id, far()).unwrap();
+                        let job = c.retrieve(Retrieve::new(&inst, lease, dst)).unwrap();
+                        let r = job.wait(far()).unwrap();
                         let rt = t.elapsed().as_secs_f64();
                         assert!(matches!(r, JobStatus::Done(r) if r.aux == bytes), "{r:?}");
-                        c.release_job(id).unwrap();
+                        c.release_job(job).unwrap();
                         sync.wait(); // every rank retrieved
                         eprintln!(
                             "{path} pass {pass} GPU {rank}: store {:.2} GB/s, retrieve {:.2} GB/s",
@@ -395,13 +396,11 @@ fn measure(
             sched.clear().unwrap();
             sync.wait(); // ranks store
             sync.wait(); // stored
-            let lease = sched.lookup(model, world, 0, hashes).unwrap();
-            let r = sched.wait_job(lease, far()).unwrap();
-            assert!(
-                matches!(r, JobStatus::Done(r) if r.value == hashes.len() as u64),
-                "{r:?}"
-            );
-            sched.release_job(lease).unwrap();
+                         // The ranks' retrieves take the holds; the lookup job goes now.
+            let lease = sched.lookup(Lookup::new(model, world, hashes)).unwrap();
+            assert_eq!(lease.hits(), hashes.len() as u64, "{lease:?}");
+            let lease = lease.into_id();
+            sched.release_job(lease.job()).unwrap();
             *lease_slot.lock().unwrap() = Some(lease);
             sync.wait(); // ranks retrieve
             sync.wait(); // retrieved

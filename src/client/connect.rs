@@ -1,0 +1,224 @@
+//! Connecting: the bootstrap handshake, attaching the segment, and the two
+//! rings of this client's slot. What the client and its handles share
+//! afterwards is a [`Link`].
+
+use super::{Client, ClientOptions};
+use crate::bootstrap::Conn;
+use crate::error::{Error, Result};
+use crate::shm::{ServerClientBlock, LAYOUT_VERSION, PAGE};
+use crate::proto::{BootKind, Hello, Welcome, BOOT_MAGIC, PROTOCOL_VERSION};
+use crate::ring::{Consumer, Producer, RingPtrs};
+use crate::rundir::ServerPaths;
+use crate::segment::ClientSegment;
+use crate::wait::{Parking, WaitPolicy};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// One connection as the client and its handles ([`super::Job`],
+/// [`super::Lease`]) see it: the socket (whose closing says the server is
+/// gone), the mapped segment (the job table and the doorbells), and who this
+/// client is. Handles keep it alive with an `Arc`, so they read the job
+/// table without borrowing the client.
+pub(crate) struct Link {
+    pub conn: Conn,
+    pub seg: ClientSegment,
+    pub slot: u32,
+    pub session: u32,
+    pub epoch: u64,
+    pub wait: WaitPolicy,
+    /// When the server's liveness was last checked by a job status read
+    /// (`liveness::monotonic_ns`).
+    alive_checked_ns: AtomicU64,
+    /// Set when the client said goodbye: the server may give this slot to
+    /// another client, so handles that outlive the client no longer write
+    /// to the slot's block (no parked waits, no heartbeats).
+    closed: AtomicBool,
+}
+
+/// How often a status poll that reads a non-terminal state also checks that
+/// the server is still there (a non-blocking poll of the bootstrap socket).
+const ALIVE_CHECK_EVERY: Duration = Duration::from_millis(1);
+
+impl Link {
+    pub fn server_block(&self) -> &ServerClientBlock {
+        self.seg.mapping.server_client(self.slot)
+    }
+
+    /// The futex pair the server rings when something for this client is
+    /// ready (a completion, a job of this client finished).
+    pub fn parking(&self) -> Parking<'_> {
+        Parking {
+            sleeping: &self.seg.block_rw().client_sleeping,
+            doorbell: &self.server_block().client_doorbell,
+        }
+    }
+
+    /// `Err(ServerGone)` once the server's end of the connection closed;
+    /// polls the socket at most every [`ALIVE_CHECK_EVERY`].
+    pub fn check_alive(&self) -> Result<()> {
+        let now = crate::liveness::monotonic_ns();
+        // A rate limit only: Relaxed.
+        let last = self.alive_checked_ns.load(Ordering::Relaxed);
+        if now.saturating_sub(last) >= ALIVE_CHECK_EVERY.as_nanos() as u64 {
+            if self.conn.peer_closed() {
+                return Err(Error::ServerGone);
+            }
+            // A rate limit only: Relaxed.
+            self.alive_checked_ns.store(now, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// Marks the connection closed (the client is saying goodbye).
+    pub fn close(&self) {
+        // Release: pairs with the Acquire in `check_open`; the goodbye that
+        // lets the server reuse the slot is sent after this store.
+        self.closed.store(true, Ordering::Release);
+    }
+
+    /// `Err(ClientClosed)` once the client said goodbye.
+    pub fn check_open(&self) -> Result<()> {
+        // Acquire: pairs with the Release in `close`.
+        if self.closed.load(Ordering::Acquire) {
+            return Err(Error::ClientClosed);
+        }
+        Ok(())
+    }
+
+    /// Records that this client is alive and calling in (for observers).
+    pub fn touch(&self) {
+        // Observers only: Relaxed.
+        self.seg
+            .block_rw()
+            .heartbeat_ns
+            .store(crate::liveness::monotonic_ns(), Ordering::Relaxed);
+    }
+}
+
+/// Connects with retry, shakes hands and attaches the rings.
+pub(super) fn connect(paths: &ServerPaths, opts: &ClientOptions) -> Result<Client> {
+    crate::rundir::check_runtime_dir(&paths.dir)?;
+    let deadline = Instant::now() + opts.connect_timeout;
+    let mut backoff = Duration::from_millis(1);
+    let conn = loop {
+        match Conn::connect(&paths.socket) {
+            Ok(c) => break c,
+            Err(e) => {
+                let retry = matches!(
+                    e.kind(),
+                    std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
+                );
+                if !retry || Instant::now() + backoff > deadline {
+                    return Err(Error::NoServer {
+                        name: paths.name.clone(),
+                        path: paths.socket.display().to_string(),
+                        reason: e.to_string(),
+                    });
+                }
+                std::thread::sleep(backoff);
+                backoff = (backoff * 2).min(Duration::from_millis(100));
+            }
+        }
+    };
+    let hello = Hello {
+        magic: BOOT_MAGIC,
+        kind: BootKind::Hello as u32,
+        protocol: PROTOCOL_VERSION,
+        layout_version: LAYOUT_VERSION,
+        _reserved: 0,
+    };
+    conn.send(bytemuck::bytes_of(&hello), &[])
+        .map_err(crate::error::io("send hello"))?;
+    let mut buf = [0u8; 128];
+    let wait = deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(500));
+    let (n, mut fds) = conn.recv(&mut buf, wait).map_err(|e| match e.kind() {
+        std::io::ErrorKind::TimedOut => Error::Timeout(wait),
+        _ => Error::Io {
+            context: "receive welcome".into(),
+            source: e,
+        },
+    })?;
+    if n == 0 {
+        return Err(Error::ServerGone);
+    }
+    if n != std::mem::size_of::<Welcome>() {
+        return Err(Error::Protocol(format!("welcome of {n} bytes")));
+    }
+    let w: Welcome = bytemuck::pod_read_unaligned(&buf[..n]);
+    if w.magic != BOOT_MAGIC || w.kind != BootKind::Welcome as u32 {
+        return Err(Error::Protocol("not a welcome message".into()));
+    }
+    if w.status != 0 {
+        return Err(match crate::proto::Status::decode(w.status).ok() {
+            Some(s) => Error::Refused(s),
+            None => Error::UnknownStatus(w.status),
+        });
+    }
+    if fds.len() != 1 {
+        return Err(Error::Protocol(format!(
+            "welcome carried {} descriptors, expected 1",
+            fds.len()
+        )));
+    }
+    let seg = ClientSegment::attach(&paths.shm_name, fds.pop().expect("one fd"), w.slot)?;
+    let info = seg.mapping.info().clone();
+    if info.epoch != w.epoch {
+        return Err(Error::Protocol(
+            "welcome epoch differs from the segment's".into(),
+        ));
+    }
+    let link = Arc::new(Link {
+        conn,
+        seg,
+        slot: w.slot,
+        session: w.session,
+        epoch: w.epoch,
+        wait: opts.wait,
+        alive_checked_ns: AtomicU64::new(crate::liveness::monotonic_ns()),
+        closed: AtomicBool::new(false),
+    });
+    let g = info.geometry;
+    let seg = &link.seg;
+    let sb_off = seg.mapping.server_client_off(w.slot);
+    let sb = link.server_block();
+    let cb = seg.block_rw();
+    let req = RingPtrs {
+        head: &*sb.req_head,
+        tail: &*cb.req_tail,
+        data: seg.req_data_rw(),
+        capacity: g.req_ring_bytes as usize,
+        max_frame: g.max_frame_bytes as usize,
+    };
+    let cq = RingPtrs {
+        head: &*cb.cq_head,
+        tail: &*sb.cq_tail,
+        data: seg
+            .mapping
+            .words(sb_off + PAGE as u64, u64::from(g.cq_ring_bytes)),
+        capacity: g.cq_ring_bytes as usize,
+        max_frame: g.max_frame_bytes as usize,
+    };
+    // SAFETY: both rings lie in mappings owned by `link.seg`, which the
+    // Client keeps alive (through its `Arc<Link>`) as long as the producer
+    // and consumer; this client is the only producer of its request ring and
+    // the only consumer of its completion ring.
+    let (req, cq) = unsafe { (Producer::new(req)?, Consumer::new(cq)?) };
+    Ok(Client {
+        req,
+        cq,
+        credits: g.cq_ring_bytes as usize,
+        inflight: Default::default(),
+        abandoned: 0,
+        buf: vec![0u64; g.max_frame_bytes as usize / 8],
+        link,
+        paths: paths.clone(),
+        opts: opts.clone(),
+        registrations: Vec::new(),
+        orphans: Vec::new(),
+        releases: Default::default(),
+        draining: false,
+    })
+}
