@@ -120,11 +120,13 @@ fn a_job_goes_pending_running_done_tombstoned_as_seen_from_shared_memory() {
     c.release_job(id).unwrap(); // twice is harmless
     assert_eq!(c.job_status(id).unwrap(), tomb);
 
-    // A requested failure, awaited through the futex path.
+    // A requested failure, awaited through the futex path. The job runs for
+    // 50 ms from its submission, so the clock starts before the submission
+    // (started after it, the reply's own latency could be counted twice).
+    let t = Instant::now();
     let f = c
         .delay_job(delay(0, 50).fail(FailReason::Requested))
         .unwrap();
-    let t = Instant::now();
     let st = f.wait(Instant::now() + Duration::from_secs(5)).unwrap();
     assert_eq!(st, JobStatus::Failed(FailReason::Requested));
     assert!(t.elapsed() >= Duration::from_millis(50));

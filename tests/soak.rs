@@ -66,11 +66,13 @@ impl Caches for HostCaches {
     }
 }
 
+#[cfg(feature = "cuda")]
 struct GpuCaches(
     kvring::client::cuda_cache::CudaKvCache,
     kvring::client::cuda_cache::CudaKvCache,
 );
 
+#[cfg(feature = "cuda")]
 impl Caches for GpuCaches {
     fn src(&self) -> &dyn Slabs {
         &self.0
@@ -257,11 +259,16 @@ fn many_engines_at_full_rate_with_telemetry() {
     let caches: Vec<Box<dyn Caches>> = (0..clients)
         .map(|_| -> Box<dyn Caches> {
             if cuda {
-                use kvring::client::cuda_cache::{CudaKvCache, Export};
-                Box::new(GpuCaches(
-                    CudaKvCache::new(small_layout(), CHUNK, 0, Export::Ipc).unwrap(),
-                    CudaKvCache::new(small_layout(), CHUNK, 0, Export::Ipc).unwrap(),
-                ))
+                #[cfg(feature = "cuda")]
+                {
+                    use kvring::client::cuda_cache::{CudaKvCache, Export};
+                    Box::new(GpuCaches(
+                        CudaKvCache::new(small_layout(), CHUNK, 0, Export::Ipc).unwrap(),
+                        CudaKvCache::new(small_layout(), CHUNK, 0, Export::Ipc).unwrap(),
+                    ))
+                }
+                #[cfg(not(feature = "cuda"))]
+                panic!("KVRING_SOAK_BACKEND=cuda: this build has no CUDA support (the cuda feature is off)")
             } else {
                 Box::new(HostCaches(
                     kvring::HostKvCache::new(small_layout(), CHUNK).unwrap(),

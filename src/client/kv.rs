@@ -388,6 +388,7 @@ impl Client {
 
     /// Registers a `CudaKvCache` (its device is the cache's; `spec.device`
     /// is ignored).
+    #[cfg(feature = "cuda")]
     pub fn register_cuda(
         &mut self,
         spec: &KvSpec,

@@ -112,7 +112,7 @@ shm_struct! {
         [8] pub pool_bytes: u64,
         [16] pub max_request_bytes: u32,
         [20] pub lease_ttl_ms: u32,
-        /// 1 host, 2 cuda.
+        /// [`BackendKind`] code.
         [24] pub backend: u32,
         [28] pub _reserved: u32,
     }
@@ -140,6 +140,16 @@ shm_struct! {
         [120] pub evicted_objects: u64,
         [128] pub evicted_bytes: u64,
         [136] pub leases_expired: u64,
+    }
+}
+
+wire_enum! {
+    /// `ConfigReply::backend`: what the server copies with.
+    pub enum BackendKind: u32 {
+        /// Host memory copies (engines' caches in host memory).
+        Host = 1 => "host",
+        /// The CUDA data plane (GPU and host caches).
+        Cuda = 2 => "cuda",
     }
 }
 

@@ -518,7 +518,7 @@ pub fn config(shared: &Shared, req: &[u8]) -> Outcome {
         pool_bytes: kv.pool.len(),
         max_request_bytes: kv.max_request_bytes,
         lease_ttl_ms: kv.lease_ttl.as_millis().min(u128::from(u32::MAX)) as u32,
-        backend: kv.copier.backend.kind().code(),
+        backend: kv.copier.backend.kind().raw(),
         _reserved: 0,
     })
     .to_vec())

@@ -40,20 +40,7 @@ pub struct Publish<'a> {
     pub publish_progress: &'a dyn Fn(u64),
 }
 
-/// Which backend a server copies with, as `ConfigReply::backend` carries it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(u32)]
-pub enum BackendKind {
-    Host = 1,
-    Cuda = 2,
-}
-
-impl BackendKind {
-    /// The wire code.
-    pub fn code(self) -> u32 {
-        self as u32
-    }
-}
+pub use crate::proto::kv::BackendKind;
 
 /// Why a chunk copy did not happen.
 #[derive(Debug, thiserror::Error)]

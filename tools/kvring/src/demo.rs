@@ -499,6 +499,7 @@ impl EngineCache {
         let spec = KvSpec::new(model_id(MODEL), WORLD, rank);
         match self {
             EngineCache::Host(h) => c.register_host(&spec, h),
+            #[cfg(feature = "cuda")]
             EngineCache::Cuda(d) => c.register_cuda(&spec, d),
         }
     }
@@ -527,7 +528,7 @@ fn worker_loop(name: &str, dir: &Path, rank: u32) -> Result<()> {
     let mut c = Client::builder(name).runtime_dir(dir).connect()?;
     let layout = demo_layout(PROMPT_BLOCKS * PROMPTS);
     // Engines on the GPU when the server copies with CUDA.
-    let gpu = c.server_config()?.backend == 2;
+    let gpu = c.server_config()?.backend == kvring::proto::kv::BackendKind::Cuda.raw();
     let cache = EngineCache::new(layout, gpu)?;
     let inst = cache.register(&mut c, rank)?;
     let bpc = inst.blocks_per_chunk();
