@@ -10,6 +10,7 @@
 //! with `chunk_tokens` tokens, so engines of different paged layouts (or
 //! block sizes) with the same model geometry share stored objects.
 
+use crate::shm_struct::shm_struct;
 use crate::wire::wire_enum;
 use bytemuck::{Pod, Zeroable};
 
@@ -26,7 +27,6 @@ wire_enum! {
         CrossLayer = 4 => "cross-layer [NB,L,2,BS,H,D]",
     }
 }
-
 
 /// The element type of a KV cache: what a layout needs of it is its size.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -65,46 +65,47 @@ pub struct KvShape {
     pub head_dim: u32,
 }
 
-/// An engine's KV-cache geometry, as sent at registration (`shm_layout.md`,
-/// "KvLayout"). Built with [`KvLayout::new`] (or [`KvLayout::mla`]); the
-/// fields read as the wire has them.
-///
-/// # Examples
-///
-/// ```
-/// use kvring::kv::{Dtype, KvLayout, KvLayoutKind, KvShape};
-///
-/// // Llama-3-8B in vLLM's flash-attention layout: 32 layers, 8 KV heads of
-/// // 128, bf16, 16-token blocks.
-/// let shape = KvShape { layers: 32, blocks: 1024, block_tokens: 16, heads: 8, head_dim: 128 };
-/// let layout = KvLayout::new(KvLayoutKind::FlashAttn, shape, Dtype::Bf16);
-/// layout.validate(256).unwrap();
-/// assert_eq!(layout.slab_bytes(), 16 * 8 * 128 * 2);
-/// assert_eq!(layout.num_tensors(), 32);
-/// assert_eq!(layout.shape(), shape);
-///
-/// // MLA: one part, one "head" of the latent dimension.
-/// let mla = KvLayout::mla(61, 512, 64, 576, Dtype::Bf16);
-/// assert_eq!((mla.parts(), mla.num_heads), (1, 1));
-/// ```
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
-pub struct KvLayout {
-    /// [`KvLayoutKind`] as u32.
-    pub kind: u32,
-    pub num_layers: u32,
-    /// Blocks in the paged cache (NB).
-    pub num_blocks: u32,
-    /// Tokens per block (BS).
-    pub block_tokens: u32,
-    /// KV heads (H); 1 for MLA.
-    pub num_heads: u32,
-    /// Head dimension (D; MLA: the latent dimension).
-    pub head_dim: u32,
-    /// Bytes per element: 1, 2 or 4.
-    pub elem_bytes: u32,
-    /// Zero on the wire; private so a layout is built by a constructor.
-    pub(crate) _reserved: u32,
+shm_struct! {
+    /// An engine's KV-cache geometry, as sent at registration (`shm_layout.md`,
+    /// "KvLayout"). Built with [`KvLayout::new`] (or [`KvLayout::mla`]); the
+    /// fields read as the wire has them.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use kvring::kv::{Dtype, KvLayout, KvLayoutKind, KvShape};
+    ///
+    /// // Llama-3-8B in vLLM's flash-attention layout: 32 layers, 8 KV heads of
+    /// // 128, bf16, 16-token blocks.
+    /// let shape = KvShape { layers: 32, blocks: 1024, block_tokens: 16, heads: 8, head_dim: 128 };
+    /// let layout = KvLayout::new(KvLayoutKind::FlashAttn, shape, Dtype::Bf16);
+    /// layout.validate(256).unwrap();
+    /// assert_eq!(layout.slab_bytes(), 16 * 8 * 128 * 2);
+    /// assert_eq!(layout.num_tensors(), 32);
+    /// assert_eq!(layout.shape(), shape);
+    ///
+    /// // MLA: one part, one "head" of the latent dimension.
+    /// let mla = KvLayout::mla(61, 512, 64, 576, Dtype::Bf16);
+    /// assert_eq!((mla.parts(), mla.num_heads), (1, 1));
+    /// ```
+    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
+    pub struct KvLayout {
+        /// [`KvLayoutKind`] code.
+        [0] pub kind: u32,
+        [4] pub num_layers: u32,
+        /// Blocks in the paged cache (NB).
+        [8] pub num_blocks: u32,
+        /// Tokens per block (BS).
+        [12] pub block_tokens: u32,
+        /// KV heads (H); 1 for MLA.
+        [16] pub num_heads: u32,
+        /// Head dimension (D; MLA: the latent dimension).
+        [20] pub head_dim: u32,
+        /// Bytes per element: 1, 2 or 4.
+        [24] pub elem_bytes: u32,
+        /// Zero on the wire; private so a layout is built by a constructor.
+        [28] pub(crate) _reserved: u32,
+    }
 }
 
 const _: () = assert!(std::mem::size_of::<KvLayout>() == 32);

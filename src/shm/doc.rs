@@ -3,32 +3,6 @@
 
 use super::*;
 use crate::shm_struct::{FieldRow, ShmStruct};
-use std::mem::size_of;
-
-/// Size of the field a raw pointer points at, without reading it.
-#[doc(hidden)]
-pub fn size_of_pointee<T>(_: *const T) -> usize {
-    size_of::<T>()
-}
-
-/// `(struct, [(field, offset, size)])` for `$t`'s listed fields, for the
-/// structs not declared with `shm_struct!`.
-#[macro_export]
-#[doc(hidden)]
-macro_rules! field_table {
-    ($t:ty { $($f:ident),* $(,)? }) => {{
-        let u = std::mem::MaybeUninit::<$t>::uninit();
-        let p = u.as_ptr();
-        let fields: Vec<(&'static str, usize, usize)> = vec![$((
-            stringify!($f),
-            std::mem::offset_of!($t, $f),
-            // SAFETY: addr_of! on a field of an uninitialised value computes
-            // an address without reading or referencing the value.
-            $crate::shm::doc::size_of_pointee(unsafe { std::ptr::addr_of!((*p).$f) }),
-        )),*];
-        (stringify!($t), fields)
-    }};
-}
 
 /// `(struct, [(field, offset, size)])` of a struct declared with
 /// `shm_struct!`.
@@ -58,17 +32,7 @@ pub fn field_tables() -> Vec<(&'static str, Vec<FieldRow>)> {
         rows::<JobSlot>(),
         rows::<JobId>(),
         rows::<DelayJobRequest>(),
-        // Declared by hand (their files list the fields once more).
-        field_table!(KvLayout {
-            kind,
-            num_layers,
-            num_blocks,
-            block_tokens,
-            num_heads,
-            head_dim,
-            elem_bytes,
-            _reserved,
-        }),
+        rows::<KvLayout>(),
         rows::<LookupRequest>(),
         rows::<StoreRequest>(),
         rows::<RetrieveRequest>(),
