@@ -212,7 +212,9 @@ impl DelayJob {
 impl Client {
     /// Starts a delay job.
     pub fn delay_job(&mut self, req: DelayJob) -> Result<Job> {
-        req.req.validate().map_err(Error::InvalidArgument)?;
+        req.req
+            .validate()
+            .map_err(|e| Error::InvalidArgument(e.to_string()))?;
         self.submit_job(Opcode::DelayJob, bytemuck::bytes_of(&req.req))
     }
 

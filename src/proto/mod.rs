@@ -230,18 +230,27 @@ const _: () = {
     assert!(size_of::<DelayJobRequest>() == 48);
 };
 
+/// Why a [`DelayJobRequest`] is refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DelayJobError {
+    #[error("pending {pending_us} us + running {running_us} us exceeds {MAX_DELAY_US} us")]
+    TooLong { pending_us: u64, running_us: u64 },
+    #[error("reserved field is not zero")]
+    Reserved,
+}
+
 impl DelayJobRequest {
-    /// Checks the bounds; the message names the one that failed.
-    pub fn validate(&self) -> Result<(), String> {
+    /// Checks the bounds; the error names the one that failed.
+    pub fn validate(&self) -> Result<(), DelayJobError> {
         let total = self.pending_us.checked_add(self.running_us);
         if total.is_none_or(|t| t > MAX_DELAY_US) {
-            return Err(format!(
-                "pending {} us + running {} us exceeds {MAX_DELAY_US} us",
-                self.pending_us, self.running_us
-            ));
+            return Err(DelayJobError::TooLong {
+                pending_us: self.pending_us,
+                running_us: self.running_us,
+            });
         }
         if self._reserved != 0 {
-            return Err("reserved field is not zero".into());
+            return Err(DelayJobError::Reserved);
         }
         Ok(())
     }
