@@ -48,7 +48,7 @@ impl CudaKvCache {
     ) -> crate::Result<Self> {
         layout
             .validate(chunk_tokens)
-            .map_err(crate::Error::Config)?;
+            .map_err(|e| crate::Error::InvalidArgument(e.to_string()))?;
         let ctx = Context::by_ordinal(ordinal)?;
         let stride = layout.tensor_bytes().div_ceil(1 << 16) << 16;
         let want = stride * u64::from(layout.num_tensors());

@@ -39,7 +39,7 @@ impl HostKvCache {
     pub fn new(layout: KvLayout, chunk_tokens: u32) -> Result<HostKvCache> {
         layout
             .validate(chunk_tokens)
-            .map_err(Error::InvalidArgument)?;
+            .map_err(|e| Error::InvalidArgument(e.to_string()))?;
         let stride = round_page(layout.tensor_bytes());
         let total = stride
             .checked_mul(u64::from(layout.num_tensors()))

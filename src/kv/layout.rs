@@ -110,6 +110,36 @@ shm_struct! {
 
 const _: () = assert!(std::mem::size_of::<KvLayout>() == 32);
 
+/// Why a [`KvLayout`] is refused (registration answers with this text).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum LayoutError {
+    #[error("unknown layout kind {0}")]
+    UnknownKind(u32),
+    #[error("{0} layers: must be 1..={MAX_LAYERS}")]
+    Layers(u32),
+    #[error("{0} blocks: must be 1..={MAX_BLOCKS}")]
+    Blocks(u32),
+    #[error("{0} heads: must be 1..={MAX_HEADS}")]
+    Heads(u32),
+    #[error("MLA layout with {0} heads: must be 1")]
+    MlaHeads(u32),
+    #[error("head dim {0}: must be 1..={MAX_HEAD_DIM}")]
+    HeadDim(u32),
+    #[error("element size {0}: must be 1, 2 or 4")]
+    ElemBytes(u32),
+    #[error(
+        "block size {block_tokens} tokens does not divide the server's chunk size of {chunk_tokens} tokens"
+    )]
+    BlockTokens { block_tokens: u32, chunk_tokens: u32 },
+    #[error("reserved field is not zero")]
+    Reserved,
+    #[error("tensor size overflows")]
+    TensorOverflow,
+    #[error("tensor of {0} bytes exceeds {MAX_TENSOR_BYTES}")]
+    TensorBytes(u64),
+}
+
 /// Bounds on a layout's dimensions.
 pub const MAX_LAYERS: u32 = 1024;
 pub const MAX_HEADS: u32 = 1024;
@@ -178,59 +208,42 @@ impl KvLayout {
     }
 
     /// Checks every bound and that `block_tokens` divides `chunk_tokens`.
-    /// The message says which check failed.
-    pub fn validate(&self, chunk_tokens: u32) -> Result<(), String> {
-        let kind = self
-            .kind()
-            .ok_or_else(|| format!("unknown layout kind {}", self.kind))?;
+    /// The error says which check failed.
+    pub fn validate(&self, chunk_tokens: u32) -> Result<(), LayoutError> {
+        let kind = self.kind().ok_or(LayoutError::UnknownKind(self.kind))?;
         if !(1..=MAX_LAYERS).contains(&self.num_layers) {
-            return Err(format!(
-                "{} layers: must be 1..={MAX_LAYERS}",
-                self.num_layers
-            ));
+            return Err(LayoutError::Layers(self.num_layers));
         }
         if !(1..=MAX_BLOCKS).contains(&self.num_blocks) {
-            return Err(format!(
-                "{} blocks: must be 1..={MAX_BLOCKS}",
-                self.num_blocks
-            ));
+            return Err(LayoutError::Blocks(self.num_blocks));
         }
         if !(1..=MAX_HEADS).contains(&self.num_heads) {
-            return Err(format!("{} heads: must be 1..={MAX_HEADS}", self.num_heads));
+            return Err(LayoutError::Heads(self.num_heads));
         }
         if kind == KvLayoutKind::Mla && self.num_heads != 1 {
-            return Err(format!(
-                "MLA layout with {} heads: must be 1",
-                self.num_heads
-            ));
+            return Err(LayoutError::MlaHeads(self.num_heads));
         }
         if !(1..=MAX_HEAD_DIM).contains(&self.head_dim) {
-            return Err(format!(
-                "head dim {}: must be 1..={MAX_HEAD_DIM}",
-                self.head_dim
-            ));
+            return Err(LayoutError::HeadDim(self.head_dim));
         }
         if ![1, 2, 4].contains(&self.elem_bytes) {
-            return Err(format!(
-                "element size {}: must be 1, 2 or 4",
-                self.elem_bytes
-            ));
+            return Err(LayoutError::ElemBytes(self.elem_bytes));
         }
         if self.block_tokens == 0 || chunk_tokens % self.block_tokens != 0 {
-            return Err(format!(
-                "block size {} tokens does not divide the server's chunk size of {chunk_tokens} tokens",
-                self.block_tokens
-            ));
+            return Err(LayoutError::BlockTokens {
+                block_tokens: self.block_tokens,
+                chunk_tokens,
+            });
         }
         if self._reserved != 0 {
-            return Err("reserved field is not zero".into());
+            return Err(LayoutError::Reserved);
         }
         // Every size below must fit comfortably: computed with checked math.
         let t = self
             .checked_tensor_bytes()
-            .ok_or_else(|| "tensor size overflows".to_string())?;
+            .ok_or(LayoutError::TensorOverflow)?;
         if t > MAX_TENSOR_BYTES {
-            return Err(format!("tensor of {t} bytes exceeds {MAX_TENSOR_BYTES}"));
+            return Err(LayoutError::TensorBytes(t));
         }
         Ok(())
     }
@@ -403,13 +416,13 @@ mod tests {
     fn bad_layouts_say_what_is_wrong() {
         let mut l = layout(KvLayoutKind::FlashAttn);
         l.block_tokens = 3;
-        assert!(l.validate(16).unwrap_err().contains("does not divide"));
+        assert!(l.validate(16).unwrap_err().to_string().contains("does not divide"));
         let mut l = layout(KvLayoutKind::Mla);
         l.num_heads = 2;
-        assert!(l.validate(16).unwrap_err().contains("MLA"));
+        assert!(l.validate(16).unwrap_err().to_string().contains("MLA"));
         let mut l = layout(KvLayoutKind::FlashAttn);
         l.elem_bytes = 3;
-        assert!(l.validate(16).unwrap_err().contains("element size"));
+        assert!(l.validate(16).unwrap_err().to_string().contains("element size"));
         let mut l = layout(KvLayoutKind::CrossLayer);
         l.num_blocks = MAX_BLOCKS;
         l.num_layers = MAX_LAYERS;
@@ -417,6 +430,6 @@ mod tests {
         l.num_heads = MAX_HEADS;
         assert!(l.validate(16).is_err());
         l.kind = 9;
-        assert!(l.validate(16).unwrap_err().contains("unknown layout"));
+        assert!(l.validate(16).unwrap_err().to_string().contains("unknown layout"));
     }
 }

@@ -54,20 +54,30 @@ pub enum RingError {
     Corrupt(&'static str),
 }
 
+/// A ring size or frame bound out of its bounds (see [`check_geometry`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RingGeometryError {
+    #[error("ring capacity {0} must be a power of two in {MIN_CAPACITY}..={MAX_CAPACITY}")]
+    Capacity(usize),
+    #[error(
+        "frame bound {max_frame} must be a multiple of 8 in {}..={} (a quarter of the ring)",
+        HEADER_BYTES + 64,
+        capacity / 4
+    )]
+    FrameBound { max_frame: usize, capacity: usize },
+}
+
 /// Checks a ring geometry: capacity a power of two within bounds, the frame
 /// bound a multiple of 8 that leaves room for at least four maximal frames.
-pub fn check_geometry(capacity: usize, max_frame: usize) -> Result<(), String> {
+pub fn check_geometry(capacity: usize, max_frame: usize) -> Result<(), RingGeometryError> {
     if !capacity.is_power_of_two() || !(MIN_CAPACITY..=MAX_CAPACITY).contains(&capacity) {
-        return Err(format!(
-            "ring capacity {capacity} must be a power of two in {MIN_CAPACITY}..={MAX_CAPACITY}"
-        ));
+        return Err(RingGeometryError::Capacity(capacity));
     }
     if max_frame % 8 != 0 || max_frame < HEADER_BYTES + 64 || max_frame > capacity / 4 {
-        return Err(format!(
-            "frame bound {max_frame} must be a multiple of 8 in {}..={} (a quarter of the ring)",
-            HEADER_BYTES + 64,
-            capacity / 4
-        ));
+        return Err(RingGeometryError::FrameBound {
+            max_frame,
+            capacity,
+        });
     }
     Ok(())
 }

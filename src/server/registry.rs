@@ -230,7 +230,9 @@ impl Registry {
             return Err(bad("model id 0 is reserved"));
         }
         let layout = req.layout;
-        layout.validate(chunk_tokens).map_err(bad)?;
+        layout
+            .validate(chunk_tokens)
+            .map_err(|e| bad(e.to_string()))?;
         if req.n_tensors != layout.num_tensors() {
             return Err(bad(format!(
                 "{} tensor regions for a layout of {} tensors",

@@ -314,10 +314,10 @@ pub enum GeometryError {
     JobSlots(u32),
     /// The request ring's size or frame bound (the ring's own message).
     #[error("request ring: {0}")]
-    RequestRing(String),
+    RequestRing(crate::ring::RingGeometryError),
     /// The completion ring's size or frame bound (the ring's own message).
     #[error("completion ring: {0}")]
-    CompletionRing(String),
+    CompletionRing(crate::ring::RingGeometryError),
 }
 
 impl Geometry {
