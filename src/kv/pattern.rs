@@ -73,6 +73,23 @@ pub fn write_chunk(cache: &(impl Slabs + ?Sized), content: u32, hash: &ChunkHash
     }
 }
 
+/// The first byte of a chunk that differs from what it should be.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "layer {layer} part {part} block {block} (#{index} of the chunk): byte {byte} is {got:#04x}, expected {want:#04x}"
+)]
+pub struct Mismatch {
+    pub layer: u32,
+    pub part: u32,
+    pub block: u32,
+    /// The block's position in the chunk.
+    pub index: usize,
+    /// The byte's offset in the slab.
+    pub byte: usize,
+    pub got: u8,
+    pub want: u8,
+}
+
 /// Checks one chunk's contents in `blocks` of `cache`: blocks before
 /// `skip_blocks` must still hold `poison` bytes, the rest the chunk's bytes.
 /// Returns the bytes checked, or where the first difference is.
@@ -83,7 +100,7 @@ pub fn verify_chunk(
     blocks: &[u32],
     skip_blocks: u32,
     poison: u8,
-) -> Result<u64, String> {
+) -> Result<u64, Mismatch> {
     let l = *cache.slab_layout();
     let n = l.slab_bytes() as usize;
     let (mut want, mut got) = (vec![0u8; n], vec![0u8; n]);
@@ -99,10 +116,15 @@ pub fn verify_chunk(
                 cache.get_slab(layer, part, b, &mut got);
                 if want != got {
                     let at = want.iter().zip(&got).position(|(a, b)| a != b).unwrap_or(0);
-                    return Err(format!(
-                        "layer {layer} part {part} block {b} (#{j} of the chunk): byte {at} is {:#04x}, expected {:#04x}",
-                        got[at], want[at]
-                    ));
+                    return Err(Mismatch {
+                        layer,
+                        part,
+                        block: b,
+                        index: j,
+                        byte: at,
+                        got: got[at],
+                        want: want[at],
+                    });
                 }
                 checked += n as u64;
             }
