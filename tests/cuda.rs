@@ -1,14 +1,19 @@
 //! The CUDA data plane with real processes: this test process is the engine
 //! (its KV cache in GPU memory, exported by IPC handle or VMM fd), the
-//! `kvring` binary serves with `--backend cuda`. Every layout and element
-//! size both ways on random contents with poisoned destinations; the
-//! engine's IPC event orders a store after the engine's own writes;
-//! transfers run next to a stream of telemetry (STATS and the inspector)
-//! under a watchdog.
+//! `kvring` binary serves with `--backend cuda`. What the CUDA backend is
+//! tested for beyond the conformance suite every backend passes
+//! (`conformance.rs`): VMM exports and realistic rows, the zero-copy path,
+//! host caches on a CUDA server, the engine's IPC event ordering a store
+//! after the engine's own writes, the engine's stream waiting for a
+//! published job event, transfers next to a stream of telemetry (STATS and
+//! the inspector) under a watchdog, and ranks in two processes on two GPUs.
+//! Every copy is checked on deterministic contents with poisoned
+//! destinations.
 //!
 //! Every test is `#[ignore]`d: a machine without a GPU reports them as
 //! ignored; on a GPU machine run them with `--include-ignored` (where they
 //! fail, saying so, if no GPU is usable).
+#![cfg(feature = "cuda")]
 
 mod common;
 
@@ -17,18 +22,14 @@ use kvring::client::cuda_cache::{CudaKvCache, EngineStream, Export, IpcEvent};
 use kvring::jobs::{JobResult, JobStatus};
 use kvring::kv::pattern::{self, Slabs};
 use kvring::kv::{chunk_hashes, model_id, ChunkHash, KvLayout, KvLayoutKind};
-use kvring::{Client, Job, KvSpec, Lookup, Registration, Retrieve, Store};
+use kvring::{Client, Job, KvSpec, Lookup, Retrieve, Store};
 use std::time::{Duration, Instant};
-
-/// Why every test here is ignored by default.
-const NEEDS_GPU: &str = "needs an NVIDIA GPU (run with --include-ignored on a GPU machine)";
 
 /// Fails the test, saying why, when there is no usable GPU (these tests run
 /// only when asked for with `--include-ignored`).
 fn require_gpu() {
-    match kvring::gpu::probe() {
-        Ok(d) => eprintln!("GPU: {} ({} devices)", d[0].name, d.len()),
-        Err(e) => panic!("{NEEDS_GPU}: no usable GPU: {e}"),
+    if let Err(why) = Cuda::available() {
+        panic!("{why}");
     }
 }
 
@@ -78,62 +79,32 @@ fn verify(cache: &impl Slabs, hashes: &[ChunkHash], b: &[u32], bpc: usize, skip:
     }
 }
 
-fn round_trip(s: &Scope, sched: &mut Client, l: KvLayout, export: Export, seed: u32) {
-    let mut c = s.client();
-    let src = CudaKvCache::new(l, CHUNK, 0, export).unwrap();
-    src.fill(0x3c).unwrap();
-    let inst: Registration = c.register_cuda(&spec("gpu"), &src).unwrap();
-    let bpc = inst.blocks_per_chunk() as usize;
-    let hashes = chunk_hashes(&prompt(seed, 4 * CHUNK as usize), CHUNK);
-    let sb = blocks(1, 4 * bpc as u32, l.num_blocks);
-    for (h, b) in hashes.iter().zip(sb.chunks(bpc)) {
-        pattern::write_chunk(&src, 0, h, b);
-    }
-    let r = done30(c.store(Store::new(&inst, &hashes, &sb)).unwrap());
-    assert_eq!((r.value, r.aux), (4, 0), "{l:?}");
-    let lease = sched
-        .lookup(Lookup::new(model_id("gpu"), 1, &hashes))
-        .unwrap();
-    assert!(matches!(lease.result(), JobResult { value: 4, .. }));
-    // Into a fresh, poisoned cache of another registration; skip the first
-    // block of the first chunk.
-    let dst = CudaKvCache::new(l, CHUNK, 0, export).unwrap();
-    dst.fill(0xa5).unwrap();
-    let dinst = c.register_cuda(&spec("gpu"), &dst).unwrap();
-    let db = blocks(7, 4 * bpc as u32, l.num_blocks);
-    let r = done30(
-        c.retrieve(Retrieve::new(&dinst, &lease, &db).skip_tokens(16))
-            .unwrap(),
+/// [`round_trip`] with caches of `l` on GPU 0, exported as `export`.
+fn round_trip_gpu(s: &Scope, sched: &mut Client, l: KvLayout, export: Export, seed: u32) {
+    round_trip(
+        s,
+        sched,
+        l,
+        || CudaKvCache::new(l, CHUNK, 0, export).unwrap(),
+        seed,
     );
-    assert_eq!(r.value, 4);
-    verify(&dst, &hashes, &db, bpc, 1, 0xa5);
-    c.unregister(inst).unwrap();
-    c.unregister(dinst).unwrap();
-    // Taken by its retrieve; its lookup job stays the scheduler's until it
-    // disconnects, as the scheduler never released it.
-    let _ = lease.into_id();
 }
 
+/// (Every layout kind and element size round-trips on every backend: the
+/// conformance suite.)
 #[test]
 #[ignore = "needs an NVIDIA GPU (run with --include-ignored on a GPU machine)"]
-fn every_layout_and_element_size_round_trips_through_the_gpu_path() {
+fn vmm_exported_caches_and_realistic_rows_round_trip_through_the_gpu_path() {
     require_gpu();
-    let s = Fixture::new("cuda-layouts", Duration::from_secs(300), &CUDA_ARGS);
+    let s = Fixture::new("cuda-vmm", Duration::from_secs(300), &CUDA_ARGS);
     let mut sched = s.client();
     assert_eq!(sched.server_config().unwrap().backend, 2, "a CUDA server");
-    let mut seed = 0;
-    for kind in KvLayoutKind::ALL {
-        for elem in [1, 2, 4] {
-            seed += 1;
-            round_trip(&s, &mut sched, layout(kind, elem, 40), Export::Ipc, seed);
-        }
-    }
     // A VMM allocation exported as a POSIX fd, and realistic rows (uint4
     // path).
     let mut big = layout(KvLayoutKind::FlashAttn, 2, 64);
     big.head_dim = 128;
-    round_trip(&s, &mut sched, big, Export::VmmFd, 100);
-    round_trip(&s, &mut sched, big, Export::Ipc, 101);
+    round_trip_gpu(&s, &mut sched, big, Export::VmmFd, 100);
+    round_trip_gpu(&s, &mut sched, big, Export::Ipc, 101);
     let st = sched.stats().unwrap();
     assert_eq!(st.leases, 0);
     assert_eq!(st.instances, 0);
@@ -287,12 +258,12 @@ fn the_zero_copy_path_round_trips_every_layout_too() {
     for kind in KvLayoutKind::ALL {
         for elem in [1, 2] {
             seed += 1;
-            round_trip(&s, &mut sched, layout(kind, elem, 40), Export::Ipc, seed);
+            round_trip_gpu(&s, &mut sched, layout(kind, elem, 40), Export::Ipc, seed);
         }
     }
     let mut big = layout(KvLayoutKind::FlashAttn, 2, 64);
     big.head_dim = 128;
-    round_trip(&s, &mut sched, big, Export::VmmFd, 600);
+    round_trip_gpu(&s, &mut sched, big, Export::VmmFd, 600);
 }
 
 #[test]

@@ -7,9 +7,15 @@
 
 use kvring::jobs::{JobResult, JobStatus};
 use kvring::kv::{
-    chunk_hashes, model_id, pattern, ChunkHash, Dtype, KvLayout, KvLayoutKind, KvShape,
+    chunk_hashes, model_id, pattern::{self, Slabs}, ChunkHash, Dtype, KvLayout, KvLayoutKind, KvShape,
 };
-use kvring::{Client, HostKvCache, Job, KvSpec, Lease, Lookup, Registration, Store};
+use kvring::proto::Status;
+use kvring::{
+    Client, Error, HostKvCache, Job, KvSpec, Lease, Lookup, Registration, Retrieve, Store,
+};
+
+#[cfg(feature = "cuda")]
+use kvring::client::cuda_cache::{CudaKvCache, Export};
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -394,38 +400,72 @@ pub fn lookup(c: &mut Client, world: u32, salt: u64, hashes: &[ChunkHash]) -> Le
     lease
 }
 
-/// One engine worker: a client, a host cache, its registration.
-pub struct Engine {
+/// A KV cache an engine owns, as the tests drive it: the host cache or a
+/// GPU one (its slabs read and written through [`Slabs`]).
+pub trait EngineCache: Slabs + Send + Sync {
+    /// Sets every byte of the cache to `byte`.
+    fn poison(&self, byte: u8);
+    /// Registers the cache with `c`'s server under `spec`.
+    fn register_with(&self, c: &mut Client, spec: &KvSpec) -> kvring::Result<Registration>;
+}
+
+impl EngineCache for HostKvCache {
+    fn poison(&self, byte: u8) {
+        self.fill(byte)
+    }
+    fn register_with(&self, c: &mut Client, spec: &KvSpec) -> kvring::Result<Registration> {
+        c.register_host(spec, self)
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl EngineCache for CudaKvCache {
+    fn poison(&self, byte: u8) {
+        self.fill(byte).expect("fill a device cache")
+    }
+    fn register_with(&self, c: &mut Client, spec: &KvSpec) -> kvring::Result<Registration> {
+        c.register_cuda(spec, self)
+    }
+}
+
+/// One engine worker: a client, a KV cache (host memory unless said
+/// otherwise), its registration.
+pub struct Engine<C: EngineCache = HostKvCache> {
     // The registration goes before its cache.
     pub inst: Registration,
     pub c: Client,
-    pub cache: HostKvCache,
+    pub cache: C,
     pub rank: u32,
 }
 
 impl Engine {
-    /// A worker of [`MODEL`].
+    /// A worker of [`MODEL`] with a host cache.
     pub fn new(s: &Scope, l: KvLayout, world: u32, rank: u32) -> Engine {
         Self::of_model(s, MODEL, l, world, rank)
     }
 
     pub fn of_model(s: &Scope, model: &str, l: KvLayout, world: u32, rank: u32) -> Engine {
-        let mut c = s.client();
         let cache = HostKvCache::new(l, CHUNK).unwrap();
-        let inst = c
-            .register_host(&KvSpec::new(model_id(model), world, rank), &cache)
-            .unwrap();
+        Engine::with_cache(s, cache, &KvSpec::new(model_id(model), world, rank))
+    }
+}
+
+impl<C: EngineCache> Engine<C> {
+    /// A worker with its own client, registering `cache` under `spec`.
+    pub fn with_cache(s: &Scope, cache: C, spec: &KvSpec) -> Engine<C> {
+        let mut c = s.client();
+        let inst = cache.register_with(&mut c, spec).unwrap();
         Engine {
             c,
             cache,
             inst,
-            rank,
+            rank: spec.rank,
         }
     }
 
     /// The content id of this rank's objects (MLA ranks share one).
     pub fn content(&self) -> u32 {
-        if self.cache.layout().parts() == 1 {
+        if self.cache.slab_layout().parts() == 1 {
             u32::MAX
         } else {
             self.rank
@@ -438,7 +478,7 @@ impl Engine {
 
     /// Blocks for chunk `i`, spread over the cache in a scrambled order.
     pub fn blocks(&self, first_block: u32, n_chunks: usize) -> Vec<u32> {
-        let nb = self.cache.layout().num_blocks;
+        let nb = self.cache.slab_layout().num_blocks;
         (0..n_chunks as u32 * self.bpc())
             .map(|k| (first_block + k * 7) % nb)
             .collect()
@@ -473,6 +513,64 @@ impl Engine {
     }
 }
 
+/// Four chunks of a prompt of `seed` stored from a cache of `l` and
+/// retrieved twice into a poisoned cache of another registration, byte for
+/// byte: whole, then skipping the first block (which keeps its poison).
+/// Both caches come from `new_cache`; both registrations and leases are
+/// gone at the end.
+pub fn round_trip<C: EngineCache>(
+    s: &Scope,
+    sched: &mut Client,
+    l: KvLayout,
+    new_cache: impl Fn() -> C,
+    seed: u32,
+) {
+    let spec = KvSpec::new(model_id(MODEL), 1, 0);
+    let mut a = Engine::with_cache(s, new_cache(), &spec);
+    a.cache.poison(0x3c);
+    let tokens = prompt(seed, 4 * CHUNK as usize + 10);
+    let hashes = chunk_hashes(&tokens, CHUNK);
+    assert_eq!(hashes.len(), 4);
+    let blocks = a.blocks(3, 4);
+    a.write(&hashes, &blocks);
+    let r = a.store(0, &hashes, &blocks);
+    assert_eq!((r.value, r.aux), (4, 0), "{l:?}");
+    let lease = lookup(sched, 1, 0, &hashes);
+    assert_eq!(lease.hits(), 4, "{l:?}");
+    // A fresh, poisoned cache of another engine process of the same model:
+    // the chunks land in other blocks, byte for byte.
+    let mut b = Engine::with_cache(s, new_cache(), &spec);
+    b.cache.poison(0xa5);
+    let dst = b.blocks(11, 4);
+    let r = done(b.c.retrieve(Retrieve::new(&b.inst, &lease, &dst)).unwrap());
+    assert_eq!(r.value, 4, "{l:?}");
+    assert_eq!(r.aux, 4 * l.object_bytes(CHUNK), "{l:?}");
+    b.verify(&hashes, &dst, 0, 0xa5);
+    // Consumed by its retrieve: nothing left to end.
+    let _ = lease.into_id();
+    // Again, skipping the first 16-token block of the first chunk.
+    b.cache.poison(0xa5);
+    let lease = lookup(sched, 1, 0, &hashes);
+    assert_eq!(lease.hits(), 4, "{l:?}");
+    let r = done(
+        b.c.retrieve(Retrieve::new(&b.inst, &lease, &dst).skip_tokens(16))
+            .unwrap(),
+    );
+    assert_eq!(r.value, 4, "{l:?}");
+    b.verify(&hashes, &dst, 16 / l.block_tokens, 0xa5);
+    let _ = lease.into_id();
+    a.c.unregister(a.inst).unwrap();
+    b.c.unregister(b.inst).unwrap();
+}
+
+/// Fails unless `r` is the server's refusal with `st`.
+pub fn expect_status<T: std::fmt::Debug>(r: kvring::Result<T>, st: Status) {
+    match r {
+        Err(Error::Status(s)) if s == st => {}
+        other => panic!("expected {st:?}, got {other:?}"),
+    }
+}
+
 /// The hashes of a `chunks`-chunk prompt of `seed`.
 pub fn prompt_hashes(seed: u32, chunks: usize) -> Vec<ChunkHash> {
     chunk_hashes(&prompt(seed, chunks * CHUNK as usize), CHUNK)
@@ -492,5 +590,160 @@ pub fn assert_no_unfinished_jobs(ro: &kvring::segment::ReadOnlySegment) {
                 "job slot {index} left {st:?}"
             );
         }
+    }
+}
+
+/// Why the GPU tests are ignored by default, and what one run with
+/// `--include-ignored` says where there is no usable GPU.
+pub const NEEDS_GPU: &str = "needs an NVIDIA GPU (run with --include-ignored on a GPU machine)";
+
+/// A copy backend of the server together with the engine caches it serves:
+/// what the conformance suite (`tests/conformance.rs`) is generic over.
+pub trait Backend {
+    /// The engines' KV cache.
+    type Cache: EngineCache;
+    /// What GET_CONFIG reports as the server's backend (1 host, 2 CUDA).
+    const CODE: u32;
+    /// Head size of the scenarios' layouts (rows of `2 * HEAD_DIM`
+    /// elements).
+    const HEAD_DIM: u32;
+    /// The pool of a server under no memory pressure.
+    const POOL: &'static str;
+
+    /// Whether this machine can run the backend; why not, if it cannot.
+    fn available() -> Result<(), String>;
+    /// `kvring serve` arguments: 64-token chunks, a pool of `pool`.
+    fn server_args(pool: &str) -> Vec<String>;
+    /// A cache of `l` on device `device` (an index: which device of the
+    /// server's the engine runs on).
+    fn new_cache(l: KvLayout, device: u32) -> Self::Cache;
+    /// `spec` for an engine on device `device`.
+    fn on_device(spec: KvSpec, device: u32) -> KvSpec;
+
+    /// A server of this backend with a pool of `pool` (failing the test,
+    /// saying why, if the machine cannot run the backend).
+    fn fixture(tag: &str, limit: Duration, pool: &str) -> Fixture {
+        if let Err(why) = Self::available() {
+            panic!("{why}");
+        }
+        let args = Self::server_args(pool);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        Fixture::new(tag, limit, &args)
+    }
+
+    /// A worker of [`MODEL`] with a fresh cache of `l` on device `device`.
+    fn engine(s: &Scope, l: KvLayout, world: u32, rank: u32, device: u32) -> Engine<Self::Cache> {
+        let spec = Self::on_device(KvSpec::new(model_id(MODEL), world, rank), device);
+        Engine::with_cache(s, Self::new_cache(l, device), &spec)
+    }
+}
+
+/// The host backend: host-memory caches, copies by the server's workers.
+pub struct Host;
+
+fn host_args(pool: &str) -> Vec<String> {
+    [
+        "--backend",
+        "host",
+        "--chunk-tokens",
+        "64",
+        "--pool-bytes",
+        pool,
+        "--copy-threads",
+        "2",
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+impl Backend for Host {
+    type Cache = HostKvCache;
+    const CODE: u32 = 1;
+    const HEAD_DIM: u32 = 24;
+    const POOL: &'static str = "64MiB";
+
+    fn available() -> Result<(), String> {
+        Ok(())
+    }
+    fn server_args(pool: &str) -> Vec<String> {
+        host_args(pool)
+    }
+    fn new_cache(l: KvLayout, _device: u32) -> HostKvCache {
+        HostKvCache::new(l, CHUNK).unwrap()
+    }
+    fn on_device(spec: KvSpec, _device: u32) -> KvSpec {
+        spec
+    }
+}
+
+/// The UUID of a host-backend server's simulated device `i`.
+pub fn simulated_device_uuid(i: u32) -> kvring::DeviceUuid {
+    kvring::DeviceUuid::from_bytes(kvring::server::simulated_device_uuid(i))
+}
+
+/// The host backend with two simulated devices (`--simulated-devices 2`):
+/// host caches whose engines say which device they run on, each device
+/// with its own copy lane, as a CUDA server has per GPU.
+pub struct SimulatedDevices;
+
+impl Backend for SimulatedDevices {
+    type Cache = HostKvCache;
+    const CODE: u32 = 1;
+    const HEAD_DIM: u32 = 24;
+    const POOL: &'static str = "64MiB";
+
+    fn available() -> Result<(), String> {
+        Ok(())
+    }
+    fn server_args(pool: &str) -> Vec<String> {
+        let mut args = host_args(pool);
+        args.extend(["--simulated-devices", "2"].map(String::from));
+        args
+    }
+    fn new_cache(l: KvLayout, _device: u32) -> HostKvCache {
+        HostKvCache::new(l, CHUNK).unwrap()
+    }
+    fn on_device(spec: KvSpec, device: u32) -> KvSpec {
+        spec.on_device(simulated_device_uuid(device))
+    }
+}
+
+/// The CUDA backend: caches in GPU memory (exported by IPC handle), copies
+/// by the server's CUDA streams. Device `i` is GPU `i` where the machine
+/// has it, else GPU 0.
+#[cfg(feature = "cuda")]
+pub struct Cuda;
+
+#[cfg(feature = "cuda")]
+impl Backend for Cuda {
+    type Cache = CudaKvCache;
+    const CODE: u32 = 2;
+    /// 80-byte rows at one-byte elements: not a multiple of 16, so the
+    /// bytewise copy path runs too.
+    const HEAD_DIM: u32 = 40;
+    const POOL: &'static str = "512MiB";
+
+    fn available() -> Result<(), String> {
+        match kvring::gpu::probe() {
+            Ok(d) => {
+                eprintln!("GPU: {} ({} devices)", d[0].name, d.len());
+                Ok(())
+            }
+            Err(e) => Err(format!("{NEEDS_GPU}: no usable GPU: {e}")),
+        }
+    }
+    fn server_args(pool: &str) -> Vec<String> {
+        ["--backend", "cuda", "--chunk-tokens", "64", "--pool-bytes", pool]
+            .map(String::from)
+            .to_vec()
+    }
+    fn new_cache(l: KvLayout, device: u32) -> CudaKvCache {
+        let gpus = kvring::gpu::probe().map_or(1, |d| d.len() as u32);
+        let ordinal = if device < gpus { device } else { 0 };
+        CudaKvCache::new(l, CHUNK, ordinal as i32, Export::Ipc).unwrap()
+    }
+    /// (The device is the cache's.)
+    fn on_device(spec: KvSpec, _device: u32) -> KvSpec {
+        spec
     }
 }
