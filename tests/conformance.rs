@@ -33,7 +33,13 @@ fn every_layout_and_element_size_round_trips_byte_for_byte<B: Backend>() {
     for kind in KvLayoutKind::ALL {
         for elem in [1, 2, 4] {
             let l = layout::<B>(kind, elem, 48);
-            round_trip(&s, &mut sched, l, || B::new_cache(l, 0), kind as u32 * 10 + elem);
+            round_trip(
+                &s,
+                &mut sched,
+                l,
+                || B::new_cache(l, 0),
+                kind as u32 * 10 + elem,
+            );
         }
     }
     let st = sched.stats().unwrap();

@@ -2,12 +2,16 @@
 //! `kvring` binary as the server, child client processes (this test binary
 //! re-executed), and a watchdog so a hang fails fast; [`Fixture`] puts the
 //! four together. Also the KV helpers several test files use: layouts,
-//! prompts, waiting for a job's result, and a host-memory [`Engine`].
+//! prompts, waiting for a job's result, an [`Engine`] (a client with a
+//! registered cache, host memory or GPU), a store-and-retrieve
+//! [`round_trip`], and the [`Backend`]s the conformance suite runs against
+//! ([`Host`], [`SimulatedDevices`], `Cuda`).
 #![allow(dead_code)]
 
 use kvring::jobs::{JobResult, JobStatus};
+use kvring::kv::pattern::Slabs;
 use kvring::kv::{
-    chunk_hashes, model_id, pattern::{self, Slabs}, ChunkHash, Dtype, KvLayout, KvLayoutKind, KvShape,
+    chunk_hashes, model_id, pattern, ChunkHash, Dtype, KvLayout, KvLayoutKind, KvShape,
 };
 use kvring::proto::Status;
 use kvring::{
@@ -733,9 +737,16 @@ impl Backend for Cuda {
         }
     }
     fn server_args(pool: &str) -> Vec<String> {
-        ["--backend", "cuda", "--chunk-tokens", "64", "--pool-bytes", pool]
-            .map(String::from)
-            .to_vec()
+        [
+            "--backend",
+            "cuda",
+            "--chunk-tokens",
+            "64",
+            "--pool-bytes",
+            pool,
+        ]
+        .map(String::from)
+        .to_vec()
     }
     fn new_cache(l: KvLayout, device: u32) -> CudaKvCache {
         let gpus = kvring::gpu::probe().map_or(1, |d| d.len() as u32);
