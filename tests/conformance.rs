@@ -291,7 +291,7 @@ fn tensor_parallel_ranks_store_and_retrieve_concurrently_and_mla_shares<B: Backe
 }
 
 /// Rounds of the two-device scenario.
-const DEVICE_ROUNDS: u32 = 10;
+const DEVICE_ROUNDS: u32 = 20;
 
 fn tensor_parallel_ranks_on_two_devices_store_and_retrieve_concurrently<B: Backend>() {
     let s = B::fixture("tp-devices", Duration::from_secs(120), B::POOL);

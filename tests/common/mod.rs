@@ -406,7 +406,7 @@ pub fn lookup(c: &mut Client, world: u32, salt: u64, hashes: &[ChunkHash]) -> Le
 
 /// A KV cache an engine owns, as the tests drive it: the host cache or a
 /// GPU one (its slabs read and written through [`Slabs`]).
-pub trait EngineCache: Slabs + Send + Sync {
+pub trait EngineCache: Slabs + Send {
     /// Sets every byte of the cache to `byte`.
     fn poison(&self, byte: u8);
     /// Registers the cache with `c`'s server under `spec`.
@@ -749,7 +749,8 @@ impl Backend for Cuda {
         .to_vec()
     }
     fn new_cache(l: KvLayout, device: u32) -> CudaKvCache {
-        let gpus = kvring::gpu::probe().map_or(1, |d| d.len() as u32);
+        static GPUS: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+        let gpus = *GPUS.get_or_init(|| kvring::gpu::probe().map_or(1, |d| d.len() as u32));
         let ordinal = if device < gpus { device } else { 0 };
         CudaKvCache::new(l, CHUNK, ordinal as i32, Export::Ipc).unwrap()
     }
