@@ -29,7 +29,7 @@ fn layout<B: Backend>(kind: KvLayoutKind, elem_bytes: u32, num_blocks: u32) -> K
 fn every_layout_and_element_size_round_trips_byte_for_byte<B: Backend>() {
     let s = B::fixture("layouts", Duration::from_secs(300), B::POOL);
     let mut sched = s.client();
-    assert_eq!(sched.server_config().unwrap().backend, B::CODE);
+    assert_eq!(sched.server_config().unwrap().backend, B::KIND.raw());
     for kind in KvLayoutKind::ALL {
         for elem in [1, 2, 4] {
             let l = layout::<B>(kind, elem, 48);

@@ -98,7 +98,11 @@ fn vmm_exported_caches_and_realistic_rows_round_trip_through_the_gpu_path() {
     require_gpu();
     let s = Fixture::new("cuda-vmm", Duration::from_secs(300), &CUDA_ARGS);
     let mut sched = s.client();
-    assert_eq!(sched.server_config().unwrap().backend, 2, "a CUDA server");
+    assert_eq!(
+        sched.server_config().unwrap().backend,
+        kvring::proto::kv::BackendKind::Cuda.raw(),
+        "a CUDA server"
+    );
     // A VMM allocation exported as a POSIX fd, and realistic rows (uint4
     // path).
     let mut big = layout(KvLayoutKind::FlashAttn, 2, 64);

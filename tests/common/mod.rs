@@ -13,6 +13,7 @@ use kvring::kv::pattern::Slabs;
 use kvring::kv::{
     chunk_hashes, model_id, pattern, ChunkHash, Dtype, KvLayout, KvLayoutKind, KvShape,
 };
+use kvring::proto::kv::BackendKind;
 use kvring::proto::Status;
 use kvring::{
     Client, Error, HostKvCache, Job, KvSpec, Lease, Lookup, Registration, Retrieve, Store,
@@ -606,8 +607,8 @@ pub const NEEDS_GPU: &str = "needs an NVIDIA GPU (run with --include-ignored on 
 pub trait Backend {
     /// The engines' KV cache.
     type Cache: EngineCache;
-    /// What GET_CONFIG reports as the server's backend (1 host, 2 CUDA).
-    const CODE: u32;
+    /// What GET_CONFIG reports as the server's backend.
+    const KIND: BackendKind;
     /// Head size of the scenarios' layouts (rows of `2 * HEAD_DIM`
     /// elements).
     const HEAD_DIM: u32;
@@ -662,7 +663,7 @@ fn host_args(pool: &str) -> Vec<String> {
 
 impl Backend for Host {
     type Cache = HostKvCache;
-    const CODE: u32 = 1;
+    const KIND: BackendKind = BackendKind::Host;
     const HEAD_DIM: u32 = 24;
     const POOL: &'static str = "64MiB";
 
@@ -692,7 +693,7 @@ pub struct SimulatedDevices;
 
 impl Backend for SimulatedDevices {
     type Cache = HostKvCache;
-    const CODE: u32 = 1;
+    const KIND: BackendKind = BackendKind::Host;
     const HEAD_DIM: u32 = 24;
     const POOL: &'static str = "64MiB";
 
@@ -721,7 +722,7 @@ pub struct Cuda;
 #[cfg(feature = "cuda")]
 impl Backend for Cuda {
     type Cache = CudaKvCache;
-    const CODE: u32 = 2;
+    const KIND: BackendKind = BackendKind::Cuda;
     /// 80-byte rows at one-byte elements: not a multiple of 16, so the
     /// bytewise copy path runs too.
     const HEAD_DIM: u32 = 40;
