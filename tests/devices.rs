@@ -2,23 +2,19 @@
 //! devices (`--simulated-devices`): each device has its own copy lane, as a
 //! CUDA server has per GPU.
 //!
-//! * One client drives two devices: a 256 MiB store backlog on device 0
-//!   does not hold up a small store on device 1 (with one lane, the
-//!   client's queue would serve it after the whole backlog).
-//! * Tensor-parallel ranks on two devices store and retrieve concurrently,
-//!   every byte checked.
+//! One client drives two devices: a 256 MiB store backlog on device 0 does
+//! not hold up a small store on device 1 (with one lane, the client's queue
+//! would serve it after the whole backlog). Tensor-parallel ranks on two
+//! devices are a scenario of the backend conformance suite
+//! (`tests/conformance.rs`).
 
 mod common;
 
 use common::*;
 use kvring::jobs::JobStatus;
 use kvring::kv::{chunk_hashes, model_id, pattern, Dtype, KvLayout, KvLayoutKind, KvShape};
-use kvring::{DeviceUuid, HostKvCache, KvSpec, Lookup, Retrieve, Store};
+use kvring::{HostKvCache, KvSpec, Lookup, Retrieve, Store};
 use std::time::{Duration, Instant};
-
-fn simulated_device_uuid(i: u32) -> DeviceUuid {
-    DeviceUuid::from_bytes(kvring::server::simulated_device_uuid(i))
-}
 
 /// A prompt of `chunks` chunks that opens with `seed`.
 fn prompt(seed: u32, chunks: u32) -> Vec<u32> {
@@ -113,87 +109,4 @@ fn one_devices_backlog_never_holds_up_another_device() {
         pattern::verify_chunk(&small_cache, round, &sh[0], &[8, 9, 10, 11], 0, 0x5a).unwrap();
     }
     eprintln!("small store / backlog time: at most {worst_ratio:.4}");
-}
-
-#[test]
-fn tensor_parallel_ranks_on_two_devices_store_and_retrieve_concurrently() {
-    let s = Fixture::new(
-        "tp-devices",
-        Duration::from_secs(120),
-        &[
-            "--backend",
-            "host",
-            "--simulated-devices",
-            "2",
-            "--copy-threads",
-            "2",
-            "--chunk-tokens",
-            "64",
-            "--pool-bytes",
-            "256MiB",
-        ],
-    );
-    const ROUNDS: u32 = 20;
-    let model = model_id("tp2");
-    std::thread::scope(|sc| {
-        let ranks: Vec<_> = (0..2u32)
-            .map(|rank| {
-                let s = &s;
-                sc.spawn(move || {
-                    let mut c = s.client();
-                    let dev = simulated_device_uuid(rank);
-                    let cache = HostKvCache::new(small_layout(), CHUNK).unwrap();
-                    let fresh = HostKvCache::new(small_layout(), CHUNK).unwrap();
-                    let spec = KvSpec::new(model, 2, rank).on_device(dev);
-                    let inst = c.register_host(&spec, &cache).unwrap();
-                    let finst = c.register_host(&spec, &fresh).unwrap();
-                    for round in 0..ROUNDS {
-                        let hs = chunk_hashes(&prompt(round, 8), CHUNK);
-                        let blocks: Vec<u32> = (0..32).collect();
-                        for (h, b) in hs.iter().zip(blocks.chunks(4)) {
-                            pattern::write_chunk(&cache, rank, h, b);
-                        }
-                        let job = c.store(Store::new(&inst, &hs, &blocks)).unwrap();
-                        assert!(matches!(job.wait(far()).unwrap(), JobStatus::Done(_)));
-                        c.release_job(job).unwrap();
-                        // A lookup hits only once both ranks stored: poll.
-                        let deadline = far();
-                        let lease = loop {
-                            let lease = c.lookup(Lookup::new(model, 2, &hs)).unwrap();
-                            if lease.hits() == 8 {
-                                break lease;
-                            }
-                            // (A lookup without a hit has no lease.)
-                            let id = lease.into_id();
-                            let _ = c.end_lease_id(id);
-                            c.release_job(id.job()).unwrap();
-                            assert!(Instant::now() < deadline, "the other rank never stored");
-                            std::thread::sleep(Duration::from_millis(1));
-                        };
-                        fresh.fill(0xc3);
-                        let db: Vec<u32> = (32..64).collect();
-                        let job = c.retrieve(Retrieve::new(&finst, &lease, &db)).unwrap();
-                        assert!(matches!(job.wait(far()).unwrap(), JobStatus::Done(_)));
-                        c.release_job(job).unwrap();
-                        // This rank's own lookup also held the other rank's
-                        // chunks: end it.
-                        let lease = lease.into_id();
-                        c.end_lease_id(lease).unwrap();
-                        c.release_job(lease.job()).unwrap();
-                        for (h, b) in hs.iter().zip(db.chunks(4)) {
-                            pattern::verify_chunk(&fresh, rank, h, b, 0, 0xc3)
-                                .unwrap_or_else(|e| panic!("rank {rank} round {round}: {e}"));
-                        }
-                    }
-                })
-            })
-            .collect();
-        for r in ranks {
-            r.join().unwrap();
-        }
-    });
-    let mut c = s.client();
-    let st = c.stats().unwrap();
-    assert_eq!(st.stored_chunks, 2 * 8 * u64::from(ROUNDS), "{st:?}");
-    assert_eq!(st.leases, 0);
 }

@@ -77,7 +77,7 @@ impl KvState {
             backend.device_uuids()
         } else {
             (0..cfg.simulated_devices)
-                .map(super::simulated_device_uuid)
+                .map(|i| super::simulated_device_uuid(i).to_bytes())
                 .collect()
         };
         Ok(KvState {

@@ -148,11 +148,11 @@ pub const MAX_SIMULATED_DEVICES: u32 = 64;
 
 /// The UUID of simulated device `index` of a host-backend server started
 /// with `--simulated-devices`.
-pub fn simulated_device_uuid(index: u32) -> [u8; 16] {
+pub fn simulated_device_uuid(index: u32) -> crate::DeviceUuid {
     let mut u = [0u8; 16];
     u[..12].copy_from_slice(b"kvring-simdv");
     u[12..].copy_from_slice(&index.to_be_bytes());
-    u
+    crate::DeviceUuid::from_bytes(u)
 }
 
 /// A [`KvConfig`] setting out of its bounds.
