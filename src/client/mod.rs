@@ -55,6 +55,7 @@ use crate::wait::WaitPolicy;
 use connect::Link;
 use std::collections::VecDeque;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -145,19 +146,31 @@ pub(crate) enum Release {
     Unregister(u64),
 }
 
-/// The queue a client shares with its handles.
+/// The queue a client shares with its handles. `pending` lets the client's
+/// every request skip the lock while nothing was queued.
 #[derive(Default)]
-pub(crate) struct Releases(Mutex<Vec<Release>>);
+pub(crate) struct Releases {
+    queue: Mutex<Vec<Release>>,
+    pending: AtomicBool,
+}
 
 impl Releases {
     pub fn push(&self, r: Release) {
         // A poisoned lock only means a thread panicked while pushing: the
         // vector is still whole.
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).push(r);
+        self.queue.lock().unwrap_or_else(|e| e.into_inner()).push(r);
+        // Set after the push (pairs with the Acquire swap in `take`): a
+        // `take` that sees it finds the release in the queue.
+        self.pending.store(true, Ordering::Release);
     }
 
     fn take(&self) -> Vec<Release> {
-        std::mem::take(&mut *self.0.lock().unwrap_or_else(|e| e.into_inner()))
+        // Acquire: pairs with the Release store in `push`. A push that sets
+        // the flag after this swap is taken by the next call.
+        if !self.pending.swap(false, Ordering::Acquire) {
+            return Vec::new();
+        }
+        std::mem::take(&mut *self.queue.lock().unwrap_or_else(|e| e.into_inner()))
     }
 }
 
