@@ -194,6 +194,7 @@ mod tests {
         let c2 = c.clone();
         let t = std::thread::spawn(move || {
             std::thread::sleep(Duration::from_millis(30));
+            // Release pairs with the waiter's Acquire load of the flag.
             c2.flag.store(true, Ordering::Release);
             notify(Parking {
                 sleeping: &c2.sleeping,

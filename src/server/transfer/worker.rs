@@ -23,6 +23,8 @@ fn chunk_done(shared: &Shared, job: &JobRun, outcome: ChunkOutcome) {
             job.failed.store(true, Ordering::Relaxed);
         }
     }
+    // AcqRel: each worker's Release publishes its chunk's counters above;
+    // the last one's Acquire sees every worker's, so `finish` reads them all.
     if job.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
         finish(shared, job);
     }

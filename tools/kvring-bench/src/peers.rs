@@ -122,6 +122,8 @@ pub fn floor(iters: usize) -> Vec<u64> {
     let mut i = 0u64;
     let v = sample(iters, || {
         i += 1;
+        // Release pairs with the child's Acquire load of ping; Acquire with
+        // its Release store of pong.
         ping.store(i, Ordering::Release);
         while pong.load(Ordering::Acquire) != i {
             std::hint::spin_loop();
@@ -262,6 +264,8 @@ pub fn kvring_rtt(iters: usize, spin: bool) -> Vec<u64> {
         for i in 0..(WARMUP / 10 + iters) {
             let parked = &c.segment().mapping.header().server_sleeping;
             let t = Instant::now();
+            // Acquire pairs with the server's store of its sleeping flag
+            // before FUTEX_WAIT (wait.rs, F1).
             while parked.load(Ordering::Acquire) == 0 {
                 assert!(t.elapsed() < Duration::from_secs(5), "server never parked");
                 std::hint::spin_loop();
