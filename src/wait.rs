@@ -7,12 +7,17 @@
 //! ```text
 //! waiter                                   notifier
 //! d = doorbell.load(Acquire)               publish the work (Release)
-//! sleeping.store(1)                        fence(SeqCst)          -- F2
+//! sleeping += 1                            fence(SeqCst)          -- F2
 //! fence(SeqCst)                  -- F1     if sleeping.load() != 0:
-//! if ready(): sleeping = 0; return             doorbell += 1; FUTEX_WAKE
+//! if ready(): sleeping -= 1; return            doorbell += 1; FUTEX_WAKE
 //! FUTEX_WAIT(doorbell, d, timeout)
-//! sleeping.store(0)
+//! sleeping -= 1
 //! ```
+//!
+//! `sleeping` counts the parked waiters, so several threads of one process
+//! may wait on one doorbell (handles of one client waited on from several
+//! threads): one waking up does not hide the others from the notifier, and
+//! a wake reaches them all.
 //!
 //! F1 and F2 order "sleeping = 1 then read the work" against "publish the
 //! work then read sleeping": at least one side sees the other's store, so
@@ -131,15 +136,16 @@ pub fn wait_until<T, E>(
         // Acquire pairs with the notifier's Release increment: a value read
         // here is at least as new as any wake we could have missed.
         let seen = parking.doorbell.load(Ordering::Acquire);
-        parking.sleeping.store(1, Ordering::Relaxed);
+        // Relaxed: F1 orders it before the re-check below.
+        parking.sleeping.fetch_add(1, Ordering::Relaxed);
         // F1 of the handshake above; pairs with the notifier's F2.
         fence(Ordering::SeqCst);
         if let Some(v) = ready() {
-            parking.sleeping.store(0, Ordering::Relaxed);
+            parking.sleeping.fetch_sub(1, Ordering::Relaxed);
             return Ok(v);
         }
         futex::wait(parking.doorbell, seen, slice);
-        parking.sleeping.store(0, Ordering::Relaxed);
+        parking.sleeping.fetch_sub(1, Ordering::Relaxed);
         if let Some(v) = ready() {
             return Ok(v);
         }
@@ -186,6 +192,68 @@ mod tests {
             doorbell: AtomicU32::new(0),
             flag: AtomicBool::new(false),
         })
+    }
+
+    /// Two threads of one process park on one doorbell, each waiting for
+    /// its own work (as two jobs of one client). The first finds its work
+    /// ready just after announcing itself and leaves while the second is
+    /// parked: that must not hide the second from the notifier, or the
+    /// second sleeps its whole (here 10 s) slice.
+    #[test]
+    fn a_waiter_leaving_does_not_hide_another_from_the_notifier() {
+        let policy = WaitPolicy {
+            park_slice: Duration::from_secs(10),
+            ..WaitPolicy::PARK
+        };
+        let c = cell();
+        fn parking(c: &Cell) -> Parking<'_> {
+            Parking {
+                sleeping: &c.sleeping,
+                doorbell: &c.doorbell,
+            }
+        }
+        // B parks first.
+        let b = {
+            let c = c.clone();
+            std::thread::spawn(move || {
+                let t = Instant::now();
+                let r: Result<(), WaitEnd<()>> = wait_until(
+                    &policy,
+                    parking(&c),
+                    Instant::now() + Duration::from_secs(20),
+                    // Acquire pairs with the Release store of the flag below.
+                    || c.flag.load(Ordering::Acquire).then_some(()),
+                    || Ok(()),
+                );
+                assert!(r.is_ok());
+                t.elapsed()
+            })
+        };
+        let t = Instant::now();
+        while c.sleeping.load(Ordering::Relaxed) == 0 {
+            assert!(t.elapsed() < Duration::from_secs(5), "B never parked");
+            std::thread::yield_now();
+        }
+        std::thread::sleep(Duration::from_millis(5));
+        // A: its first check finds nothing; its check after announcing
+        // itself finds its work, slowly, so it leaves after B is parked.
+        let mut checks = 0;
+        let r: Result<(), WaitEnd<()>> = wait_until(
+            &policy,
+            parking(&c),
+            Instant::now() + Duration::from_secs(20),
+            || {
+                checks += 1;
+                (checks > 1).then(|| std::thread::sleep(Duration::from_millis(20)))
+            },
+            || Ok(()),
+        );
+        assert!(r.is_ok());
+        // B's work, then the notifier's half.
+        c.flag.store(true, Ordering::Release);
+        notify(parking(&c));
+        let waited = b.join().unwrap();
+        assert!(waited < Duration::from_secs(2), "B slept {waited:?}");
     }
 
     #[test]

@@ -220,5 +220,6 @@ pub(super) fn connect(paths: &ServerPaths, opts: &ClientOptions) -> Result<Clien
         orphans: Vec::new(),
         releases: Default::default(),
         draining: false,
+        late_boot_replies: 0,
     })
 }

@@ -255,22 +255,48 @@ impl Client {
     }
 
     /// Releases a finished job now: its slot becomes a tombstone (the
-    /// outcome stays readable) and may be reused later. Takes a [`Job`]
-    /// (which is then not released again) or a detached [`JobId`].
-    /// Releasing twice is harmless; releasing an unfinished job fails with
-    /// `JobNotFinished`.
-    pub fn release_job(&mut self, job: impl Into<JobId>) -> Result<()> {
-        let id = job.into();
+    /// outcome stays readable) and may be reused later. Takes a [`Job`] or
+    /// a detached [`JobId`]. A handle is consumed only when the release
+    /// went through; on an error it is dropped, which queues its release
+    /// again, so nothing is lost. Releasing twice is harmless; releasing an
+    /// unfinished job fails with `JobNotFinished`.
+    pub fn release_job(&mut self, job: impl ToRelease) -> Result<()> {
+        let id = job.job_id();
         self.call_now(Opcode::ReleaseJob, bytemuck::bytes_of(&id))?;
+        job.released();
         Ok(())
     }
 }
 
-impl From<Job> for JobId {
-    /// Detaches the job (see [`Job::into_id`]).
-    fn from(job: Job) -> JobId {
-        job.into_id()
+/// What [`Client::release_job`] takes: a [`Job`] handle or a [`JobId`].
+pub trait ToRelease: private::Sealed {
+    #[doc(hidden)]
+    fn job_id(&self) -> JobId;
+    /// The release went through: a handle has nothing left to release.
+    #[doc(hidden)]
+    fn released(self);
+}
+
+mod private {
+    pub trait Sealed {}
+    impl Sealed for super::Job {}
+    impl Sealed for crate::jobs::JobId {}
+}
+
+impl ToRelease for Job {
+    fn job_id(&self) -> JobId {
+        self.id
     }
+    fn released(self) {
+        let _ = self.into_id();
+    }
+}
+
+impl ToRelease for JobId {
+    fn job_id(&self) -> JobId {
+        *self
+    }
+    fn released(self) {}
 }
 
 pub(super) fn status(link: &Link, id: JobId) -> Result<JobStatus> {

@@ -492,11 +492,14 @@ impl Client {
 
     /// Unregisters a KV cache now: the server unmaps its memory once copies
     /// in flight have finished.
+    ///
+    /// On an error the handle is dropped, which queues the unregistration
+    /// again.
     pub fn unregister(&mut self, mut reg: Registration) -> Result<()> {
-        reg.detached = true;
         let key = reg.key;
         let instance = self.server_instance(&reg)?;
         self.send_unregister(instance)?;
+        reg.detached = true;
         self.registrations.retain(|s| s.key != key);
         Ok(())
     }
@@ -525,20 +528,33 @@ impl Client {
         check_boot_status(&r)
     }
 
+    /// The reply to the registration message just sent. Replies of earlier
+    /// requests that timed out come first and are dropped; a timeout here
+    /// leaves this reply owed too.
     fn boot_reply(&mut self) -> Result<RegisterReply> {
         let mut buf = [0u8; std::mem::size_of::<RegisterReply>() + 8];
         let timeout = self.opts.call_timeout;
-        let (n, _fds) = self
-            .link
-            .conn
-            .recv(&mut buf, timeout)
-            .map_err(|e| match e.kind() {
-                std::io::ErrorKind::TimedOut => Error::Timeout(timeout),
-                _ => Error::Io {
-                    context: "receive registration reply".into(),
-                    source: e,
-                },
-            })?;
+        let deadline = std::time::Instant::now() + timeout;
+        self.late_boot_replies += 1;
+        let n = loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            let (n, _fds) = self
+                .link
+                .conn
+                .recv(&mut buf, left)
+                .map_err(|e| match e.kind() {
+                    std::io::ErrorKind::TimedOut => Error::Timeout(timeout),
+                    _ => Error::Io {
+                        context: "receive registration reply".into(),
+                        source: e,
+                    },
+                })?;
+            self.late_boot_replies -= 1;
+            if self.late_boot_replies == 0 || n == 0 {
+                break n;
+            }
+            // An earlier request's late answer: not this one's.
+        };
         if n == 0 {
             return Err(Error::ServerGone);
         }

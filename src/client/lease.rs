@@ -4,7 +4,7 @@
 //! wire) frees what is left and marks the chunks recently used.
 
 use super::connect::Link;
-use super::{jobs, Client, Release, Releases};
+use super::{jobs, Client, Job, Release, Releases};
 use crate::error::{Error, Result};
 use crate::jobs::{JobId, JobResult};
 use crate::kv::ChunkHash;
@@ -36,12 +36,6 @@ impl LeaseId {
 
     pub fn from_bytes(bytes: [u8; 16]) -> LeaseId {
         LeaseId(bytemuck::cast(bytes))
-    }
-}
-
-impl From<JobId> for LeaseId {
-    fn from(id: JobId) -> LeaseId {
-        LeaseId(id)
     }
 }
 
@@ -204,10 +198,26 @@ impl Client {
         let mut payload = bytemuck::bytes_of(&h).to_vec();
         payload.extend_from_slice(&req.hashes.concat());
         let job = self.submit_job(Opcode::Lookup, &payload)?;
-        // Answered inline; the wait is there for a server that does not.
-        let st = job.wait(Instant::now() + self.opts.call_timeout)?;
-        let result = jobs::outcome(st)?;
+        // From here the job is a lease: if the wait or its outcome fails, a
+        // lookup that completes later still holds chunks, so its end (not
+        // only its release) is queued.
         let id = LeaseId(job.into_id());
+        let queue_end = |c: &Client| c.releases.push(Release::Lease(id.0));
+        // Answered inline; the wait is there for a server that does not.
+        let st = match jobs::wait_job(&self.link, id.0, Instant::now() + self.opts.call_timeout) {
+            Ok(st) => st,
+            Err(e) => {
+                queue_end(self);
+                return Err(e);
+            }
+        };
+        let result = match jobs::outcome(st) {
+            Ok(r) => r,
+            Err(e) => {
+                queue_end(self);
+                return Err(e);
+            }
+        };
         Ok(Lease {
             id,
             result,
@@ -239,13 +249,20 @@ impl Client {
     /// marks its chunks recently used, and releases its lookup job. A lease
     /// whose holds the retrieves took, every one, has ended already: that
     /// is not an error here.
+    ///
+    /// On an error the lease is dropped, which queues its end again, so its
+    /// holds are not left to the TTL.
     pub fn end_lease(&mut self, lease: Lease) -> Result<()> {
-        let id = lease.into_id();
+        let id = lease.id();
         match self.send_end_lease(id) {
             Ok(()) | Err(Error::Status(Status::NoLease)) => {}
             Err(e) => return Err(e),
         }
-        self.release_job(id.0)
+        // Ended: what is left is its lookup job, released now or, on an
+        // error, by the dropped handle.
+        let job = Job::new(id.0, self.link.clone(), self.releases.clone());
+        let _ = lease.into_id();
+        self.release_job(job)
     }
 
     /// Ends a lease known by id (one detached, or taken by another process):

@@ -40,7 +40,7 @@ mod reconnect;
 
 pub use channel::{Completion, RawChannel};
 pub use host_cache::HostKvCache;
-pub use jobs::{DelayJob, Job};
+pub use jobs::{DelayJob, Job, ToRelease};
 pub use kv::{KvSpec, Memory, Registration, Retrieve, Store};
 pub use lease::{Lease, LeaseId, Lookup};
 
@@ -229,6 +229,10 @@ pub struct Client {
     releases: Arc<Releases>,
     /// Set while the queued releases are being sent (they are calls too).
     draining: bool,
+    /// Registration replies still owed by the server for requests whose
+    /// wait timed out: the socket answers in order, so the next this many
+    /// replies are theirs, never the answer to a later request.
+    late_boot_replies: u32,
 }
 
 impl Client {
