@@ -178,12 +178,14 @@ impl Drop for PinnedHostBuffer {
 /// and device-mapped), so copies to and from it run at the link's speed;
 /// unregistered on drop.
 pub struct HostRegistration {
+    ctx: Arc<Context>,
     ptr: *mut u8,
     bytes: usize,
 }
 
-// SAFETY: only the address of a registration the driver keeps; unregistering
-// needs no particular thread or context (the registration is portable).
+// SAFETY: only the address of a registration the driver keeps and the
+// context it was made in; `drop` binds that context on whatever thread it
+// runs.
 unsafe impl Send for HostRegistration {}
 // SAFETY: `&HostRegistration` exposes nothing but the range.
 unsafe impl Sync for HostRegistration {}
@@ -195,7 +197,7 @@ impl HostRegistration {
     /// The range must be mapped, readable and writable, and stay mapped
     /// until this registration is dropped (or the process exits).
     pub unsafe fn new(
-        ctx: &Context,
+        ctx: &Arc<Context>,
         ptr: *mut u8,
         bytes: usize,
     ) -> Result<HostRegistration, CudaError> {
@@ -212,7 +214,11 @@ impl HostRegistration {
             },
             "cuMemHostRegister",
         )?;
-        Ok(HostRegistration { ptr, bytes })
+        Ok(HostRegistration {
+            ctx: ctx.clone(),
+            ptr,
+            bytes,
+        })
     }
 
     pub fn as_ptr(&self) -> *mut u8 {
@@ -226,7 +232,14 @@ impl HostRegistration {
 
 impl Drop for HostRegistration {
     fn drop(&mut self) {
-        // SAFETY: unregisters what `new` registered, once.
+        // The driver unregisters in the current context: the one that
+        // registered. Without it bound the call would fail and leave the
+        // range pinned.
+        if self.ctx.bind().is_err() {
+            return;
+        }
+        // SAFETY: unregisters what `new` registered, once, with its context
+        // bound; the range is still mapped (`new`'s contract).
         let _ = unsafe { sys::cuMemHostUnregister(self.ptr as *mut c_void) };
     }
 }
@@ -394,8 +407,8 @@ enum Opened {
 
 /// One allocation of another process, opened here; closed when dropped.
 pub struct OpenedMemory {
-    pub base: u64,
-    pub size: u64,
+    base: u64,
+    size: u64,
     how: Opened,
     ctx: Arc<Context>,
 }
@@ -406,6 +419,16 @@ unsafe impl Send for OpenedMemory {}
 unsafe impl Sync for OpenedMemory {}
 
 impl OpenedMemory {
+    /// The device address the allocation is mapped at here.
+    pub fn base(&self) -> u64 {
+        self.base
+    }
+
+    /// The allocation's size in bytes.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
     /// Opens a legacy IPC handle in `ctx`; the size is what the driver says
     /// the allocation is (never what the exporter claims).
     pub fn open_ipc(ctx: &Arc<Context>, handle: &[u8; 64]) -> Result<OpenedMemory, CudaError> {

@@ -11,7 +11,7 @@
 //!   bound to the calling thread with [`Context::bind`];
 //! * [`Stream`]: a non-blocking stream and the asynchronous copies queued on
 //!   it;
-//! * [`Event`] and [`IpcEventHandle`]: events, interprocess ones included;
+//! * [`Event`] and [`IpcEventHandle`](crate::IpcEventHandle): events, interprocess ones included;
 //! * [`DeviceBuffer`], [`PinnedHostBuffer`], [`HostRegistration`],
 //!   [`ExportedVmm`]: memory the process allocates or pins;
 //! * [`OpenedMemory`] / [`DeviceTensor`]: another process's device memory

@@ -34,8 +34,11 @@ pub struct KvState {
     /// counters never takes the registry's lock.
     instances: AtomicU64,
     cache: Mutex<Cache>,
-    pub pool: PoolMemory,
+    /// Declared (so dropped) before `pool`: a backend may hold registrations
+    /// of the pool's memory (the CUDA backend pins it), which must end while
+    /// it is still mapped.
     pub copier: Copier,
+    pub pool: PoolMemory,
 }
 
 /// What serving a request produced: a status and a reply payload.

@@ -203,12 +203,11 @@ impl Registry {
         fds: &[OwnedFd],
         backend: &(impl DeviceOpener + ?Sized),
     ) -> Result<Arc<Registration>, Refusal> {
-        let host = req.mem_kind == MemKind::HostFd as u32;
-        let device =
-            req.mem_kind == MemKind::CudaIpc as u32 || req.mem_kind == MemKind::CudaVmmFd as u32;
-        if !host && !device {
-            return Err(bad(format!("unknown memory kind {}", req.mem_kind)));
-        }
+        let host = match MemKind::decode(req.mem_kind) {
+            Ok(MemKind::HostFd) => true,
+            Ok(MemKind::CudaIpc | MemKind::CudaVmmFd) => false,
+            Err(_) => return Err(bad(format!("unknown memory kind {}", req.mem_kind))),
+        };
         let region_bytes = if host {
             std::mem::size_of::<TensorRegion>()
         } else {

@@ -241,9 +241,11 @@ fn serve(
         let timed = op.is_some_and(Opcode::timed);
         let t0 = if timed { monotonic_ns() } else { 0 };
         let status = {
-            let reply = if bad || (gathered && op == Some(Opcode::Ping)) {
-                // A PING echoes its payload, so it must fit one frame: the
-                // completion space reserved for it is the last frame's.
+            let echo = op.is_some_and(|o| matches!(o.spec().reply, crate::proto::Reply::Echo));
+            let reply = if bad || (gathered && echo) {
+                // An echo (PING) carries its payload back, so it must fit one
+                // frame: the completion space reserved for it is the last
+                // frame's.
                 Reply::err(Status::BadLength)
             } else if gathered {
                 whole.extend_from_slice(last);

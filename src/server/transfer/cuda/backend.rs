@@ -152,15 +152,15 @@ impl DeviceOpener for CudaBackend {
             }
             .map_err(|e| refuse(format!("tensor {i}: {e}")))?;
             let end = r.offset.checked_add(bytes);
-            if end.is_none_or(|e| e > mem.size) {
+            if end.is_none_or(|e| e > mem.size()) {
                 return Err(refuse(format!(
                     "tensor {i}: [{}, +{bytes}) exceeds its allocation of {} bytes",
-                    r.offset, mem.size
+                    r.offset, mem.size()
                 )));
             }
-            bases.push(mem.base + r.offset);
+            bases.push(mem.base() + r.offset);
             tensors.push(DeviceTensor {
-                dptr: mem.base + r.offset,
+                dptr: mem.base() + r.offset,
                 bytes,
                 memory: mem,
             });

@@ -47,6 +47,15 @@ pub(super) struct BackendState {
     pub(super) depth: usize,
 }
 
+impl Drop for BackendState {
+    /// The last user of the backend is gone (the copy workers are joined):
+    /// stop pinning, so the pool's registrations all end with `pin`, before
+    /// the server unmaps the pool.
+    fn drop(&mut self) {
+        self.pin.stop();
+    }
+}
+
 impl BackendState {
     /// Client `slot`'s job events on `dev` (created at first use).
     pub(super) fn events_of(

@@ -3,7 +3,7 @@
 use super::COPY_DEADLINE;
 use crate::gpu::{Context, CudaError, HostRegistration};
 use crate::server::transfer::backend::CopyError;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -33,10 +33,15 @@ impl PinState {
 pub(super) struct PoolPin {
     state: Vec<AtomicU8>,
     error: Mutex<Option<CudaError>>,
-    /// Kept for the pool's life: the registrations end with the backend.
+    /// Kept for the pool's life: the registrations end with the backend,
+    /// which the server drops before it unmaps the pool.
     registrations: Mutex<Vec<HostRegistration>>,
     base: usize,
     len: u64,
+    /// Set when the backend goes: the pinning thread stops between
+    /// segments (it must not register ranges of a pool about to be unmapped).
+    stop: AtomicBool,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 impl PoolPin {
@@ -52,20 +57,41 @@ impl PoolPin {
             registrations: Mutex::new(Vec::with_capacity(segs)),
             base,
             len,
+            stop: AtomicBool::new(false),
+            thread: Mutex::new(None),
         });
         let p = pin.clone();
-        std::thread::Builder::new()
+        let t = std::thread::Builder::new()
             .name("kvring-pin".into())
             .spawn(move || p.pin_all(&ctx))?;
+        *pin.thread.lock().unwrap_or_else(|e| e.into_inner()) = Some(t);
         Ok(pin)
     }
 
-    fn pin_all(&self, ctx: &Context) {
+    /// Stops the pinning thread after the segment it is on and waits for
+    /// it. Called when the backend goes, before the pool is unmapped.
+    pub(super) fn stop(&self) {
+        // Relaxed: the join below orders everything the thread did.
+        self.stop.store(true, Ordering::Relaxed);
+        let t = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(t) = t {
+            let _ = t.join();
+        }
+    }
+
+    fn pin_all(&self, ctx: &Arc<Context>) {
         for (i, st) in self.state.iter().enumerate() {
+            // Relaxed: a stale read only pins one more segment, still
+            // mapped until `stop` has joined this thread.
+            if self.stop.load(Ordering::Relaxed) {
+                return;
+            }
             let off = i as u64 * PIN_SEGMENT;
             let n = PIN_SEGMENT.min(self.len - off);
             // SAFETY: a range of the pool mapping, which stays mapped while
-            // the server (and this backend) lives.
+            // the backend lives: the backend stops and joins this thread
+            // (`stop`) and drops the registrations before the server unmaps
+            // the pool.
             let r = unsafe {
                 HostRegistration::new(ctx, (self.base + off as usize) as *mut u8, n as usize)
             };

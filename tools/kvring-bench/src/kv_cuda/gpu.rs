@@ -30,7 +30,7 @@ struct Pinned {
 }
 
 impl Pinned {
-    fn new(ctx: &Context, n: usize) -> Pinned {
+    fn new(ctx: &std::sync::Arc<Context>, n: usize) -> Pinned {
         // SAFETY: an anonymous private mapping, checked below.
         let p = unsafe {
             libc::mmap(
