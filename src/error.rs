@@ -48,11 +48,11 @@ pub enum Error {
     Refused(Status),
     #[error("the server is gone (its process exited or closed the connection)")]
     ServerGone,
-    /// A wait reached its deadline; the span is how long it waited.
     /// A handle was used after its client closed (the server reclaimed
     /// what the connection held).
     #[error("the client this handle belongs to was closed")]
     ClientClosed,
+    /// A wait reached its deadline; the span is how long it waited.
     #[error("timed out after {0:?}")]
     Timeout(Duration),
     #[error(transparent)]

@@ -119,7 +119,9 @@ impl Job {
     /// poll; ends with `Error::JobFailed` if the job fails, and
     /// `Error::Timeout` (the time waited) at the deadline.
     pub fn device_event(&self, deadline: Instant) -> Result<Option<u32>> {
+        self.link.check_open()?;
         let start = Instant::now();
+        let mut pause = Duration::from_micros(50);
         loop {
             let info = self
                 .info()?
@@ -137,11 +139,23 @@ impl Job {
                 }
                 _ => {}
             }
-            if Instant::now() > deadline {
+            let now = Instant::now();
+            if now > deadline {
                 return Err(Error::Timeout(start.elapsed()));
             }
             self.link.check_alive()?;
-            std::hint::spin_loop();
+            // The copies are being queued (usually microseconds): spin, then
+            // yield, then sleep with a backoff up to 1 ms rather than keep a
+            // core spinning until the deadline.
+            let waited = now - start;
+            if waited < Duration::from_micros(50) {
+                std::hint::spin_loop();
+            } else if waited < Duration::from_micros(250) {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(pause.min(deadline - now));
+                pause = (pause * 2).min(Duration::from_millis(1));
+            }
         }
     }
 
@@ -300,6 +314,7 @@ impl ToRelease for JobId {
 }
 
 pub(super) fn status(link: &Link, id: JobId) -> Result<JobStatus> {
+    link.check_open()?;
     let st = link.seg.mapping.job_reader().status(id)?;
     if !st.is_terminal() {
         link.check_alive()?;

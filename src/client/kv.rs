@@ -87,7 +87,11 @@ pub enum Memory<'a> {
 /// and sent with its next synchronous request (the server unmaps the memory
 /// once copies in flight have finished); if the client closes first, the
 /// server unregisters it with the connection. [`Client::unregister`] does it
-/// now. Keep the cache's memory alive at least as long as the registration.
+/// now and returns once the server has answered. Keep the cache's memory
+/// alive until then, not just until the handle drops: after a drop the
+/// server may copy into it until the queued request is sent (and the client
+/// keeps the memory's descriptors to register it again on a reconnect). For
+/// device memory, unregister explicitly before freeing it.
 ///
 /// # Examples
 ///

@@ -65,9 +65,12 @@ impl Client {
     /// Connects again to the server of this name (normally a new server
     /// after the old one died: waits for it until `deadline`), and registers
     /// again every KV cache this client has registered. Requests in flight
-    /// on the old connection are dropped; job ids (and jobs and leases) of
-    /// the old server read `Unknown` from now on. Returns how many caches
-    /// were registered again (the [`Registration`] handles keep working).
+    /// on the old connection are dropped. Ids of the old server's jobs and
+    /// leases read `Unknown` through this client from now on; `Job` and
+    /// `Lease` handles of the old connection answer `ClientClosed` (their
+    /// connection is gone), and their queued releases are dropped. Returns
+    /// how many caches were registered again (the [`Registration`] handles
+    /// keep working).
     ///
     /// When a registration is refused by the new server (another chunk
     /// size, say), the others are still registered and the first refusal is
