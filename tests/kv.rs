@@ -374,3 +374,27 @@ fn dropped_handles_release_what_they_hold_with_the_next_request() {
     drop(inst);
     assert_eq!(c.stats().unwrap().instances, 0);
 }
+
+#[test]
+fn registrations_keep_working_after_a_reconnect_to_the_same_server() {
+    let s = Fixture::new("recon-same", Duration::from_secs(30), &KV_SERVER_ARGS);
+    let mut e = Engine::new(&s, layout(KvLayoutKind::FlashAttn, 2, 64), 1, 0);
+    let hashes = prompt_hashes(21, 2);
+    let blocks = e.blocks(0, 2);
+    e.write(&hashes, &blocks);
+    // The server is alive: the reconnect re-registers with it (same epoch,
+    // a new id), and the handle from before must map to that new id.
+    assert_eq!(e.c.reconnect(far()).unwrap(), 1);
+    assert_eq!(e.store(0, &hashes, &blocks).value, 2);
+    let lease = lookup(&mut e.c, 1, 0, &hashes);
+    assert_eq!(lease.hits(), 2);
+    e.cache.poison(0x3c);
+    let fresh = e.blocks(8, 2);
+    let job =
+        e.c.retrieve(Retrieve::new(&e.inst, &lease, &fresh))
+            .unwrap();
+    assert!(matches!(job.wait(far()).unwrap(), JobStatus::Done(_)));
+    e.verify(&hashes, &fresh, 0, 0x3c);
+    // One registration on the server: the old connection's went with it.
+    assert_eq!(e.c.stats().unwrap().instances, 1);
+}

@@ -26,6 +26,9 @@ pub(crate) struct Link {
     pub slot: u32,
     pub session: u32,
     pub epoch: u64,
+    /// This connection among every connection of this process (a reconnect
+    /// to the same server keeps its epoch but not this).
+    pub id: u64,
     pub wait: WaitPolicy,
     /// When the server's liveness was last checked by a job status read
     /// (`liveness::monotonic_ns`).
@@ -176,6 +179,11 @@ pub(super) fn connect(paths: &ServerPaths, opts: &ClientOptions) -> Result<Clien
         slot: w.slot,
         session: w.session,
         epoch: w.epoch,
+        id: {
+            static NEXT: AtomicU64 = AtomicU64::new(1);
+            // Relaxed: a unique number is all that is asked of it.
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        },
         wait: opts.wait,
         alive_checked_ns: AtomicU64::new(crate::liveness::monotonic_ns()),
         closed: AtomicBool::new(false),

@@ -128,8 +128,9 @@ pub struct Registration {
     pub(super) id: u32,
     pub(super) layout: KvLayout,
     pub(super) chunk_tokens: u32,
-    /// The epoch of the server that gave `id`.
-    pub(super) epoch: u64,
+    /// The connection (`Link::id`) that registered it and that `id`
+    /// belongs to.
+    pub(super) link_id: u64,
     /// This registration, among every registration of this process.
     pub(super) key: u64,
     releases: Arc<Releases>,
@@ -440,7 +441,7 @@ impl Client {
             id,
             layout,
             chunk_tokens,
-            epoch: self.link.epoch,
+            link_id: self.link.id,
             key: saved.key,
             releases: self.releases.clone(),
             detached: false,

@@ -106,7 +106,10 @@ impl Client {
 
     /// The id the current server knows `reg` by.
     pub(crate) fn server_instance(&self, reg: &Registration) -> Result<u32> {
-        if reg.epoch == self.link.epoch {
+        // Registered on this connection: its id as given. Otherwise (after
+        // a reconnect, to a new server or the same one) the id this
+        // connection registered the same memory under.
+        if reg.link_id == self.link.id {
             return Ok(reg.id);
         }
         self.registrations
