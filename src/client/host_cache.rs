@@ -9,6 +9,7 @@
 //! does with a GPU cache.
 
 use crate::error::{Error, Result};
+use crate::kv::pattern::Slabs;
 use crate::kv::KvLayout;
 use crate::proto::kv::TensorRegion;
 use memmap2::{MmapOptions, MmapRaw};
@@ -133,5 +134,17 @@ impl HostKvCache {
     /// Bytes of the whole cache.
     pub fn bytes(&self) -> u64 {
         self.map.len() as u64
+    }
+}
+
+impl Slabs for HostKvCache {
+    fn slab_layout(&self) -> &KvLayout {
+        self.layout()
+    }
+    fn put_slab(&self, layer: u32, part: u32, block: u32, bytes: &[u8]) {
+        self.write_slab(layer, part, block, bytes)
+    }
+    fn get_slab(&self, layer: u32, part: u32, block: u32, out: &mut [u8]) {
+        self.read_slab(layer, part, block, out)
     }
 }

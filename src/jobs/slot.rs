@@ -65,12 +65,6 @@ shm_struct! {
     }
 }
 
-#[cfg(not(loom))]
-const _: () = {
-    use std::mem::size_of;
-    assert!(size_of::<JobSlot>() == crate::shm::JOB_STRIDE);
-};
-
 /// The fields a status poll needs, copied out consistently.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SlotStatus {

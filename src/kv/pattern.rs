@@ -5,25 +5,12 @@
 //! layer, part or rank fails byte for byte.
 
 use super::{ChunkHash, KvLayout};
-use crate::client::HostKvCache;
 
 /// A paged KV cache whose slabs can be written and read (host or device).
 pub trait Slabs {
     fn slab_layout(&self) -> &KvLayout;
     fn put_slab(&self, layer: u32, part: u32, block: u32, bytes: &[u8]);
     fn get_slab(&self, layer: u32, part: u32, block: u32, out: &mut [u8]);
-}
-
-impl Slabs for HostKvCache {
-    fn slab_layout(&self) -> &KvLayout {
-        self.layout()
-    }
-    fn put_slab(&self, layer: u32, part: u32, block: u32, bytes: &[u8]) {
-        self.write_slab(layer, part, block, bytes)
-    }
-    fn get_slab(&self, layer: u32, part: u32, block: u32, out: &mut [u8]) {
-        self.read_slab(layer, part, block, out)
-    }
 }
 
 fn splitmix(x: &mut u64) -> u64 {

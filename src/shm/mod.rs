@@ -269,6 +269,7 @@ pub struct Geometry {
 
 /// Bytes per job slot in the job table.
 pub const JOB_STRIDE: usize = 128;
+const _: () = assert!(std::mem::size_of::<crate::jobs::JobSlot>() == JOB_STRIDE);
 /// Most client slots a segment may have.
 pub const MAX_CLIENTS: u32 = 4096;
 /// Most job slots a segment may have (the slot index is 24 bits in a job id).

@@ -68,6 +68,8 @@ shm_struct! {
 
 const _: () = {
     assert!(size_of::<OpStats>() == OP_STAT_SLOTS * 272);
+    // Every operation has a slot (the table grows with `Opcode`).
+    assert!(crate::proto::OPS <= OP_STAT_SLOTS);
 };
 
 impl OpStats {
