@@ -72,10 +72,11 @@ impl Module {
     /// Queues `f` (a function of this module) on `stream`.
     ///
     /// # Safety
-    /// `params` must point to one value per kernel parameter, each of the
-    /// kernel's parameter type; every address those values carry must stay
-    /// valid for what the kernel does with it until the launch completes on
-    /// `stream`.
+    /// `f` must come from this module ([`Module::function`]; a function
+    /// handle is valid only while its module is loaded). `params` must point
+    /// to one value per kernel parameter, each of the kernel's parameter
+    /// type; every address those values carry must stay valid for what the
+    /// kernel does with it until the launch completes on `stream`.
     pub unsafe fn launch(
         &self,
         f: Function,

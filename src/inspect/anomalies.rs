@@ -29,7 +29,18 @@ pub enum AnomalyKind {
 }
 
 impl AnomalyKind {
-    /// The JSON name.
+    /// Every kind.
+    pub const ALL: [AnomalyKind; 7] = [
+        AnomalyKind::ServerDead,
+        AnomalyKind::HeartbeatStopped,
+        AnomalyKind::RingStalled,
+        AnomalyKind::CompletionsUnread,
+        AnomalyKind::JobStuck,
+        AnomalyKind::DeadClientNotReclaimed,
+        AnomalyKind::Inconsistent,
+    ];
+
+    /// The JSON name (what serde writes; a test holds the two together).
     pub fn name(self) -> &'static str {
         match self {
             AnomalyKind::ServerDead => "server_dead",
@@ -208,6 +219,21 @@ pub fn compare(prev: &Snapshot, cur: &mut Snapshot) {
                     client_slot: Some(c.slot),
                 });
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::AnomalyKind;
+
+    #[test]
+    fn the_text_name_of_every_kind_is_its_json_name() {
+        for k in AnomalyKind::ALL {
+            assert_eq!(
+                serde_json::to_string(&k).unwrap(),
+                format!("\"{}\"", k.name())
+            );
         }
     }
 }
