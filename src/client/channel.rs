@@ -195,6 +195,18 @@ impl Client {
         Ok(())
     }
 
+    /// Writes a request whose answer nobody waits for (published with the
+    /// next flush): its completion is consumed and dropped when it arrives,
+    /// as an abandoned call's is.
+    pub(super) fn post(&mut self, op: Opcode, payload: &[u8]) -> Result<()> {
+        self.enqueue(op, payload, 0x504f_5354_0000_0000 | op as u64)?;
+        if let Some(f) = self.inflight.back_mut() {
+            f.abandoned = Some(op);
+            self.abandoned += 1;
+        }
+        Ok(())
+    }
+
     /// Publishes requests in flight and credit in this client's block, for
     /// observers (two stores on a line only this client writes).
     fn show_load(&self) {

@@ -227,7 +227,6 @@ pub(super) fn connect(paths: &ServerPaths, opts: &ClientOptions) -> Result<Clien
         registrations: Vec::new(),
         orphans: Vec::new(),
         releases: Default::default(),
-        draining: false,
         late_boot_replies: 0,
     })
 }

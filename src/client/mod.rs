@@ -227,8 +227,6 @@ pub struct Client {
     orphans: Vec<JobId>,
     /// What dropped handles left to send; survives a reconnect.
     releases: Arc<Releases>,
-    /// Set while the queued releases are being sent (they are calls too).
-    draining: bool,
     /// Registration replies still owed by the server for requests whose
     /// wait timed out: the socket answers in order, so the next this many
     /// replies are theirs, never the answer to a later request.
@@ -318,25 +316,37 @@ impl Client {
 
     /// Sends what dropped handles left queued: leases ended, registrations
     /// unregistered, and the jobs released that have finished (the others
-    /// stay queued until they do). Best effort: a failure leaves the rest
-    /// to the server's cleanup when this client disconnects. Runs before
-    /// every synchronous request; only with nothing else in flight.
+    /// stay queued until they do). Runs before every synchronous request.
+    /// Ring requests (END_SESSION, RELEASE_JOB) are posted: written ahead
+    /// of the caller's request and never waited for (their completions are
+    /// dropped as they arrive, like an abandoned call's), so the caller's
+    /// deadline pays no round trip for them; what finds no room in the
+    /// rings stays queued for the next time. A failure of the server to
+    /// release something leaves it to its cleanup when this client
+    /// disconnects.
     fn send_releases(&mut self) {
-        if self.draining || self.live_in_flight() != 0 {
-            return;
-        }
         let queued = self.releases.take();
         if queued.is_empty() && self.orphans.is_empty() {
             return;
         }
-        self.draining = true;
         let epoch = self.link.epoch;
+        let mut posted = false;
         for r in queued {
             match r {
                 // Jobs of an earlier server are gone with it.
                 Release::Job(id) if id.epoch == epoch => self.orphans.push(id),
                 Release::Lease(id) if id.epoch == epoch => {
-                    let _ = self.send_end_lease(LeaseId::from_job(id));
+                    let h = crate::proto::kv::EndSessionRequest { lease: id };
+                    if self
+                        .post(Opcode::EndSession, bytemuck::bytes_of(&h))
+                        .is_err()
+                    {
+                        self.releases.push(r);
+                        continue;
+                    }
+                    posted = true;
+                    // Its lookup job: released after the END_SESSION (the
+                    // ring keeps the order), below.
                     self.orphans.push(id);
                 }
                 Release::Unregister(key) => {
@@ -349,13 +359,22 @@ impl Client {
         for id in orphans {
             match self.job_status(id) {
                 Ok(s) if s.is_terminal() => {
-                    let _ = self.release_job(id);
+                    if self
+                        .post(Opcode::ReleaseJob, bytemuck::bytes_of(&id))
+                        .is_err()
+                    {
+                        self.orphans.push(id);
+                    } else {
+                        posted = true;
+                    }
                 }
                 Ok(_) => self.orphans.push(id),
                 Err(_) => {}
             }
         }
-        self.draining = false;
+        if posted {
+            self.flush();
+        }
     }
 
     /// Ends the session cleanly: the server frees the slot at once, and
