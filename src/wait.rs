@@ -277,6 +277,7 @@ mod tests {
                 doorbell: &c.doorbell,
             },
             Instant::now() + Duration::from_secs(5),
+            // Acquire pairs with the notifier's Release store of the flag.
             || c.flag.load(Ordering::Acquire).then_some(()),
             || Ok(()),
         );

@@ -75,18 +75,20 @@ impl Link {
 
     /// Marks the connection closed (the client is saying goodbye).
     pub fn close(&self) {
-        // Release: pairs with the Acquire in `check_open`; the goodbye that
+        // Release: pairs with the Acquire in `jobs`; the goodbye that
         // lets the server reuse the slot is sent after this store.
         self.closed.store(true, Ordering::Release);
     }
 
-    /// `Err(ClientClosed)` once the client said goodbye.
-    pub fn check_open(&self) -> Result<()> {
+    /// The job table, for a connection that is still open: a handle that
+    /// outlived its client gets `ClientClosed`, never a read of a slot the
+    /// server may have given to another client.
+    pub fn jobs(&self) -> Result<crate::jobs::JobReader<'_>> {
         // Acquire: pairs with the Release in `close`.
         if self.closed.load(Ordering::Acquire) {
             return Err(Error::ClientClosed);
         }
-        Ok(())
+        Ok(self.seg.mapping.job_reader())
     }
 
     /// Records that this client is alive and calling in (for observers).

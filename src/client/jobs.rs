@@ -96,7 +96,7 @@ impl Job {
     /// Everything the job table says of it (kind, owner, progress,
     /// timestamps); `None` once its slot was reused.
     pub fn info(&self) -> Result<Option<JobInfo>> {
-        Ok(self.link.seg.mapping.job_reader().info(self.id)?)
+        Ok(self.link.jobs()?.info(self.id)?)
     }
 
     /// The job's progress counter (0 when its slot was reused).
@@ -119,7 +119,6 @@ impl Job {
     /// poll; ends with `Error::JobFailed` if the job fails, and
     /// `Error::Timeout` (the time waited) at the deadline.
     pub fn device_event(&self, deadline: Instant) -> Result<Option<u32>> {
-        self.link.check_open()?;
         let start = Instant::now();
         let mut pause = Duration::from_micros(50);
         loop {
@@ -259,7 +258,7 @@ impl Client {
     /// Everything the job table says of a job by id; `None` for an id this
     /// server never issued or whose slot was reused since.
     pub fn job_info(&self, id: JobId) -> Result<Option<JobInfo>> {
-        Ok(self.link.seg.mapping.job_reader().info(id)?)
+        Ok(self.link.jobs()?.info(id)?)
     }
 
     /// Waits for any job by id; see [`Job::wait`]. A job of another client
@@ -314,8 +313,7 @@ impl ToRelease for JobId {
 }
 
 pub(super) fn status(link: &Link, id: JobId) -> Result<JobStatus> {
-    link.check_open()?;
-    let st = link.seg.mapping.job_reader().status(id)?;
+    let st = link.jobs()?.status(id)?;
     if !st.is_terminal() {
         link.check_alive()?;
     }
@@ -332,9 +330,8 @@ pub(super) fn outcome(st: JobStatus) -> Result<JobResult> {
 }
 
 pub(super) fn wait_job(link: &Link, id: JobId, deadline: Instant) -> Result<JobStatus> {
-    link.check_open()?;
+    let reader = link.jobs()?;
     link.touch();
-    let reader = link.seg.mapping.job_reader();
     let st = reader.status(id)?;
     if st.is_terminal() {
         return Ok(st);

@@ -165,9 +165,11 @@ impl Releases {
     }
 
     fn take(&self) -> Vec<Release> {
-        // Acquire: pairs with the Release store in `push`. A push that sets
-        // the flag after this swap is taken by the next call.
-        if !self.pending.swap(false, Ordering::Acquire) {
+        // A plain load first: the common case (nothing queued) costs no
+        // read-modify-write on the request path. Acquire (both): pairs with
+        // the Release store in `push`. A push that sets the flag after the
+        // swap is taken by the next call.
+        if !self.pending.load(Ordering::Acquire) || !self.pending.swap(false, Ordering::Acquire) {
             return Vec::new();
         }
         std::mem::take(&mut *self.queue.lock().unwrap_or_else(|e| e.into_inner()))

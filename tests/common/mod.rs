@@ -693,20 +693,20 @@ pub struct SimulatedDevices;
 
 impl Backend for SimulatedDevices {
     type Cache = HostKvCache;
-    const KIND: BackendKind = BackendKind::Host;
-    const HEAD_DIM: u32 = 24;
-    const POOL: &'static str = "64MiB";
+    const KIND: BackendKind = Host::KIND;
+    const HEAD_DIM: u32 = Host::HEAD_DIM;
+    const POOL: &'static str = Host::POOL;
 
     fn available() -> Result<(), String> {
-        Ok(())
+        Host::available()
     }
     fn server_args(pool: &str) -> Vec<String> {
-        let mut args = host_args(pool);
+        let mut args = Host::server_args(pool);
         args.extend(["--simulated-devices", "2"].map(String::from));
         args
     }
-    fn new_cache(l: KvLayout, _device: u32) -> HostKvCache {
-        HostKvCache::new(l, CHUNK).unwrap()
+    fn new_cache(l: KvLayout, device: u32) -> HostKvCache {
+        Host::new_cache(l, device)
     }
     fn on_device(spec: KvSpec, device: u32) -> KvSpec {
         spec.on_device(simulated_device_uuid(device))
