@@ -1,84 +1,124 @@
-// kvring KV copy kernels: between an engine's paged KV cache (any layout
-// kvring knows) and a contiguous chunk object, [part][layer][token][H*D].
+// kvring KV copy kernel: between an engine's paged KV cache, in any layout a
+// kvring layout descriptor describes, and a contiguous chunk object,
+// [layer][token][head][K then V].
 //
-// A CTA copies one slab at a time: the `block_tokens` tokens of one block,
-// for one layer and one part (K or V; MLA has one part), striding over the
-// chunk's slabs by the grid size. Slab bytes are contiguous in every layout,
-// so a slab is one straight copy, in 16-byte words when both ends and the
-// size allow, else bytewise. With one CTA per slab (the staged path) each
-// CTA copies one slab; a bounded grid (the zero-copy path, where `object` is
-// pinned host memory) copies many each.
+// The host hands over a copy plan (kvring::kv::CopyPlan): a page (one block
+// of one layer: block_tokens * heads rows) moves as run_tokens * run_heads
+// runs per part, each contiguous at both ends: one per row and part (K and
+// V apart), one per row (K and V side by side), one per token (heads side
+// by side too), or one per page. Row (token t, head h) of block b, part p,
+// starts at layer.base[p] + b * block_stride + h * head_stride + t *
+// token_stride in the engine, and at ((first_token + t) * heads + h) *
+// row_bytes + row_offset[p] in the object.
 //
-// Layout kinds (kvring::kv::KvLayoutKind), slab (layer l, part p, block b):
-//   1 flash-attn  [2, NB, BS, H, D] per layer: tensor l, offset (p*NB + b)*S
-//   2 FlashInfer  [NB, 2, BS, H, D] per layer: tensor l, offset (b*2 + p)*S
-//   3 MLA         [NB, BS, D] per layer:       tensor l, offset b*S
-//   4 cross-layer [NB, L, 2, BS, H, D]:        tensor 0, offset ((b*L + l)*2 + p)*S
+// A CTA copies one page at a time, striding over the chunk's pages by the
+// grid size (one CTA per page on the staged path; a bounded grid on the
+// zero-copy path, where `object` is pinned host memory). Its threads move
+// words of `vec` bytes (16 wherever every address and size allows).
 
-struct KvCopyArgs {
-    unsigned int kind;
-    unsigned int num_layers;
-    unsigned int parts;
-    unsigned int num_blocks;
-    unsigned int blocks_per_chunk;
-    unsigned int skip_blocks;
-    unsigned long long slab_bytes;
-    // 0: engine -> object (store), 1: object -> engine (retrieve)
-    unsigned int to_engine;
-    unsigned int _pad;
+struct LayerEntry {
+    unsigned long long base[2];
+    unsigned long long block_stride;
+    unsigned long long head_stride;
+    unsigned long long token_stride;
 };
 
-__device__ __forceinline__ void copy_slab(unsigned char* __restrict__ dst,
-                                          const unsigned char* __restrict__ src,
-                                          unsigned long long n) {
-    if ((((unsigned long long)dst | (unsigned long long)src | n) & 15ull) == 0) {
-        uint4* d = (uint4*)dst;
-        const uint4* s = (const uint4*)src;
-        unsigned long long words = n >> 4;
-        for (unsigned long long i = threadIdx.x; i < words; i += blockDim.x) {
-            d[i] = s[i];
-        }
+struct KvCopyArgs {
+    unsigned int num_layers;
+    unsigned int blocks_per_chunk;
+    unsigned int skip_blocks;
+    // 0: engine -> object (store), 1: object -> engine (retrieve)
+    unsigned int to_engine;
+    unsigned int block_tokens;
+    unsigned int heads;
+    unsigned int run_tokens;
+    unsigned int run_heads;
+    unsigned int parts;
+    unsigned int vec;
+    unsigned int chunk_tokens;
+    unsigned int _pad;
+    unsigned long long row_bytes;
+    unsigned long long width[2];
+    unsigned long long row_offset[2];
+};
+
+template <typename W>
+__device__ __forceinline__ void move_word(unsigned char* eng, unsigned char* obj, bool to_engine) {
+    if (to_engine) {
+        *(W*)eng = *(const W*)obj;
     } else {
-        for (unsigned long long i = threadIdx.x; i < n; i += blockDim.x) {
-            dst[i] = src[i];
+        *(W*)obj = *(const W*)eng;
+    }
+}
+
+template <typename W>
+__device__ void copy_page(const LayerEntry& e, unsigned long long b, unsigned char* obj_page,
+                          const KvCopyArgs& a) {
+    const unsigned int vec = sizeof(W);
+    const bool to_engine = a.to_engine != 0;
+    for (unsigned int part = 0; part < a.parts; ++part) {
+        unsigned char* eng0 = (unsigned char*)(e.base[part] + b * e.block_stride);
+        unsigned char* obj0 = obj_page + a.row_offset[part];
+        unsigned long long words = a.width[part] / vec;
+        unsigned long long units = (unsigned long long)a.run_tokens * a.run_heads;
+        if (units == 1) {
+            // One run per page: a straight copy.
+            for (unsigned long long i = threadIdx.x; i < words; i += blockDim.x) {
+                move_word<W>(eng0 + i * vec, obj0 + i * vec, to_engine);
+            }
+            continue;
+        }
+        unsigned long long total = units * words;
+        if (total <= 0xffffffffull) {
+            // 32-bit index arithmetic (the common case): divisions are cheap.
+            unsigned int w32 = (unsigned int)words;
+            for (unsigned int i = threadIdx.x; i < (unsigned int)total; i += blockDim.x) {
+                unsigned int u = i / w32;
+                unsigned int w = i - u * w32;
+                unsigned int t = u / a.run_heads;
+                unsigned int h = u - t * a.run_heads;
+                unsigned char* eng = eng0 + h * e.head_stride + t * e.token_stride + (unsigned long long)w * vec;
+                unsigned char* obj =
+                    obj0 + ((unsigned long long)t * a.heads + h) * a.row_bytes + (unsigned long long)w * vec;
+                move_word<W>(eng, obj, to_engine);
+            }
+        } else {
+            for (unsigned long long i = threadIdx.x; i < total; i += blockDim.x) {
+                unsigned long long u = i / words;
+                unsigned long long w = i - u * words;
+                unsigned long long t = u / a.run_heads;
+                unsigned long long h = u - t * a.run_heads;
+                unsigned char* eng = eng0 + h * e.head_stride + t * e.token_stride + w * vec;
+                unsigned char* obj = obj0 + (t * a.heads + h) * a.row_bytes + w * vec;
+                move_word<W>(eng, obj, to_engine);
+            }
         }
     }
 }
 
-extern "C" __global__ void kv_copy(const unsigned long long* __restrict__ tensor_bases,
+extern "C" __global__ void kv_copy(const LayerEntry* __restrict__ layers,
                                    const unsigned int* __restrict__ blocks,
                                    unsigned char* __restrict__ object,
                                    KvCopyArgs a) {
     unsigned int bpc = a.blocks_per_chunk;
-    unsigned int total = a.parts * a.num_layers * bpc;
-    for (unsigned int slab = blockIdx.x; slab < total; slab += gridDim.x) {
-    unsigned int j = slab % bpc;
-    unsigned int row = slab / bpc;  // part * num_layers + layer
-    if (j < a.skip_blocks) {
-        continue;
-    }
-    unsigned int part = row / a.num_layers;
-    unsigned int layer = row % a.num_layers;
-    unsigned long long b = blocks[j];
-    unsigned long long s = a.slab_bytes;
-    unsigned long long nb = a.num_blocks;
-    unsigned int tensor = layer;
-    unsigned long long off;
-    switch (a.kind) {
-        case 1: off = ((unsigned long long)part * nb + b) * s; break;
-        case 2: off = (b * 2ull + part) * s; break;
-        case 3: off = b * s; break;
-        default:
-            tensor = 0;
-            off = ((b * a.num_layers + layer) * 2ull + part) * s;
-            break;
-    }
-    unsigned char* engine = (unsigned char*)tensor_bases[tensor] + off;
-    unsigned char* obj = object + ((unsigned long long)row * bpc + j) * s;
-    if (a.to_engine) {
-        copy_slab(engine, obj, s);
-    } else {
-        copy_slab(obj, engine, s);
-    }
+    unsigned int pages = a.num_layers * bpc;
+    for (unsigned int page = blockIdx.x; page < pages; page += gridDim.x) {
+        unsigned int layer = page / bpc;
+        unsigned int j = page - layer * bpc;
+        if (j < a.skip_blocks) {
+            continue;
+        }
+        LayerEntry e = layers[layer];
+        unsigned long long b = blocks[j];
+        unsigned long long first_token =
+            (unsigned long long)layer * a.chunk_tokens + (unsigned long long)j * a.block_tokens;
+        unsigned char* obj_page = object + first_token * a.heads * a.row_bytes;
+        switch (a.vec) {
+            case 16: copy_page<uint4>(e, b, obj_page, a); break;
+            case 8: copy_page<unsigned long long>(e, b, obj_page, a); break;
+            case 4: copy_page<unsigned int>(e, b, obj_page, a); break;
+            case 2: copy_page<unsigned short>(e, b, obj_page, a); break;
+            default: copy_page<unsigned char>(e, b, obj_page, a); break;
+        }
     }
 }

@@ -7,11 +7,12 @@
 //! by GPU engines written in Rust, the tests and the demo.
 #![cfg(feature = "cuda")]
 
+use super::kv::Memory;
 use crate::device::{DeviceUuid, IpcEventHandle};
 use crate::gpu::{Context, DeviceBuffer, Event, EventKind, ExportedVmm, Stream};
-use crate::kv::pattern::Slabs;
+use crate::kv::pattern::{KvMemory, Run};
 use crate::kv::KvLayout;
-use crate::proto::kv::CudaRegion;
+use crate::proto::kv::MemoryPiece;
 use std::sync::Arc;
 
 /// How the cache's memory is shared with the server.
@@ -19,22 +20,28 @@ use std::sync::Arc;
 pub enum Export {
     /// `cuMemAlloc` + `cuIpcGetMemHandle`.
     Ipc,
-    /// `cuMemCreate` (POSIX fd handle type) + `cuMemExportToShareableHandle`.
+    /// `cuMemCreate` (POSIX fd handle type) + `cuMemExportToShareableHandle`,
+    /// one chunk.
     VmmFd,
+    /// As `VmmFd`, in chunks of this many bytes mapped contiguously, one fd
+    /// each (PyTorch's expandable segments: 20 MiB).
+    VmmChunks(u64),
 }
 
 enum Alloc {
-    Ipc { buf: DeviceBuffer, handle: [u8; 64] },
+    Ipc { _buf: DeviceBuffer, handle: [u8; 64] },
     Vmm(ExportedVmm),
 }
 
-/// A device KV cache an engine owns.
+/// A device KV cache an engine owns: every allocation of its layout in one
+/// device allocation, each at a 64 KiB-aligned offset (as a caching
+/// allocator places tensors in a larger block).
 pub struct CudaKvCache {
     layout: KvLayout,
     ctx: Arc<Context>,
     base: u64,
     size: u64,
-    stride: u64,
+    offsets: Vec<u64>,
     alloc: Alloc,
 }
 
@@ -50,18 +57,23 @@ impl CudaKvCache {
             .validate(chunk_tokens)
             .map_err(|e| crate::Error::InvalidArgument(e.to_string()))?;
         let ctx = Context::by_ordinal(ordinal)?;
-        let stride = layout.tensor_bytes().div_ceil(1 << 16) << 16;
-        let want = stride * u64::from(layout.num_tensors());
+        let mut offsets = Vec::with_capacity(layout.allocations().len());
+        let mut want = 0u64;
+        for &b in layout.allocations() {
+            offsets.push(want);
+            want += b.div_ceil(1 << 16) << 16;
+        }
         let alloc = match export {
             Export::Ipc => {
                 let buf = DeviceBuffer::new(&ctx, want as usize)?;
                 let handle = buf.ipc_handle()?;
-                Alloc::Ipc { buf, handle }
+                Alloc::Ipc { _buf: buf, handle }
             }
             Export::VmmFd => Alloc::Vmm(ExportedVmm::new(&ctx, want)?),
+            Export::VmmChunks(chunk) => Alloc::Vmm(ExportedVmm::chunked(&ctx, want, chunk)?),
         };
         let (base, size) = match &alloc {
-            Alloc::Ipc { buf, .. } => (buf.ptr(), want),
+            Alloc::Ipc { _buf, .. } => (_buf.ptr(), want),
             Alloc::Vmm(v) => (v.ptr(), v.bytes()),
         };
         Ok(CudaKvCache {
@@ -69,7 +81,7 @@ impl CudaKvCache {
             ctx,
             base,
             size,
-            stride,
+            offsets,
             alloc,
         })
     }
@@ -82,69 +94,59 @@ impl CudaKvCache {
         DeviceUuid::from_bytes(self.ctx.info.uuid)
     }
 
-    pub fn export(&self) -> Export {
-        match self.alloc {
-            Alloc::Ipc { .. } => Export::Ipc,
-            Alloc::Vmm(_) => Export::VmmFd,
-        }
-    }
-
-    /// The VMM allocation's fd (sent with the registration), if any.
-    pub fn fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+    /// The VMM chunks' fds (sent with the registration); none for IPC.
+    pub fn fds(&self) -> Vec<std::os::fd::BorrowedFd<'_>> {
         match &self.alloc {
-            Alloc::Vmm(v) => Some(v.fd()),
-            Alloc::Ipc { .. } => None,
+            Alloc::Vmm(v) => v.fds(),
+            Alloc::Ipc { .. } => Vec::new(),
         }
     }
 
-    /// Where each tensor lives (for registration).
-    pub fn regions(&self) -> Vec<CudaRegion> {
-        let ipc_handle = match &self.alloc {
-            Alloc::Ipc { handle, .. } => *handle,
-            Alloc::Vmm(_) => [0; 64],
-        };
-        (0..self.layout.num_tensors())
-            .map(|i| CudaRegion {
-                ipc_handle,
-                offset: u64::from(i) * self.stride,
-                alloc_bytes: self.size,
-                fd_index: 0,
-                _reserved: 0,
-            })
-            .collect()
+    /// VMM chunks the memory is exported as (IPC: 0).
+    pub fn chunks(&self) -> usize {
+        self.fds().len()
     }
 
-    fn slab_addr(&self, layer: u32, part: u32, block: u32) -> u64 {
-        let l = &self.layout;
-        assert!(layer < l.num_layers && part < l.parts() && block < l.num_blocks);
-        let (t, off) = l.slab_at(layer, part, block);
-        self.base + u64::from(t) * self.stride + off
+    /// Where each allocation lives (for registration): at its offset of the
+    /// IPC allocation, or in the VMM chunks that cover it.
+    pub fn memory(&self) -> Memory {
+        match &self.alloc {
+            Alloc::Ipc { handle, .. } => Memory::cuda_ipc(self.offsets.iter().map(|&o| (*handle, o))),
+            Alloc::Vmm(v) => {
+                let chunk = v.chunk_bytes();
+                let pieces: Vec<(u64, MemoryPiece)> = self
+                    .offsets
+                    .iter()
+                    .zip(self.layout.allocations())
+                    .map(|(&o, &b)| {
+                        let (first, last) = (o / chunk, (o + b - 1) / chunk);
+                        (
+                            o - first * chunk,
+                            MemoryPiece {
+                                first_fd: first as u32,
+                                n_fds: (last - first + 1) as u32,
+                                fd_offset: 0,
+                                fd_bytes: chunk,
+                            },
+                        )
+                    })
+                    .collect();
+                Memory::cuda_vmm(pieces.iter().map(|(o, p)| (*o, std::slice::from_ref(p))))
+            }
+        }
     }
 
-    /// Writes one slab; the bytes are in device memory when it returns.
-    pub fn write_slab(&self, layer: u32, part: u32, block: u32, bytes: &[u8]) -> crate::Result<()> {
-        assert_eq!(bytes.len() as u64, self.layout.slab_bytes());
-        let at = self.slab_addr(layer, part, block);
-        // SAFETY: `at` addresses one slab (`bytes.len()` bytes, checked
-        // above) inside this cache's allocation (`slab_addr` checks the
-        // coordinates; tensors tile the allocation by `stride`).
-        unsafe { self.ctx.copy_htod(at, bytes) }?;
-        Ok(())
-    }
-
-    /// Reads one slab (synchronously).
-    pub fn read_slab(
-        &self,
-        layer: u32,
-        part: u32,
-        block: u32,
-        out: &mut [u8],
-    ) -> crate::Result<()> {
-        assert_eq!(out.len() as u64, self.layout.slab_bytes());
-        let at = self.slab_addr(layer, part, block);
-        // SAFETY: as in `write_slab`: one slab inside the allocation.
-        unsafe { self.ctx.copy_dtoh(out, at) }?;
-        Ok(())
+    /// The device range `[lo, hi)` (offsets from `base`) covering `runs`.
+    fn span(&self, runs: &[Run]) -> Option<(u64, u64)> {
+        let sizes = self.layout.allocations();
+        let mut span: Option<(u64, u64)> = None;
+        for r in runs {
+            assert!(r.offset + r.bytes <= sizes[r.alloc as usize], "run outside its allocation");
+            let lo = self.offsets[r.alloc as usize] + r.offset;
+            let hi = lo + r.bytes;
+            span = Some(span.map_or((lo, hi), |(a, b)| (a.min(lo), b.max(hi))));
+        }
+        span
     }
 
     /// Sets every byte of the cache to `byte`.
@@ -158,24 +160,48 @@ impl CudaKvCache {
         self.size
     }
 
-    /// Device address of the first tensor (tensor `i` is at `i * stride`,
-    /// the stride being `tensor_bytes` rounded up to 64 KiB).
+    /// Device address of the first allocation.
     pub fn device_base(&self) -> u64 {
         self.base
     }
 }
 
-impl Slabs for CudaKvCache {
-    fn slab_layout(&self) -> &KvLayout {
+impl KvMemory for CudaKvCache {
+    fn kv_layout(&self) -> &KvLayout {
         self.layout()
     }
-    fn put_slab(&self, layer: u32, part: u32, block: u32, bytes: &[u8]) {
-        self.write_slab(layer, part, block, bytes)
-            .expect("write a slab to the device")
+
+    /// One read of the range the runs span, patched, one write back: the
+    /// bytes are in device memory when it returns.
+    fn write_runs(&self, runs: &[Run], src: &[u8]) {
+        let Some((lo, hi)) = self.span(runs) else {
+            return;
+        };
+        let mut img = vec![0u8; (hi - lo) as usize];
+        // SAFETY: `[base + lo, base + hi)` lies inside this cache's
+        // allocation (`span` checks each run against its allocation).
+        unsafe { self.ctx.copy_dtoh(&mut img, self.base + lo) }.expect("read the KV cache");
+        for r in runs {
+            let at = (self.offsets[r.alloc as usize] + r.offset - lo) as usize;
+            img[at..at + r.bytes as usize]
+                .copy_from_slice(&src[r.at as usize..][..r.bytes as usize]);
+        }
+        // SAFETY: as above.
+        unsafe { self.ctx.copy_htod(self.base + lo, &img) }.expect("write the KV cache");
     }
-    fn get_slab(&self, layer: u32, part: u32, block: u32, out: &mut [u8]) {
-        self.read_slab(layer, part, block, out)
-            .expect("read a slab from the device")
+
+    fn read_runs(&self, runs: &[Run], dst: &mut [u8]) {
+        let Some((lo, hi)) = self.span(runs) else {
+            return;
+        };
+        let mut img = vec![0u8; (hi - lo) as usize];
+        // SAFETY: as in `write_runs`.
+        unsafe { self.ctx.copy_dtoh(&mut img, self.base + lo) }.expect("read the KV cache");
+        for r in runs {
+            let at = (self.offsets[r.alloc as usize] + r.offset - lo) as usize;
+            dst[r.at as usize..][..r.bytes as usize]
+                .copy_from_slice(&img[at..at + r.bytes as usize]);
+        }
     }
 }
 

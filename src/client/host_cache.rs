@@ -1,17 +1,17 @@
 //! A paged KV cache in host memory that a kvring server can map: what a
 //! CPU-only engine (or a test, or the demo) allocates its KV cache in.
 //!
-//! All tensors live in one memfd, each at a page-aligned offset. The memfd
-//! is sealed against shrinking before it is shared, so the server's mapping
-//! can never fault because of the engine (the server refuses unsealed
-//! memory). The engine reads and writes through raw pointers; the server
-//! copies blocks in and out while the engine's own code runs, exactly as it
-//! does with a GPU cache.
+//! Every allocation of the layout lives in one memfd, each at a
+//! page-aligned offset. The memfd is sealed against shrinking before it is
+//! shared, so the server's mapping can never fault because of the engine
+//! (the server refuses unsealed memory). The engine reads and writes
+//! through raw pointers; the server copies blocks in and out while the
+//! engine's own code runs, exactly as it does with a GPU cache.
 
+use super::kv::Memory;
 use crate::error::{Error, Result};
-use crate::kv::pattern::Slabs;
+use crate::kv::pattern::{KvMemory, Run};
 use crate::kv::KvLayout;
-use crate::proto::kv::TensorRegion;
 use memmap2::{MmapOptions, MmapRaw};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 
@@ -20,7 +20,8 @@ pub struct HostKvCache {
     layout: KvLayout,
     fd: OwnedFd,
     map: MmapRaw,
-    stride: u64,
+    /// Where each allocation starts in the memfd.
+    offsets: Vec<u64>,
 }
 
 // SAFETY: the mapping is plain shared memory accessed through raw pointers
@@ -41,10 +42,14 @@ impl HostKvCache {
         layout
             .validate(chunk_tokens)
             .map_err(|e| Error::InvalidArgument(e.to_string()))?;
-        let stride = round_page(layout.tensor_bytes());
-        let total = stride
-            .checked_mul(u64::from(layout.num_tensors()))
-            .ok_or_else(|| Error::InvalidArgument("cache size overflows".into()))?;
+        let mut offsets = Vec::with_capacity(layout.allocations().len());
+        let mut total = 0u64;
+        for &bytes in layout.allocations() {
+            offsets.push(total);
+            total = total
+                .checked_add(round_page(bytes))
+                .ok_or_else(|| Error::InvalidArgument("cache size overflows".into()))?;
+        }
         let fd = nix::sys::memfd::memfd_create(
             c"kvring-kv-cache",
             nix::sys::memfd::MFdFlags::MFD_CLOEXEC | nix::sys::memfd::MFdFlags::MFD_ALLOW_SEALING,
@@ -73,7 +78,7 @@ impl HostKvCache {
             layout,
             fd,
             map,
-            stride,
+            offsets,
         })
     }
 
@@ -86,43 +91,20 @@ impl HostKvCache {
         self.fd.as_fd()
     }
 
-    /// Where each tensor lives in the memfd (for registration).
-    pub fn regions(&self) -> Vec<TensorRegion> {
-        (0..self.layout.num_tensors())
-            .map(|i| TensorRegion {
-                fd_index: 0,
-                _reserved: 0,
-                offset: u64::from(i) * self.stride,
-            })
-            .collect()
+    /// Where each allocation lives in the memfd (for registration).
+    pub fn memory(&self) -> Memory {
+        Memory::host(self.offsets.iter().map(|&o| (0, o)))
     }
 
-    /// Address of slab (`layer`, `part`, `block`). Panics out of range.
-    pub fn slab_ptr(&self, layer: u32, part: u32, block: u32) -> *mut u8 {
-        let l = &self.layout;
-        assert!(layer < l.num_layers && part < l.parts() && block < l.num_blocks);
-        let (t, off) = l.slab_at(layer, part, block);
-        let at = u64::from(t) * self.stride + off;
-        assert!(at + l.slab_bytes() <= self.map.len() as u64);
-        // SAFETY: in bounds of the mapping (checked above).
+    /// Address of byte `offset` of allocation `alloc`, checked to leave
+    /// `bytes` bytes inside it. Panics out of range.
+    pub fn at(&self, alloc: u32, offset: u64, bytes: u64) -> *mut u8 {
+        let size = self.layout.allocations()[alloc as usize];
+        assert!(offset.checked_add(bytes).is_some_and(|e| e <= size));
+        let at = self.offsets[alloc as usize] + offset;
+        // SAFETY: in bounds of the mapping (allocations are laid out in it
+        // by `offsets`, each at least its size).
         unsafe { self.map.as_mut_ptr().add(at as usize) }
-    }
-
-    /// Writes one slab (`bytes` must be exactly one slab long).
-    pub fn write_slab(&self, layer: u32, part: u32, block: u32, bytes: &[u8]) {
-        assert_eq!(bytes.len() as u64, self.layout.slab_bytes());
-        let p = self.slab_ptr(layer, part, block);
-        // SAFETY: `p` addresses one slab inside our mapping; raw copy, no
-        // reference to the shared memory is formed.
-        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), p, bytes.len()) };
-    }
-
-    /// Copies one slab out.
-    pub fn read_slab(&self, layer: u32, part: u32, block: u32, out: &mut [u8]) {
-        assert_eq!(out.len() as u64, self.layout.slab_bytes());
-        let p = self.slab_ptr(layer, part, block);
-        // SAFETY: as in `write_slab`.
-        unsafe { std::ptr::copy_nonoverlapping(p, out.as_mut_ptr(), out.len()) };
     }
 
     /// Fills every byte of the cache with `byte` (e.g. to poison it).
@@ -137,14 +119,28 @@ impl HostKvCache {
     }
 }
 
-impl Slabs for HostKvCache {
-    fn slab_layout(&self) -> &KvLayout {
+impl KvMemory for HostKvCache {
+    fn kv_layout(&self) -> &KvLayout {
         self.layout()
     }
-    fn put_slab(&self, layer: u32, part: u32, block: u32, bytes: &[u8]) {
-        self.write_slab(layer, part, block, bytes)
+
+    fn write_runs(&self, runs: &[Run], src: &[u8]) {
+        for r in runs {
+            let from = &src[r.at as usize..][..r.bytes as usize];
+            let p = self.at(r.alloc, r.offset, r.bytes);
+            // SAFETY: `p` addresses `r.bytes` bytes inside our mapping
+            // (checked by `at`); raw copy, no reference to the shared memory
+            // is formed.
+            unsafe { std::ptr::copy_nonoverlapping(from.as_ptr(), p, from.len()) };
+        }
     }
-    fn get_slab(&self, layer: u32, part: u32, block: u32, out: &mut [u8]) {
-        self.read_slab(layer, part, block, out)
+
+    fn read_runs(&self, runs: &[Run], dst: &mut [u8]) {
+        for r in runs {
+            let to = &mut dst[r.at as usize..][..r.bytes as usize];
+            let p = self.at(r.alloc, r.offset, r.bytes);
+            // SAFETY: as in `write_runs`.
+            unsafe { std::ptr::copy_nonoverlapping(p, to.as_mut_ptr(), to.len()) };
+        }
     }
 }

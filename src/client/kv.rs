@@ -11,8 +11,8 @@ use super::{reconnect::Saved, Client, Job, Release, Releases};
 use crate::error::{Error, Result};
 use crate::kv::{ChunkHash, KvLayout};
 use crate::proto::kv::{
-    CudaRegion, MemKind, RegisterKv, RegisterReply, RetrieveRequest, StoreRequest, TensorRegion,
-    UnregisterKv, KvFlags,
+    KvAllocation, KvFlags, MemKind, MemoryPiece, RegisterKv, RegisterReply, RegisterTables,
+    RetrieveRequest, StoreRequest, UnregisterKv,
 };
 use crate::proto::{BootKind, Opcode, BOOT_MAGIC};
 use std::os::fd::{AsFd, BorrowedFd};
@@ -62,20 +62,131 @@ impl KvSpec {
     }
 }
 
-/// Where a KV cache's tensors are, for [`Client::register`].
-#[derive(Clone, Copy, Debug)]
-#[non_exhaustive]
-pub enum Memory<'a> {
-    /// Host memory: each region names a memfd of the registration's `fds`
+/// Where a KV cache's allocations are, for [`Client::register`]: one entry
+/// per allocation of its [`KvLayout`], in order, each of the bytes the
+/// layout says; the descriptors are the registration's `fds`.
+///
+/// # Examples
+///
+/// ```
+/// use kvring::client::Memory;
+/// use kvring::proto::kv::MemoryPiece;
+///
+/// // One allocation: 3 VMM chunks of 20 MiB (descriptors 0, 1 and 2),
+/// // mapped one after another; the KV cache starts 4 MiB into them.
+/// let chunks = [MemoryPiece { first_fd: 0, n_fds: 3, fd_offset: 0, fd_bytes: 20 << 20 }];
+/// let memory = Memory::cuda_vmm([(4 << 20, &chunks[..])]);
+/// assert_eq!(memory.allocations(), 1);
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Memory {
+    kind: MemKind,
+    allocs: Vec<KvAllocation>,
+    pieces: Vec<MemoryPiece>,
+}
+
+impl Memory {
+    fn allocation(offset: u64) -> KvAllocation {
+        KvAllocation {
+            ipc_handle: [0; 64],
+            offset,
+            bytes: 0,
+            first_piece: 0,
+            n_pieces: 0,
+        }
+    }
+
+    /// Host memory: each allocation at `offset` of memfd `fd_index`
     /// (sealed against shrinking, see [`super::HostKvCache`]).
-    Host(&'a [TensorRegion]),
-    /// Device memory on `KvSpec::device`: legacy IPC handles
-    /// (`MemKind::CudaIpc`) or VMM allocations whose fds are the
-    /// registration's `fds` (`MemKind::CudaVmmFd`).
-    Cuda {
-        kind: MemKind,
-        regions: &'a [CudaRegion],
-    },
+    pub fn host(memfds: impl IntoIterator<Item = (u32, u64)>) -> Memory {
+        let mut m = Memory {
+            kind: MemKind::HostFd,
+            allocs: Vec::new(),
+            pieces: Vec::new(),
+        };
+        for (fd, offset) in memfds {
+            let mut a = Memory::allocation(0);
+            a.first_piece = m.pieces.len() as u32;
+            a.n_pieces = 1;
+            m.pieces.push(MemoryPiece {
+                first_fd: fd,
+                n_fds: 1,
+                fd_offset: offset,
+                // The window's size, filled from the layout.
+                fd_bytes: 0,
+            });
+            m.allocs.push(a);
+        }
+        m
+    }
+
+    /// Device memory from `cuMemAlloc`: each allocation at `offset` of
+    /// the allocation whose legacy IPC handle is given.
+    pub fn cuda_ipc(handles: impl IntoIterator<Item = ([u8; 64], u64)>) -> Memory {
+        Memory {
+            kind: MemKind::CudaIpc,
+            allocs: handles
+                .into_iter()
+                .map(|(h, offset)| KvAllocation {
+                    ipc_handle: h,
+                    ..Memory::allocation(offset)
+                })
+                .collect(),
+            pieces: Vec::new(),
+        }
+    }
+
+    /// CUDA VMM memory exported as POSIX fds: each allocation at `offset`
+    /// of its chunks (pieces of descriptors), which the server maps one
+    /// after another.
+    pub fn cuda_vmm<'p>(allocs: impl IntoIterator<Item = (u64, &'p [MemoryPiece])>) -> Memory {
+        let mut m = Memory {
+            kind: MemKind::CudaVmmFd,
+            allocs: Vec::new(),
+            pieces: Vec::new(),
+        };
+        for (offset, pieces) in allocs {
+            let mut a = Memory::allocation(offset);
+            a.first_piece = m.pieces.len() as u32;
+            a.n_pieces = pieces.len() as u32;
+            m.pieces.extend_from_slice(pieces);
+            m.allocs.push(a);
+        }
+        m
+    }
+
+    /// How many allocations it names.
+    pub fn allocations(&self) -> usize {
+        self.allocs.len()
+    }
+
+    pub fn kind(&self) -> MemKind {
+        self.kind
+    }
+
+    /// The tables a registration of `layout` sends.
+    fn tables(&self, layout: &KvLayout) -> Result<RegisterTables> {
+        let sizes = layout.allocations();
+        if sizes.len() != self.allocs.len() {
+            return Err(Error::InvalidArgument(format!(
+                "the layout has {} allocations, the memory {}",
+                sizes.len(),
+                self.allocs.len()
+            )));
+        }
+        let mut t = RegisterTables {
+            allocs: self.allocs.clone(),
+            pieces: self.pieces.clone(),
+            layers: layout.layers().to_vec(),
+        };
+        for (a, &bytes) in t.allocs.iter_mut().zip(sizes) {
+            a.bytes = bytes;
+            if self.kind == MemKind::HostFd {
+                t.pieces[a.first_piece as usize].fd_bytes = bytes;
+            }
+        }
+        Ok(t)
+    }
 }
 
 /// A KV cache the server has mapped, as STORE and RETRIEVE name it.
@@ -126,7 +237,7 @@ pub enum Memory<'a> {
 #[must_use = "dropping a Registration unregisters the KV cache"]
 pub struct Registration {
     pub(super) id: u32,
-    pub(super) layout: KvLayout,
+    pub(super) layout: Arc<KvLayout>,
     pub(super) chunk_tokens: u32,
     /// The connection (`Link::id`) that registered it and that `id`
     /// belongs to.
@@ -383,12 +494,7 @@ impl Client {
         spec: &KvSpec,
         cache: &super::HostKvCache,
     ) -> Result<Registration> {
-        self.register(
-            spec,
-            *cache.layout(),
-            Memory::Host(&cache.regions()),
-            &[cache.fd()],
-        )
+        self.register(spec, cache.layout(), &cache.memory(), &[cache.fd()])
     }
 
     /// Registers a `CudaKvCache` (its device is the cache's; `spec.device`
@@ -399,42 +505,28 @@ impl Client {
         spec: &KvSpec,
         cache: &crate::client::cuda_cache::CudaKvCache,
     ) -> Result<Registration> {
-        let fds: Vec<BorrowedFd<'_>> = cache.fd().into_iter().collect();
-        let kind = match cache.export() {
-            crate::client::cuda_cache::Export::Ipc => MemKind::CudaIpc,
-            crate::client::cuda_cache::Export::VmmFd => MemKind::CudaVmmFd,
-        };
         let spec = spec.on_device(cache.device_uuid());
-        self.register(
-            &spec,
-            *cache.layout(),
-            Memory::Cuda {
-                kind,
-                regions: &cache.regions(),
-            },
-            &fds,
-        )
+        self.register(&spec, cache.layout(), &cache.memory(), &cache.fds())
     }
 
-    /// Registers a KV cache of `layout` whose tensors are `memory`, with
-    /// the descriptors `fds` (indexed by the regions). Fails with a clear
+    /// Registers a KV cache of `layout` whose allocations are `memory`, with
+    /// the descriptors `fds` (indexed by `memory`). Fails with a clear
     /// message when the layout does not suit the server (a block size that
-    /// does not divide the chunk size, a rank out of range, ...).
+    /// does not divide the chunk size, a stride that reaches past an
+    /// allocation, rows that overlap, a rank out of range, ...).
     pub fn register(
         &mut self,
         spec: &KvSpec,
-        layout: KvLayout,
-        memory: Memory<'_>,
+        layout: &KvLayout,
+        memory: &Memory,
         fds: &[BorrowedFd<'_>],
     ) -> Result<Registration> {
-        let (mem_kind, regions, n) = match memory {
-            Memory::Host(r) => (MemKind::HostFd, bytemuck::cast_slice(r), r.len()),
-            Memory::Cuda { kind, regions } => (kind, bytemuck::cast_slice(regions), regions.len()),
-        };
+        let tables = memory.tables(layout)?;
         self.send_releases();
         // Kept (with duplicates of the descriptors) to register again after
         // a reconnect.
-        let mut saved = Saved::new(spec, layout, mem_kind, regions, n, fds)?;
+        let layout = Arc::new(layout.clone());
+        let mut saved = Saved::new(spec, layout.clone(), memory.kind, tables, fds)?;
         let (id, chunk_tokens) = self.send_registration(&saved)?;
         saved.id = id;
         let reg = Registration {
@@ -480,12 +572,12 @@ impl Client {
             model_id: spec.model_id,
             world_size: spec.world_size,
             rank: spec.rank,
-            layout: saved.layout,
-            n_tensors: saved.n_tensors as u32,
-            _reserved: 0,
+            geometry: *saved.layout.geometry(),
+            n_allocs: saved.tables.allocs.len() as u32,
+            n_pieces: saved.tables.pieces.len() as u32,
             device_uuid: spec.device.unwrap_or_default().to_bytes(),
         };
-        let msg = payload(&req, &[&saved.regions]);
+        let msg = payload(&req, &[&saved.tables.encode()]);
         self.link
             .conn
             .send(&msg, last)

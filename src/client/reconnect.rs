@@ -2,8 +2,8 @@
 //! of the same name (a restarted one), and every KV cache this client had
 //! registered registered again with it.
 //!
-//! The client keeps what each registration sent (spec, layout, tensor
-//! table, and duplicates of its descriptors). [`Registration`] handles the
+//! The client keeps what each registration sent (spec, layout, memory
+//! tables, and duplicates of its descriptors). [`Registration`] handles the
 //! engine holds stay usable: one registered with an earlier server is sent
 //! as the id the current server gave the same registration.
 
@@ -11,20 +11,20 @@ use super::kv::{KvSpec, Registration};
 use super::{connect, Client, ClientOptions};
 use crate::error::{Error, Result};
 use crate::kv::KvLayout;
-use crate::proto::kv::MemKind;
+use crate::proto::kv::{MemKind, RegisterTables};
 use crate::proto::Status;
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
 /// One registration, as sent, to send again.
 pub(crate) struct Saved {
     pub key: u64,
     pub spec: KvSpec,
-    pub layout: KvLayout,
+    pub layout: Arc<KvLayout>,
     pub mem_kind: MemKind,
-    pub regions: Vec<u8>,
-    pub n_tensors: usize,
+    pub tables: RegisterTables,
     pub fds: Vec<OwnedFd>,
     /// The current server's id for it.
     pub id: u32,
@@ -33,10 +33,9 @@ pub(crate) struct Saved {
 impl Saved {
     pub fn new(
         spec: &KvSpec,
-        layout: KvLayout,
+        layout: Arc<KvLayout>,
         mem_kind: MemKind,
-        regions: &[u8],
-        n_tensors: usize,
+        tables: RegisterTables,
         fds: &[BorrowedFd<'_>],
     ) -> Result<Saved> {
         // Unique in this process, so a Registration of one client is never
@@ -53,8 +52,7 @@ impl Saved {
             spec: *spec,
             layout,
             mem_kind,
-            regions: regions.to_vec(),
-            n_tensors,
+            tables,
             fds,
             id: 0,
         })

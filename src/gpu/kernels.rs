@@ -9,19 +9,70 @@ use std::path::PathBuf;
 /// The kernels' source, embedded in the binary.
 pub const KV_COPY_SRC: &str = include_str!("../../kernels/kv_copy.cu");
 
-/// `KvCopyArgs` of the kernel, passed by value.
+/// `KvCopyArgs` of the kernel, passed by value: the chunk and its copy
+/// plan ([`crate::kv::CopyPlan`]).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct KvCopyArgs {
-    pub kind: u32,
     pub num_layers: u32,
-    pub parts: u32,
-    pub num_blocks: u32,
     pub blocks_per_chunk: u32,
     pub skip_blocks: u32,
-    pub slab_bytes: u64,
     pub to_engine: u32,
+    pub block_tokens: u32,
+    pub heads: u32,
+    pub run_tokens: u32,
+    pub run_heads: u32,
+    pub parts: u32,
+    /// Bytes per word: 16, 8, 4, 2 or 1.
+    pub vec: u32,
+    pub chunk_tokens: u32,
     pub _pad: u32,
+    pub row_bytes: u64,
+    pub width: [u64; 2],
+    pub row_offset: [u64; 2],
+}
+
+impl KvCopyArgs {
+    /// The arguments for a chunk of `blocks_per_chunk` blocks of a layout
+    /// whose plan is `plan`, moving words of `vec` bytes.
+    pub fn new(
+        plan: &crate::kv::CopyPlan,
+        num_layers: u32,
+        blocks_per_chunk: u32,
+        skip_blocks: u32,
+        to_engine: bool,
+        vec: u32,
+    ) -> KvCopyArgs {
+        KvCopyArgs {
+            num_layers,
+            blocks_per_chunk,
+            skip_blocks,
+            to_engine: u32::from(to_engine),
+            block_tokens: plan.block_tokens,
+            heads: plan.all_heads,
+            run_tokens: plan.tokens,
+            run_heads: plan.heads,
+            parts: plan.parts,
+            vec,
+            chunk_tokens: blocks_per_chunk * plan.block_tokens,
+            _pad: 0,
+            row_bytes: plan.row_bytes,
+            width: plan.width,
+            row_offset: plan.row_offset,
+        }
+    }
+}
+
+/// One layer of a registration as the kernel reads it (`LayerEntry`): the
+/// device addresses of its K and V rows of block 0 (V: 0 when they are one
+/// run), and its strides.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct LayerEntry {
+    pub base: [u64; 2],
+    pub block_stride: u64,
+    pub head_stride: u64,
+    pub token_stride: u64,
 }
 
 /// A loaded module and its `kv_copy` function, in one context.
@@ -98,32 +149,35 @@ impl Kernels {
         })
     }
 
-    /// Queues `kv_copy` for one chunk on `stream`: one CTA per slab, or at
-    /// most `max_ctas` (each then striding over several).
+    /// Queues `kv_copy` for one chunk on `stream`: one CTA per page (a
+    /// block of one layer), or at most `max_ctas` (each then striding over
+    /// several).
     ///
     /// # Safety
-    /// `bases` must hold the instance's tensor addresses and `blocks`
-    /// `blocks_per_chunk` block ids (both in device memory of this context,
-    /// valid until the launch completes); `object` must address
-    /// `parts * num_layers * blocks_per_chunk * slab_bytes` bytes the device
-    /// can access, and every block id must be below `num_blocks`.
+    /// `layers` must hold the registration's `num_layers` [`LayerEntry`]s
+    /// and `blocks` `blocks_per_chunk` block ids (both in device memory of
+    /// this context, valid until the launch completes); every block id must
+    /// be below the layout's block count, the layout validated against the
+    /// memory the entries address, and `args` built from its plan with a
+    /// `vec` dividing every address; `object` must address the chunk
+    /// object's bytes, device-accessible.
     pub unsafe fn launch(
         &self,
         stream: &Stream,
-        bases: u64,
+        layers: u64,
         blocks: u64,
         object: u64,
         args: KvCopyArgs,
         max_ctas: u32,
     ) -> Result<(), CudaError> {
-        let slabs = args.parts * args.num_layers * args.blocks_per_chunk;
+        let pages = args.num_layers * args.blocks_per_chunk;
         let ctas = if max_ctas == 0 {
-            slabs
+            pages
         } else {
-            slabs.min(max_ctas)
+            pages.min(max_ctas)
         }
         .max(1);
-        let (mut b, mut k, mut o, mut a) = (bases, blocks, object, args);
+        let (mut b, mut k, mut o, mut a) = (layers, blocks, object, args);
         let mut params = [
             &mut b as *mut u64 as *mut c_void,
             &mut k as *mut u64 as *mut c_void,
@@ -135,8 +189,8 @@ impl Kernels {
             block: 256,
             shared_bytes: 0,
         };
-        // SAFETY: one value per parameter of `kv_copy(const u64*, const
-        // u32*, u8*, KvCopyArgs)`, of those types, living through the call
+        // SAFETY: one value per parameter of `kv_copy(const LayerEntry*,
+        // const u32*, u8*, KvCopyArgs)`, of those types, living through the call
         // (the driver copies them); the addresses are the caller's contract.
         unsafe { self.module.launch(self.kv_copy, stream, cfg, &mut params) }
     }

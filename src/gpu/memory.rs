@@ -244,56 +244,58 @@ impl Drop for HostRegistration {
     }
 }
 
-/// A VMM allocation mapped at a reserved range with read-write access for
-/// its device: unmapped, freed and released on drop.
+/// VMM allocations (chunks) mapped one after another in one reserved range,
+/// with read-write access for the context's device: unmapped, freed and
+/// released on drop, whatever step a failure stopped at.
 struct VmmMapping {
     ctx: Arc<Context>,
     va: u64,
     size: u64,
-    handle: sys::CUmemGenericAllocationHandle,
+    /// Every chunk's handle (owned: released on drop) and size.
+    chunks: Vec<(sys::CUmemGenericAllocationHandle, u64)>,
+    /// Whether `va .. va + size` is reserved.
+    reserved: bool,
+    /// Chunks mapped so far (the first `mapped` of `chunks`).
+    mapped: usize,
 }
 
 impl VmmMapping {
-    /// Maps `size` bytes of `handle` (taking it over: released on every
-    /// path) for `ctx`'s device.
+    /// Maps `chunks` (handles taken over: released on every path) in order,
+    /// contiguously, for `ctx`'s device.
     fn map(
         ctx: &Arc<Context>,
-        handle: sys::CUmemGenericAllocationHandle,
-        size: u64,
+        chunks: Vec<(sys::CUmemGenericAllocationHandle, u64)>,
     ) -> Result<VmmMapping, CudaError> {
-        let release = |e: CudaError| {
-            // SAFETY: the handle this call took over, released once.
-            let _ = unsafe { sys::cuMemRelease(handle) };
-            e
-        };
-        ctx.bind().map_err(release)?;
-        let mut va = 0;
-        check(
-            // SAFETY: `va` is a valid out-pointer; the range is freed below or
-            // in `Drop`.
-            unsafe { sys::cuMemAddressReserve(&mut va, size as usize, 0, 0, 0) },
-            "cuMemAddressReserve",
-        )
-        .map_err(release)?;
-        let free = |e: CudaError| {
-            // SAFETY: the range reserved above, freed once.
-            let _ = unsafe { sys::cuMemAddressFree(va, size as usize) };
-            release(e)
-        };
-        check(
-            // SAFETY: maps the handle into the range reserved above (the driver
-            // fails it if the allocation is smaller than `size`).
-            unsafe { sys::cuMemMap(va, size as usize, 0, handle, 0) },
-            "cuMemMap",
-        )
-        .map_err(free)?;
-        // From here `Drop` undoes all three steps.
-        let mapping = VmmMapping {
+        let size = chunks.iter().map(|c| c.1).sum();
+        // From here `Drop` undoes whatever was done.
+        let mut m = VmmMapping {
             ctx: ctx.clone(),
-            va,
+            va: 0,
             size,
-            handle,
+            chunks,
+            reserved: false,
+            mapped: 0,
         };
+        ctx.bind()?;
+        check(
+            // SAFETY: `va` is a valid out-pointer; the range is freed in
+            // `Drop`.
+            unsafe { sys::cuMemAddressReserve(&mut m.va, size as usize, 0, 0, 0) },
+            "cuMemAddressReserve",
+        )?;
+        m.reserved = true;
+        let mut at = m.va;
+        for &(handle, bytes) in &m.chunks {
+            check(
+                // SAFETY: maps the chunk into the range reserved above, after
+                // the chunks before it (the driver fails it if the chunk is
+                // smaller than `bytes`).
+                unsafe { sys::cuMemMap(at, bytes as usize, 0, handle, 0) },
+                "cuMemMap",
+            )?;
+            m.mapped += 1;
+            at += bytes;
+        }
         // SAFETY: `CUmemAccessDesc` is plain data; all-zero is valid.
         let mut desc: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
         desc.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
@@ -301,41 +303,58 @@ impl VmmMapping {
         desc.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
         check(
             // SAFETY: the range mapped above; `desc` is one valid descriptor.
-            unsafe { sys::cuMemSetAccess(va, size as usize, &desc, 1) },
+            unsafe { sys::cuMemSetAccess(m.va, size as usize, &desc, 1) },
             "cuMemSetAccess",
         )?;
-        Ok(mapping)
+        Ok(m)
     }
 }
 
 impl Drop for VmmMapping {
     fn drop(&mut self) {
         let _ = self.ctx.bind();
-        // SAFETY: undoes `map` once: the mapping, the range, the handle.
-        unsafe {
-            let _ = sys::cuMemUnmap(self.va, self.size as usize);
-            let _ = sys::cuMemAddressFree(self.va, self.size as usize);
-            let _ = sys::cuMemRelease(self.handle);
+        let mut at = self.va;
+        for &(_, bytes) in &self.chunks[..self.mapped] {
+            // SAFETY: unmaps a chunk `map` mapped, once.
+            let _ = unsafe { sys::cuMemUnmap(at, bytes as usize) };
+            at += bytes;
+        }
+        if self.reserved {
+            // SAFETY: frees the range `map` reserved, once.
+            let _ = unsafe { sys::cuMemAddressFree(self.va, self.size as usize) };
+        }
+        for &(handle, _) in &self.chunks {
+            // SAFETY: releases a handle this mapping took over, once.
+            let _ = unsafe { sys::cuMemRelease(handle) };
         }
     }
 }
 
-/// Device memory allocated with `cuMemCreate` for export as a POSIX fd (what
-/// PyTorch's expandable segments hand out), mapped here.
+/// Device memory allocated with `cuMemCreate` for export as POSIX fds, in
+/// one chunk or several mapped contiguously (what PyTorch's expandable
+/// segments hand out: one fd per 20 MiB chunk), mapped here.
 pub struct ExportedVmm {
     mapping: VmmMapping,
-    fd: OwnedFd,
+    fds: Vec<OwnedFd>,
+    chunk: u64,
 }
 
-// SAFETY: a device address and an fd, used with the context bound.
+// SAFETY: a device address and fds, used with the context bound.
 unsafe impl Send for ExportedVmm {}
-// SAFETY: `&ExportedVmm` gives only the address, size and fd.
+// SAFETY: `&ExportedVmm` gives only the address, sizes and fds.
 unsafe impl Sync for ExportedVmm {}
 
 impl ExportedVmm {
     /// Allocates at least `want` bytes (rounded up to the allocation
-    /// granularity) on `ctx`'s device and exports them.
+    /// granularity) on `ctx`'s device as one chunk and exports it.
     pub fn new(ctx: &Arc<Context>, want: u64) -> Result<ExportedVmm, CudaError> {
+        ExportedVmm::chunked(ctx, want, u64::MAX)
+    }
+
+    /// Allocates at least `want` bytes on `ctx`'s device in chunks of
+    /// `chunk` bytes (rounded up to the granularity; the last one as
+    /// large), mapped contiguously, and exports each chunk.
+    pub fn chunked(ctx: &Arc<Context>, want: u64, chunk: u64) -> Result<ExportedVmm, CudaError> {
         ctx.bind()?;
         // SAFETY: `CUmemAllocationProp` is plain data; all-zero is valid.
         let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
@@ -356,31 +375,54 @@ impl ExportedVmm {
             },
             "cuMemGetAllocationGranularity",
         )?;
-        let size = want.div_ceil(gran as u64) * gran as u64;
-        let mut handle = 0;
-        check(
-            // SAFETY: `handle` is a valid out-pointer; `VmmMapping::map` takes
-            // it over.
-            unsafe { sys::cuMemCreate(&mut handle, size as usize, &prop, 0) },
-            "cuMemCreate",
-        )?;
-        let mapping = VmmMapping::map(ctx, handle, size)?;
-        let mut fd: i32 = -1;
-        check(
-            // SAFETY: for the POSIX fd handle type the out-pointer is an `int`.
-            unsafe {
-                sys::cuMemExportToShareableHandle(
-                    &mut fd as *mut i32 as *mut c_void,
-                    handle,
-                    sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-                    0,
-                )
-            },
-            "cuMemExportToShareableHandle",
-        )?;
-        // SAFETY: a fresh descriptor the driver just made for us.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        Ok(ExportedVmm { mapping, fd })
+        let gran = gran as u64;
+        let want = want.max(1).div_ceil(gran) * gran;
+        let chunk = chunk.min(want).div_ceil(gran) * gran;
+        let mut handles = Vec::new();
+        let mut made = 0;
+        while made < want {
+            let mut handle = 0;
+            let r = check(
+                // SAFETY: `handle` is a valid out-pointer; the mapping below
+                // (or the cleanup on failure) takes it over.
+                unsafe { sys::cuMemCreate(&mut handle, chunk as usize, &prop, 0) },
+                "cuMemCreate",
+            );
+            if let Err(e) = r {
+                for (h, _) in handles {
+                    // SAFETY: a handle created above, released once.
+                    let _ = unsafe { sys::cuMemRelease(h) };
+                }
+                return Err(e);
+            }
+            handles.push((handle, chunk));
+            made += chunk;
+        }
+        let mapping = VmmMapping::map(ctx, handles)?;
+        let mut fds = Vec::with_capacity(mapping.chunks.len());
+        for &(handle, _) in &mapping.chunks {
+            let mut fd: i32 = -1;
+            check(
+                // SAFETY: for the POSIX fd handle type the out-pointer is an
+                // `int`.
+                unsafe {
+                    sys::cuMemExportToShareableHandle(
+                        &mut fd as *mut i32 as *mut c_void,
+                        handle,
+                        sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                        0,
+                    )
+                },
+                "cuMemExportToShareableHandle",
+            )?;
+            // SAFETY: a fresh descriptor the driver just made for us.
+            fds.push(unsafe { OwnedFd::from_raw_fd(fd) });
+        }
+        Ok(ExportedVmm {
+            mapping,
+            fds,
+            chunk,
+        })
     }
 
     pub fn ptr(&self) -> u64 {
@@ -391,8 +433,14 @@ impl ExportedVmm {
         self.mapping.size
     }
 
-    pub fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
-        std::os::fd::AsFd::as_fd(&self.fd)
+    /// Bytes of each chunk.
+    pub fn chunk_bytes(&self) -> u64 {
+        self.chunk
+    }
+
+    /// Each chunk's fd, in address order.
+    pub fn fds(&self) -> Vec<std::os::fd::BorrowedFd<'_>> {
+        self.fds.iter().map(std::os::fd::AsFd::as_fd).collect()
     }
 }
 
@@ -467,32 +515,41 @@ impl OpenedMemory {
         Ok(opened)
     }
 
-    /// Imports a VMM allocation exported as a POSIX fd and maps `size` bytes
-    /// of it (the mapping fails if the allocation is smaller).
-    pub fn import_vmm_fd(
-        ctx: &Arc<Context>,
-        fd: i32,
-        size: u64,
-    ) -> Result<OpenedMemory, CudaError> {
+    /// Imports VMM chunks exported as POSIX fds (`(fd, bytes)` each) and
+    /// maps them in order, contiguously (the mapping fails if a chunk is
+    /// smaller than it is said to be).
+    pub fn import_vmm_fds(ctx: &Arc<Context>, chunks: &[(i32, u64)]) -> Result<OpenedMemory, CudaError> {
         ctx.bind()?;
-        let mut handle = 0;
-        check(
-            // SAFETY: `handle` is a valid out-pointer; for the POSIX fd handle
-            // type the "handle" argument is the fd itself, which the driver
-            // duplicates; `VmmMapping::map` takes the handle over.
-            unsafe {
-                sys::cuMemImportFromShareableHandle(
-                    &mut handle,
-                    fd as isize as *mut c_void,
-                    sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-                )
-            },
-            "cuMemImportFromShareableHandle",
-        )?;
-        let mapping = VmmMapping::map(ctx, handle, size)?;
+        let mut handles = Vec::with_capacity(chunks.len());
+        for &(fd, bytes) in chunks {
+            let mut handle = 0;
+            let r = check(
+                // SAFETY: `handle` is a valid out-pointer; for the POSIX fd
+                // handle type the "handle" argument is the fd itself, which
+                // the driver duplicates; the mapping (or the cleanup below)
+                // takes the handle over.
+                unsafe {
+                    sys::cuMemImportFromShareableHandle(
+                        &mut handle,
+                        fd as isize as *mut c_void,
+                        sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                    )
+                },
+                "cuMemImportFromShareableHandle",
+            );
+            if let Err(e) = r {
+                for (h, _) in handles {
+                    // SAFETY: a handle imported above, released once.
+                    let _ = unsafe { sys::cuMemRelease(h) };
+                }
+                return Err(e);
+            }
+            handles.push((handle, bytes));
+        }
+        let mapping = VmmMapping::map(ctx, handles)?;
         Ok(OpenedMemory {
             base: mapping.va,
-            size,
+            size: mapping.size,
             how: Opened::Vmm { _mapping: mapping },
             ctx: ctx.clone(),
         })
@@ -512,12 +569,4 @@ impl Drop for OpenedMemory {
             let _ = unsafe { sys::cuIpcCloseMemHandle(self.base) };
         }
     }
-}
-
-/// One registered tensor in device memory.
-pub struct DeviceTensor {
-    /// Device address of the tensor's first byte.
-    pub dptr: u64,
-    pub bytes: u64,
-    pub memory: Arc<OpenedMemory>,
 }

@@ -14,7 +14,7 @@
 //! * [`Event`] and [`IpcEventHandle`](crate::IpcEventHandle): events, interprocess ones included;
 //! * [`DeviceBuffer`], [`PinnedHostBuffer`], [`HostRegistration`],
 //!   [`ExportedVmm`]: memory the process allocates or pins;
-//! * [`OpenedMemory`] / [`DeviceTensor`]: another process's device memory
+//! * [`OpenedMemory`]: another process's device memory
 //!   opened here (legacy IPC handle, or a VMM allocation imported from a
 //!   POSIX fd), closed when the last tensor using it goes;
 //! * [`kernels`]: the KV copy kernels, compiled by NVRTC for the device and
@@ -34,7 +34,7 @@ pub use context::{device_uuid, probe, Context, DeviceInfo};
 pub use cudarc::driver::sys::CUresult;
 pub use event::{Event, EventKind};
 pub use memory::{
-    DeviceBuffer, DeviceTensor, ExportedVmm, HostRegistration, OpenedMemory, PinnedHostBuffer,
+    DeviceBuffer, ExportedVmm, HostRegistration, OpenedMemory, PinnedHostBuffer,
 };
 pub use module::{Function, LaunchConfig, Module};
 pub use stream::Stream;

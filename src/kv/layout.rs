@@ -1,435 +1,453 @@
-//! KV-cache layouts: where a block's keys and values sit in an engine's
-//! paged cache, and where they sit in a stored chunk object.
+//! A KV cache's memory layout: where every row of its geometry lives in the
+//! engine's allocations. One descriptor covers every layout engines use —
+//! per-layer tensors or one buffer for all layers, K and V apart or side by
+//! side in one row, any order of blocks, layers, heads and tokens — as a
+//! per-layer offset and three strides ([`LayerPlacement`]).
 //!
-//! A *slab* is what one block holds for one layer and one part (K or V; MLA
-//! has a single part): `block_tokens * num_heads * head_dim * elem_bytes`
-//! contiguous bytes in every supported layout. A copy between an engine's
-//! cache and a chunk object is therefore a list of slab-sized pieces.
+//! Row (`layer`, `block`, `head`, `token`) of K starts at
+//! `k_offset + block * block_stride + head * head_stride + token *
+//! token_stride` in allocation `alloc` of its layer, and is
+//! [`KvGeometry::k_bytes`] long; V's likewise from `v_offset`. Named layouts
+//! are built by [`super::LayoutPreset`]; any other by [`KvLayout::new`].
 //!
-//! The chunk object is layout-independent: `[part][layer][token][head * dim]`
-//! with `chunk_tokens` tokens, so engines of different paged layouts (or
-//! block sizes) with the same model geometry share stored objects.
+//! [`KvLayout::validate`] proves that every address any block id produces
+//! lies inside its allocation and that no two rows share a byte, or says
+//! which layer breaks which rule.
 
+use super::geometry::{GeometryError, KvGeometry};
+use super::overlap::RowBox;
+use super::plan::CopyPlan;
+use super::preset::LayoutPreset;
 use crate::shm_struct::shm_struct;
-use crate::wire::wire_enum;
 use bytemuck::{Pod, Zeroable};
 
-wire_enum! {
-    /// The paged layouts an engine's KV cache may have.
-    pub enum KvLayoutKind: u32 {
-        /// vLLM flash-attention: one tensor per layer, `[2, NB, BS, H, D]`.
-        FlashAttn = 1 => "flash-attn [2,NB,BS,H,D] per layer",
-        /// FlashInfer: one tensor per layer, `[NB, 2, BS, H, D]`.
-        FlashInfer = 2 => "flashinfer [NB,2,BS,H,D] per layer",
-        /// MLA: one tensor per layer, `[NB, BS, D]` (one part, `num_heads` 1).
-        Mla = 3 => "mla [NB,BS,D] per layer",
-        /// Cross-layer: one tensor, `[NB, L, 2, BS, H, D]`.
-        CrossLayer = 4 => "cross-layer [NB,L,2,BS,H,D]",
+shm_struct! {
+    /// Where one layer's rows live (`shm_layout.md`, "LayerPlacement").
+    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
+    pub struct LayerPlacement {
+        /// Index of the allocation holding the layer.
+        [0] pub alloc: u32,
+        /// Zero on the wire.
+        [4] pub(crate) _reserved: u32,
+        /// Byte offset of the K row of block 0, head 0, token 0.
+        [8] pub k_offset: u64,
+        /// Byte offset of the V row of block 0, head 0, token 0 (0 when the
+        /// geometry has no V).
+        [16] pub v_offset: u64,
+        /// Bytes between blocks.
+        [24] pub block_stride: u64,
+        /// Bytes between heads.
+        [32] pub head_stride: u64,
+        /// Bytes between tokens.
+        [40] pub token_stride: u64,
     }
 }
 
-/// The element type of a KV cache: what a layout needs of it is its size.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum Dtype {
-    /// 8-bit floats (e4m3, e5m2) or int8.
-    Fp8,
-    F16,
-    Bf16,
-    F32,
-}
-
-impl Dtype {
-    /// Bytes per element.
-    pub const fn bytes(self) -> u32 {
-        match self {
-            Dtype::Fp8 => 1,
-            Dtype::F16 | Dtype::Bf16 => 2,
-            Dtype::F32 => 4,
+impl LayerPlacement {
+    /// A layer in allocation `alloc` with K and V rows starting at
+    /// `k_offset` and `v_offset`, and the strides (bytes) between blocks,
+    /// heads and tokens.
+    pub const fn new(
+        alloc: u32,
+        k_offset: u64,
+        v_offset: u64,
+        block_stride: u64,
+        head_stride: u64,
+        token_stride: u64,
+    ) -> LayerPlacement {
+        LayerPlacement {
+            alloc,
+            _reserved: 0,
+            k_offset,
+            v_offset,
+            block_stride,
+            head_stride,
+            token_stride,
         }
     }
-}
 
-/// The dimensions of a paged KV cache.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct KvShape {
-    /// Layers (L).
-    pub layers: u32,
-    /// Blocks in the paged cache (NB).
-    pub blocks: u32,
-    /// Tokens per block (BS).
-    pub block_tokens: u32,
-    /// KV heads (H); 1 for MLA.
-    pub heads: u32,
-    /// Head dimension (D; MLA: the latent dimension).
-    pub head_dim: u32,
-}
-
-shm_struct! {
-    /// An engine's KV-cache geometry, as sent at registration (`shm_layout.md`,
-    /// "KvLayout"). Built with [`KvLayout::new`] (or [`KvLayout::mla`]); the
-    /// fields read as the wire has them.
-    ///
-    /// # Examples
-    ///
-    /// ```
-    /// use kvring::kv::{Dtype, KvLayout, KvLayoutKind, KvShape};
-    ///
-    /// // Llama-3-8B in vLLM's flash-attention layout: 32 layers, 8 KV heads of
-    /// // 128, bf16, 16-token blocks.
-    /// let shape = KvShape { layers: 32, blocks: 1024, block_tokens: 16, heads: 8, head_dim: 128 };
-    /// let layout = KvLayout::new(KvLayoutKind::FlashAttn, shape, Dtype::Bf16);
-    /// layout.validate(256).unwrap();
-    /// assert_eq!(layout.slab_bytes(), 16 * 8 * 128 * 2);
-    /// assert_eq!(layout.num_tensors(), 32);
-    /// assert_eq!(layout.shape(), shape);
-    ///
-    /// // MLA: one part, one "head" of the latent dimension.
-    /// let mla = KvLayout::mla(61, 512, 64, 576, Dtype::Bf16);
-    /// assert_eq!((mla.parts(), mla.num_heads), (1, 1));
-    /// ```
-    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Pod, Zeroable)]
-    pub struct KvLayout {
-        /// [`KvLayoutKind`] code.
-        [0] pub kind: u32,
-        [4] pub num_layers: u32,
-        /// Blocks in the paged cache (NB).
-        [8] pub num_blocks: u32,
-        /// Tokens per block (BS).
-        [12] pub block_tokens: u32,
-        /// KV heads (H); 1 for MLA.
-        [16] pub num_heads: u32,
-        /// Head dimension (D; MLA: the latent dimension).
-        [20] pub head_dim: u32,
-        /// Bytes per element: 1, 2 or 4.
-        [24] pub elem_bytes: u32,
-        /// Zero on the wire; private so a layout is built by a constructor.
-        [28] pub(crate) _reserved: u32,
+    /// Byte offset of part `part` (0 K, 1 V) of row (`block`, `head`,
+    /// `token`) in the layer's allocation. Only meaningful for a validated
+    /// layout and indices in range.
+    #[inline]
+    pub fn row(&self, part: u32, block: u32, head: u32, token: u32) -> u64 {
+        let base = if part == 0 { self.k_offset } else { self.v_offset };
+        base + u64::from(block) * self.block_stride
+            + u64::from(head) * self.head_stride
+            + u64::from(token) * self.token_stride
     }
 }
 
-const _: () = assert!(std::mem::size_of::<KvLayout>() == 32);
+/// K or V, for messages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Part {
+    K,
+    V,
+}
 
-/// Why a [`KvLayout`] is refused (registration answers with this text).
+impl std::fmt::Display for Part {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Part::K => "K",
+            Part::V => "V",
+        })
+    }
+}
+
+/// Most allocations one layout may span.
+pub const MAX_ALLOCATIONS: usize = 4096;
+
+/// Why a layout is refused (registration answers with this text).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum LayoutError {
-    #[error("unknown layout kind {0}")]
-    UnknownKind(u32),
-    #[error("{0} layers: must be 1..={MAX_LAYERS}")]
-    Layers(u32),
-    #[error("{0} blocks: must be 1..={MAX_BLOCKS}")]
-    Blocks(u32),
-    #[error("{0} heads: must be 1..={MAX_HEADS}")]
-    Heads(u32),
-    #[error("MLA layout with {0} heads: must be 1")]
-    MlaHeads(u32),
-    #[error("head dim {0}: must be 1..={MAX_HEAD_DIM}")]
-    HeadDim(u32),
-    #[error("element size {0}: must be 1, 2 or 4")]
-    ElemBytes(u32),
+    #[error(transparent)]
+    Geometry(#[from] GeometryError),
+    #[error("{placements} layer placements for {layers} layers")]
+    Placements { layers: u32, placements: usize },
+    #[error("{0} allocations: must be 1..={MAX_ALLOCATIONS}")]
+    Allocations(usize),
+    #[error("allocation {0} is empty")]
+    EmptyAllocation(u32),
+    #[error("layer {layer}: allocation {alloc} named, {allocations} given")]
+    NoAllocation {
+        layer: u32,
+        alloc: u32,
+        allocations: usize,
+    },
+    #[error("layer {0}: reserved field is not zero")]
+    Reserved(u32),
+    #[error("layer {0}: a V offset for a geometry without V")]
+    VOffsetWithoutV(u32),
+    #[error("layer {layer} {part}: addresses overflow 64 bits")]
+    Overflow { layer: u32, part: Part },
     #[error(
-        "block size {block_tokens} tokens does not divide the server's chunk size of {chunk_tokens} tokens"
+        "layer {layer} {part}: rows reach byte {end}, past the {bytes} bytes of allocation {alloc}"
     )]
-    BlockTokens { block_tokens: u32, chunk_tokens: u32 },
-    #[error("reserved field is not zero")]
-    Reserved,
-    #[error("tensor size overflows")]
-    TensorOverflow,
-    #[error("tensor of {0} bytes exceeds {MAX_TENSOR_BYTES}")]
-    TensorBytes(u64),
+    OutOfBounds {
+        layer: u32,
+        part: Part,
+        end: u64,
+        alloc: u32,
+        bytes: u64,
+    },
+    #[error(
+        "layer {layer} {part}: its strides (block {block}, head {head}, token {token}) put two rows on the same bytes"
+    )]
+    RowsOverlap {
+        layer: u32,
+        part: Part,
+        block: u64,
+        head: u64,
+        token: u64,
+    },
+    #[error("layer {0} {1} and layer {2} {3} share bytes")]
+    LayersOverlap(u32, Part, u32, Part),
+    #[error("preset {preset}: {reason}")]
+    Preset {
+        preset: &'static str,
+        reason: &'static str,
+    },
 }
 
-/// Bounds on a layout's dimensions.
-pub const MAX_LAYERS: u32 = 1024;
-pub const MAX_HEADS: u32 = 1024;
-pub const MAX_HEAD_DIM: u32 = 1 << 16;
-pub const MAX_BLOCKS: u32 = 1 << 31;
-/// Largest single tensor the server maps (1 TiB).
-pub const MAX_TENSOR_BYTES: u64 = 1 << 40;
+/// A KV cache's geometry and where each layer of it lives in the engine's
+/// allocations, whose sizes it carries.
+///
+/// # Examples
+///
+/// ```
+/// use kvring::kv::{Dtype, KvGeometry, KvLayout, KvShape, LayoutPreset};
+///
+/// // Llama-3-8B as vLLM 0.33 lays it out by default: one buffer for all
+/// // layers, `[L, B, N, H, K|V]`.
+/// let shape = KvShape { layers: 32, blocks: 1024, block_tokens: 16, heads: 8, head_dim: 128 };
+/// let g = KvGeometry::mha(shape, Dtype::Bf16);
+/// let layout = KvLayout::preset(LayoutPreset::Lbnhc, g)?;
+/// layout.validate(256)?;
+/// assert_eq!(layout.allocations(), &[32 * 1024 * g.page_bytes()]);
+/// // A block of one layer is one contiguous run: copied in one piece.
+/// assert_eq!(layout.plan().run_bytes(), g.page_bytes());
+///
+/// // vLLM 0.21: a `[2, NB, BS, H, D]` tensor per layer.
+/// let old = KvLayout::preset(LayoutPreset::FlashAttn, g)?;
+/// assert_eq!(old.allocations().len(), 32);
+/// // Same geometry: the two engines share stored objects.
+/// assert_eq!(old.fingerprint(256), layout.fingerprint(256));
+/// # Ok::<(), kvring::kv::LayoutError>(())
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct KvLayout {
+    geometry: KvGeometry,
+    allocations: Vec<u64>,
+    layers: Vec<LayerPlacement>,
+    preset: Option<LayoutPreset>,
+}
 
 impl KvLayout {
-    /// A layout of `kind` with the dimensions `shape` and elements of
-    /// `dtype`. Check it with [`KvLayout::validate`] (registration does).
-    pub const fn new(kind: KvLayoutKind, shape: KvShape, dtype: Dtype) -> KvLayout {
+    /// A layout of `geometry` whose layers are placed by `layers` (one per
+    /// layer) in allocations of `allocations` bytes each. Check it with
+    /// [`KvLayout::validate`] (registration does).
+    pub fn new(geometry: KvGeometry, allocations: Vec<u64>, layers: Vec<LayerPlacement>) -> Self {
         KvLayout {
-            kind: kind as u32,
-            num_layers: shape.layers,
-            num_blocks: shape.blocks,
-            block_tokens: shape.block_tokens,
-            num_heads: shape.heads,
-            head_dim: shape.head_dim,
-            elem_bytes: dtype.bytes(),
-            _reserved: 0,
+            geometry,
+            allocations,
+            layers,
+            preset: None,
         }
     }
 
-    /// An MLA layout: one part per layer, `[NB, BS, D]`, one head of the
-    /// latent dimension `latent_dim`.
-    pub const fn mla(
-        layers: u32,
-        blocks: u32,
-        block_tokens: u32,
-        latent_dim: u32,
-        dtype: Dtype,
-    ) -> KvLayout {
-        KvLayout::new(
-            KvLayoutKind::Mla,
-            KvShape {
-                layers,
-                blocks,
-                block_tokens,
-                heads: 1,
-                head_dim: latent_dim,
-            },
-            dtype,
-        )
-    }
-
-    /// The same layout with `blocks` blocks.
-    pub const fn with_blocks(mut self, blocks: u32) -> KvLayout {
-        self.num_blocks = blocks;
+    pub(super) fn named(mut self, preset: LayoutPreset) -> Self {
+        self.preset = Some(preset);
         self
     }
 
-    /// The dimensions.
-    pub const fn shape(&self) -> KvShape {
-        KvShape {
-            layers: self.num_layers,
-            blocks: self.num_blocks,
-            block_tokens: self.block_tokens,
-            heads: self.num_heads,
-            head_dim: self.head_dim,
-        }
+    /// The named layout `preset` of `geometry`, densely packed.
+    pub fn preset(preset: LayoutPreset, geometry: KvGeometry) -> Result<KvLayout, LayoutError> {
+        preset.build(geometry)
     }
 
-    pub fn kind(&self) -> Option<KvLayoutKind> {
-        KvLayoutKind::decode(self.kind).ok()
+    pub fn geometry(&self) -> &KvGeometry {
+        &self.geometry
     }
 
-    /// Checks every bound and that `block_tokens` divides `chunk_tokens`.
-    /// The error says which check failed.
-    pub fn validate(&self, chunk_tokens: u32) -> Result<(), LayoutError> {
-        let kind = self.kind().ok_or(LayoutError::UnknownKind(self.kind))?;
-        if !(1..=MAX_LAYERS).contains(&self.num_layers) {
-            return Err(LayoutError::Layers(self.num_layers));
-        }
-        if !(1..=MAX_BLOCKS).contains(&self.num_blocks) {
-            return Err(LayoutError::Blocks(self.num_blocks));
-        }
-        if !(1..=MAX_HEADS).contains(&self.num_heads) {
-            return Err(LayoutError::Heads(self.num_heads));
-        }
-        if kind == KvLayoutKind::Mla && self.num_heads != 1 {
-            return Err(LayoutError::MlaHeads(self.num_heads));
-        }
-        if !(1..=MAX_HEAD_DIM).contains(&self.head_dim) {
-            return Err(LayoutError::HeadDim(self.head_dim));
-        }
-        if ![1, 2, 4].contains(&self.elem_bytes) {
-            return Err(LayoutError::ElemBytes(self.elem_bytes));
-        }
-        if self.block_tokens == 0 || chunk_tokens % self.block_tokens != 0 {
-            return Err(LayoutError::BlockTokens {
-                block_tokens: self.block_tokens,
-                chunk_tokens,
-            });
-        }
-        if self._reserved != 0 {
-            return Err(LayoutError::Reserved);
-        }
-        // Every size below must fit comfortably: computed with checked math.
-        let t = self
-            .checked_tensor_bytes()
-            .ok_or(LayoutError::TensorOverflow)?;
-        if t > MAX_TENSOR_BYTES {
-            return Err(LayoutError::TensorBytes(t));
-        }
-        Ok(())
+    /// Bytes of each allocation.
+    pub fn allocations(&self) -> &[u64] {
+        &self.allocations
     }
 
-    /// K and V (2), or one part for MLA.
-    pub fn parts(&self) -> u32 {
-        if self.kind() == Some(KvLayoutKind::Mla) {
-            1
-        } else {
-            2
+    /// Each layer's placement.
+    pub fn layers(&self) -> &[LayerPlacement] {
+        &self.layers
+    }
+
+    /// The preset it was built from, if any.
+    pub fn preset_name(&self) -> Option<&'static str> {
+        self.preset.map(LayoutPreset::name)
+    }
+
+    /// The same layout with allocation `i` `bytes` long (what the engine
+    /// actually allocated, padding included).
+    pub fn with_allocation_bytes(mut self, i: usize, bytes: u64) -> Self {
+        if let Some(a) = self.allocations.get_mut(i) {
+            *a = bytes;
         }
-    }
-
-    /// Bytes one token holds for one layer and part.
-    pub fn token_bytes(&self) -> u64 {
-        u64::from(self.num_heads) * u64::from(self.head_dim) * u64::from(self.elem_bytes)
-    }
-
-    /// Bytes of one slab (one block, one layer, one part).
-    pub fn slab_bytes(&self) -> u64 {
-        u64::from(self.block_tokens) * self.token_bytes()
-    }
-
-    /// Number of tensors the engine registers.
-    pub fn num_tensors(&self) -> u32 {
-        match self.kind() {
-            Some(KvLayoutKind::CrossLayer) => 1,
-            _ => self.num_layers,
-        }
-    }
-
-    fn checked_tensor_bytes(&self) -> Option<u64> {
-        let slab = u64::from(self.block_tokens)
-            .checked_mul(u64::from(self.num_heads))?
-            .checked_mul(u64::from(self.head_dim))?
-            .checked_mul(u64::from(self.elem_bytes))?;
-        let per_block = match self.kind()? {
-            KvLayoutKind::CrossLayer => slab.checked_mul(2 * u64::from(self.num_layers))?,
-            KvLayoutKind::Mla => slab,
-            _ => slab.checked_mul(2)?,
-        };
-        per_block.checked_mul(u64::from(self.num_blocks))
-    }
-
-    /// Bytes of each tensor (every tensor of a layout has the same size).
-    /// Only meaningful for a validated layout.
-    pub fn tensor_bytes(&self) -> u64 {
-        self.checked_tensor_bytes().unwrap_or(u64::MAX)
-    }
-
-    /// Where slab (`layer`, `part`, `block`) lives: (tensor index, byte
-    /// offset in it). The caller has checked the indices are in range.
-    #[inline]
-    pub fn slab_at(&self, layer: u32, part: u32, block: u32) -> (u32, u64) {
-        let slab = self.slab_bytes();
-        let (l, p, b) = (u64::from(layer), u64::from(part), u64::from(block));
-        let nb = u64::from(self.num_blocks);
-        match self.kind() {
-            Some(KvLayoutKind::FlashAttn) => (layer, (p * nb + b) * slab),
-            Some(KvLayoutKind::FlashInfer) => (layer, (b * 2 + p) * slab),
-            Some(KvLayoutKind::Mla) => (layer, b * slab),
-            Some(KvLayoutKind::CrossLayer) => {
-                (0, ((b * u64::from(self.num_layers) + l) * 2 + p) * slab)
-            }
-            None => (0, 0),
-        }
+        self
     }
 
     /// Blocks per chunk of `chunk_tokens`.
     pub fn blocks_per_chunk(&self, chunk_tokens: u32) -> u32 {
-        chunk_tokens / self.block_tokens
+        self.geometry.blocks_per_chunk(chunk_tokens)
     }
 
     /// Bytes of a chunk object of `chunk_tokens` tokens.
     pub fn object_bytes(&self, chunk_tokens: u32) -> u64 {
-        u64::from(self.parts())
-            * u64::from(self.num_layers)
-            * u64::from(chunk_tokens)
-            * self.token_bytes()
+        self.geometry.object_bytes(chunk_tokens)
     }
 
-    /// Offset in a chunk object of block `j` of the chunk (its first token)
-    /// for `layer` and `part`: `[part][layer][token][H*D]`.
-    #[inline]
-    pub fn object_offset(&self, chunk_tokens: u32, layer: u32, part: u32, j: u32) -> u64 {
-        let row = u64::from(part) * u64::from(self.num_layers) + u64::from(layer);
-        (row * u64::from(chunk_tokens) + u64::from(j) * u64::from(self.block_tokens))
-            * self.token_bytes()
-    }
-
-    /// What a stored object's bytes mean, independent of the paged layout
-    /// and block size: objects with equal fingerprints are interchangeable.
+    /// See [`KvGeometry::fingerprint`].
     pub fn fingerprint(&self, chunk_tokens: u32) -> u64 {
-        let mut h = blake3::Hasher::new();
-        h.update(b"kvring-object-v1");
-        for v in [
-            self.parts(),
-            self.num_layers,
-            self.num_heads,
-            self.head_dim,
-            self.elem_bytes,
-            chunk_tokens,
-        ] {
-            h.update(&v.to_le_bytes());
+        self.geometry.fingerprint(chunk_tokens)
+    }
+
+    /// The boxes of rows of each layer and part, in order (layer, part).
+    fn boxes(&self) -> impl Iterator<Item = (u32, Part, &LayerPlacement, u64)> + '_ {
+        let g = &self.geometry;
+        self.layers.iter().enumerate().flat_map(move |(l, p)| {
+            let k = (l as u32, Part::K, p, g.k_bytes());
+            let v = (g.v_dim > 0).then_some((l as u32, Part::V, p, g.v_bytes()));
+            std::iter::once(k).chain(v)
+        })
+    }
+
+    /// Checks the geometry (see [`KvGeometry::validate`]), that every
+    /// address any block id can produce lies inside its allocation, and
+    /// that no two rows share a byte. The error says which rule which layer
+    /// breaks.
+    pub fn validate(&self, chunk_tokens: u32) -> Result<(), LayoutError> {
+        let g = &self.geometry;
+        g.validate(chunk_tokens)?;
+        if self.layers.len() != g.layers as usize {
+            return Err(LayoutError::Placements {
+                layers: g.layers,
+                placements: self.layers.len(),
+            });
         }
-        u64::from_le_bytes(h.finalize().as_bytes()[..8].try_into().expect("8 bytes"))
+        if !(1..=MAX_ALLOCATIONS).contains(&self.allocations.len()) {
+            return Err(LayoutError::Allocations(self.allocations.len()));
+        }
+        if let Some(i) = self.allocations.iter().position(|&b| b == 0) {
+            return Err(LayoutError::EmptyAllocation(i as u32));
+        }
+        for (l, p) in self.layers.iter().enumerate() {
+            let layer = l as u32;
+            if p._reserved != 0 {
+                return Err(LayoutError::Reserved(layer));
+            }
+            if p.alloc as usize >= self.allocations.len() {
+                return Err(LayoutError::NoAllocation {
+                    layer,
+                    alloc: p.alloc,
+                    allocations: self.allocations.len(),
+                });
+            }
+            if g.v_dim == 0 && p.v_offset != 0 {
+                return Err(LayoutError::VOffsetWithoutV(layer));
+            }
+        }
+        let mut boxes = Vec::with_capacity(self.layers.len() * 2);
+        for (layer, part, p, width) in self.boxes() {
+            let b = RowBox::new(
+                p.alloc,
+                if part == Part::K { p.k_offset } else { p.v_offset },
+                width,
+                [
+                    (u64::from(g.blocks), p.block_stride),
+                    (u64::from(g.heads), p.head_stride),
+                    (u64::from(g.block_tokens), p.token_stride),
+                ],
+            );
+            let end = b.end().ok_or(LayoutError::Overflow { layer, part })?;
+            let bytes = self.allocations[p.alloc as usize];
+            if end > bytes {
+                return Err(LayoutError::OutOfBounds {
+                    layer,
+                    part,
+                    end,
+                    alloc: p.alloc,
+                    bytes,
+                });
+            }
+            if b.self_overlaps() {
+                return Err(LayoutError::RowsOverlap {
+                    layer,
+                    part,
+                    block: p.block_stride,
+                    head: p.head_stride,
+                    token: p.token_stride,
+                });
+            }
+            boxes.push((b, end, layer, part));
+        }
+        // Sweep by start: a box can only meet the boxes that start before
+        // it ends.
+        boxes.sort_by_key(|(b, _, _, _)| (b.alloc, b.offset));
+        for (i, (a, end, la, pa)) in boxes.iter().enumerate() {
+            for (b, _, lb, pb) in &boxes[i + 1..] {
+                if b.alloc != a.alloc || b.offset >= *end {
+                    break;
+                }
+                if a.overlaps(b) {
+                    let (x, y) = if (la, *pa as u8) <= (lb, *pb as u8) {
+                        ((*la, *pa), (*lb, *pb))
+                    } else {
+                        ((*lb, *pb), (*la, *pa))
+                    };
+                    return Err(LayoutError::LayersOverlap(x.0, x.1, y.0, y.1));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// How a chunk's rows move as runs (only meaningful for a validated
+    /// layout).
+    pub fn plan(&self) -> CopyPlan {
+        CopyPlan::new(self)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kv::{Dtype, KvShape};
 
-    fn layout(kind: KvLayoutKind) -> KvLayout {
-        let shape = KvShape {
-            layers: 3,
-            blocks: 5,
-            block_tokens: 4,
-            heads: if kind == KvLayoutKind::Mla { 1 } else { 2 },
-            head_dim: 8,
-        };
-        KvLayout::new(kind, shape, Dtype::Bf16)
+    fn g() -> KvGeometry {
+        KvGeometry::mha(
+            KvShape {
+                layers: 2,
+                blocks: 4,
+                block_tokens: 4,
+                heads: 2,
+                head_dim: 8,
+            },
+            Dtype::Bf16,
+        )
     }
 
-    /// Every slab of every layout lies inside its tensor, and no two slabs
-    /// overlap: the mapping is a bijection onto the tensor's bytes.
+    fn dense() -> KvLayout {
+        KvLayout::preset(LayoutPreset::Lbnhc, g()).unwrap()
+    }
+
+    fn with_layer(f: impl FnOnce(&mut LayerPlacement)) -> KvLayout {
+        let mut l = dense();
+        f(&mut l.layers[1]);
+        l
+    }
+
+    fn err(l: &KvLayout) -> String {
+        l.validate(16).unwrap_err().to_string()
+    }
+
     #[test]
-    fn slabs_tile_each_tensor_exactly() {
-        for kind in KvLayoutKind::ALL {
-            let l = layout(kind);
-            l.validate(16).unwrap();
-            let slab = l.slab_bytes();
-            let mut seen = std::collections::HashSet::new();
-            for layer in 0..l.num_layers {
-                for part in 0..l.parts() {
-                    for b in 0..l.num_blocks {
-                        let (t, off) = l.slab_at(layer, part, b);
-                        assert!(t < l.num_tensors(), "{kind:?}");
-                        assert!(off + slab <= l.tensor_bytes(), "{kind:?}");
-                        assert_eq!(off % slab, 0);
-                        assert!(seen.insert((t, off)), "{kind:?}: overlap");
-                    }
-                }
+    fn hostile_descriptors_are_refused_with_their_reason() {
+        dense().validate(16).unwrap();
+        let e = err(&with_layer(|p| p.block_stride = u64::MAX / 2));
+        assert!(e.contains("overflow"), "{e}");
+        let e = err(&with_layer(|p| p.k_offset += 1 << 20));
+        assert!(e.contains("past the"), "{e}");
+        let e = err(&with_layer(|p| p.k_offset = u64::MAX - 10));
+        assert!(e.contains("overflow"), "{e}");
+        // K and V of a layer on the same bytes.
+        let e = err(&with_layer(|p| p.v_offset = p.k_offset + 2));
+        assert!(e.contains("layer 1 K and layer 1 V share bytes"), "{e}");
+        // Layer 1 on top of layer 0.
+        let e = err(&with_layer(|p| {
+            p.k_offset = 0;
+            p.v_offset = 32;
+        }));
+        assert!(e.contains("layer 0 K and layer 1 K share bytes"), "{e}");
+        // A zero stride maps every block onto the same bytes.
+        let e = err(&with_layer(|p| p.block_stride = 0));
+        assert!(e.contains("same bytes"), "{e}");
+        let e = err(&with_layer(|p| p.token_stride = 16));
+        assert!(e.contains("same bytes"), "{e}");
+        let e = err(&with_layer(|p| p.alloc = 3));
+        assert!(e.contains("allocation 3 named"), "{e}");
+        let e = err(&with_layer(|p| p._reserved = 1));
+        assert!(e.contains("reserved"), "{e}");
+        let mut l = dense();
+        l.layers.pop();
+        assert!(err(&l).contains("1 layer placements for 2 layers"));
+        let mut l = dense();
+        l.allocations[0] = 0;
+        assert!(err(&l).contains("empty"));
+        let mut l = dense();
+        l.allocations.clear();
+        assert!(err(&l).contains("0 allocations"));
+        let mut l = dense();
+        l.geometry.blocks = 0;
+        assert!(err(&l).contains("blocks"));
+        let mla = KvLayout::preset(LayoutPreset::Mla, KvGeometry::mla(2, 4, 4, 64, Dtype::Fp8))
+            .unwrap();
+        mla.validate(16).unwrap();
+        let mut bad = mla.clone();
+        bad.layers[0].v_offset = 8;
+        assert!(err(&bad).contains("without V"));
+    }
+
+    #[test]
+    fn every_preset_is_valid_and_tiles_its_allocations() {
+        for preset in LayoutPreset::ALL {
+            for geo in [g(), g().with_v_dim(8), KvGeometry::mla(3, 5, 4, 24, Dtype::Fp8)] {
+                let Ok(l) = KvLayout::preset(preset, geo) else {
+                    continue;
+                };
+                l.validate(16).unwrap_or_else(|e| panic!("{preset:?}: {e}"));
+                // Dense: every allocated byte is one row's.
+                let rows: u64 = u64::from(geo.layers) * u64::from(geo.blocks) * geo.page_bytes();
+                assert_eq!(l.allocations().iter().sum::<u64>(), rows, "{preset:?}");
+                assert_eq!(l.preset_name(), Some(preset.name()));
             }
-            let total = u64::from(l.num_tensors()) * l.tensor_bytes();
-            assert_eq!(seen.len() as u64 * slab, total, "{kind:?}");
         }
-    }
-
-    #[test]
-    fn objects_are_layout_independent() {
-        let fa = layout(KvLayoutKind::FlashAttn);
-        let fi = layout(KvLayoutKind::FlashInfer);
-        let cl = layout(KvLayoutKind::CrossLayer);
-        let mut small_blocks = fa;
-        small_blocks.block_tokens = 2;
-        assert_eq!(fa.fingerprint(16), fi.fingerprint(16));
-        assert_eq!(fa.fingerprint(16), cl.fingerprint(16));
-        assert_eq!(fa.fingerprint(16), small_blocks.fingerprint(16));
-        assert_ne!(
-            fa.fingerprint(16),
-            layout(KvLayoutKind::Mla).fingerprint(16)
-        );
-        assert_ne!(fa.fingerprint(16), fa.fingerprint(32));
-        assert_eq!(fa.object_bytes(16), 2 * 3 * 16 * 2 * 8 * 2);
-        assert_eq!(fa.object_offset(16, 2, 1, 3), ((3 + 2) * 16 + 12) * 32);
-    }
-
-    #[test]
-    fn bad_layouts_say_what_is_wrong() {
-        let mut l = layout(KvLayoutKind::FlashAttn);
-        l.block_tokens = 3;
-        assert!(l.validate(16).unwrap_err().to_string().contains("does not divide"));
-        let mut l = layout(KvLayoutKind::Mla);
-        l.num_heads = 2;
-        assert!(l.validate(16).unwrap_err().to_string().contains("MLA"));
-        let mut l = layout(KvLayoutKind::FlashAttn);
-        l.elem_bytes = 3;
-        assert!(l.validate(16).unwrap_err().to_string().contains("element size"));
-        let mut l = layout(KvLayoutKind::CrossLayer);
-        l.num_blocks = MAX_BLOCKS;
-        l.num_layers = MAX_LAYERS;
-        l.head_dim = MAX_HEAD_DIM;
-        l.num_heads = MAX_HEADS;
-        assert!(l.validate(16).is_err());
-        l.kind = 9;
-        assert!(l.validate(16).unwrap_err().to_string().contains("unknown layout"));
     }
 }

@@ -1,13 +1,25 @@
-//! What engines and the server agree on about KV caches: paged layouts and
-//! chunk objects ([`layout`]), keys ([`hash`]), and deterministic test
-//! contents ([`pattern`]).
+//! What engines and the server agree on about KV caches: what a cache holds
+//! ([`geometry`]), where it lives in the engine's memory ([`layout`], with
+//! named [`preset`]s), how a chunk moves as runs ([`plan`]), keys
+//! ([`hash`]), and deterministic test contents ([`pattern`]).
+//!
+//! A stored **chunk object** is independent of the memory layout: `[layer]
+//! [token][head][K then V]` for `chunk_tokens` tokens, so engines of any
+//! layouts (and block sizes) with one geometry share stored objects.
 
+pub mod geometry;
 pub mod hash;
 pub mod layout;
+mod overlap;
 pub mod pattern;
+pub mod plan;
+pub mod preset;
 
+pub use geometry::{Dtype, GeometryError, GeometryFlags, KvGeometry, KvShape};
 pub use hash::{chunk_hashes, model_id, salt_id, ChunkHash};
-pub use layout::{Dtype, KvLayout, KvLayoutKind, KvShape};
+pub use layout::{KvLayout, LayerPlacement, LayoutError, Part};
+pub use plan::CopyPlan;
+pub use preset::LayoutPreset;
 
 /// Chunk size (tokens) a server uses unless told otherwise.
 pub const DEFAULT_CHUNK_TOKENS: u32 = 256;

@@ -1,16 +1,32 @@
 //! Deterministic KV contents for the demo, the tests and the benchmarks: a
-//! slab's bytes are a function of a content id (the rank, or a shared id for
-//! MLA), the chunk hash (so the whole prefix), the layer, the part and the
-//! block's place in its chunk. A retrieve that lands a wrong chunk, block,
-//! layer, part or rank fails byte for byte.
+//! page's bytes (one block of one layer, in object order) are a function of
+//! a content id (the rank, or a shared id for MLA), the chunk hash (so the
+//! whole prefix), the layer and the block's place in its chunk. A retrieve
+//! that lands a wrong chunk, block, layer, head, token, part or rank fails
+//! byte for byte.
+//!
+//! Contents are written and read through a [`KvMemory`] with the layout's
+//! own runs ([`super::CopyPlan`]), the addressing the server copies with.
 
 use super::{ChunkHash, KvLayout};
 
-/// A paged KV cache whose slabs can be written and read (host or device).
-pub trait Slabs {
-    fn slab_layout(&self) -> &KvLayout;
-    fn put_slab(&self, layer: u32, part: u32, block: u32, bytes: &[u8]);
-    fn get_slab(&self, layer: u32, part: u32, block: u32, out: &mut [u8]);
+/// One contiguous run of an engine's KV memory: `bytes` at `offset` of
+/// allocation `alloc`, and where it sits (`at`) in the caller's buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Run {
+    pub alloc: u32,
+    pub offset: u64,
+    pub bytes: u64,
+    pub at: u64,
+}
+
+/// An engine's KV memory (host or device) that tests can write and read.
+pub trait KvMemory {
+    fn kv_layout(&self) -> &KvLayout;
+    /// Writes each run's bytes from `src[at..at + bytes]`.
+    fn write_runs(&self, runs: &[Run], src: &[u8]);
+    /// Reads each run's bytes into `dst[at..at + bytes]`.
+    fn read_runs(&self, runs: &[Run], dst: &mut [u8]);
 }
 
 fn splitmix(x: &mut u64) -> u64 {
@@ -21,19 +37,15 @@ fn splitmix(x: &mut u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// The seed of one slab.
-pub fn slab_seed(content: u32, hash: &ChunkHash, layer: u32, part: u32, j: u32) -> u64 {
+/// The seed of one page: block `j` of a chunk, one layer.
+pub fn page_seed(content: u32, hash: &ChunkHash, layer: u32, j: u32) -> u64 {
     let h = u64::from_le_bytes(hash[..8].try_into().expect("8 bytes"))
         ^ u64::from_le_bytes(hash[8..].try_into().expect("8 bytes")).rotate_left(17);
-    let mut s = h
-        ^ (u64::from(content) << 48)
-        ^ (u64::from(layer) << 24)
-        ^ (u64::from(part) << 20)
-        ^ u64::from(j);
+    let mut s = h ^ (u64::from(content) << 48) ^ (u64::from(layer) << 24) ^ u64::from(j);
     splitmix(&mut s)
 }
 
-/// Fills `out` with the bytes of the slab seeded `seed`.
+/// Fills `out` with the bytes seeded `seed`.
 pub fn fill(seed: u64, out: &mut [u8]) {
     let mut s = seed;
     let mut chunks = out.chunks_exact_mut(8);
@@ -46,33 +58,80 @@ pub fn fill(seed: u64, out: &mut [u8]) {
     rest.copy_from_slice(&last[..n]);
 }
 
-/// Writes one chunk's contents into `blocks` of `cache`.
-pub fn write_chunk(cache: &(impl Slabs + ?Sized), content: u32, hash: &ChunkHash, blocks: &[u32]) {
-    let l = *cache.slab_layout();
-    let mut slab = vec![0u8; l.slab_bytes() as usize];
-    for layer in 0..l.num_layers {
-        for part in 0..l.parts() {
-            for (j, &b) in blocks.iter().enumerate() {
-                fill(slab_seed(content, hash, layer, part, j as u32), &mut slab);
-                cache.put_slab(layer, part, b, &slab);
+/// The chunk object a store of `blocks` holding this content makes
+/// (`[layer][token][head][K then V]`), block positions before
+/// `skip_blocks` filled with `poison`.
+pub fn object(
+    layout: &KvLayout,
+    content: u32,
+    hash: &ChunkHash,
+    n_blocks: u32,
+    skip_blocks: u32,
+    poison: u8,
+) -> Vec<u8> {
+    let g = layout.geometry();
+    let chunk = n_blocks * g.block_tokens;
+    let page = g.page_bytes() as usize;
+    let mut out = vec![0u8; g.object_bytes(chunk) as usize];
+    for layer in 0..g.layers {
+        for j in 0..n_blocks {
+            let at = g.object_row(chunk, layer, j * g.block_tokens, 0) as usize;
+            let dst = &mut out[at..at + page];
+            if j < skip_blocks {
+                dst.fill(poison);
+            } else {
+                fill(page_seed(content, hash, layer, j), dst);
             }
         }
     }
+    out
+}
+
+/// The runs that hold `blocks` of a cache of `layout`, placed as their
+/// chunk object has them.
+pub fn chunk_runs(layout: &KvLayout, blocks: &[u32]) -> Vec<Run> {
+    let g = layout.geometry();
+    let chunk = blocks.len() as u32 * g.block_tokens;
+    let plan = layout.plan();
+    let mut runs = Vec::new();
+    for layer in 0..g.layers {
+        let alloc = layout.layers()[layer as usize].alloc;
+        for (j, &b) in blocks.iter().enumerate() {
+            plan.for_each_run(layout, chunk, layer, b, j as u32, |_, offset, at, bytes| {
+                runs.push(Run {
+                    alloc,
+                    offset,
+                    bytes,
+                    at,
+                })
+            });
+        }
+    }
+    runs
+}
+
+/// Writes one chunk's contents into `blocks` of `cache`.
+pub fn write_chunk(cache: &(impl KvMemory + ?Sized), content: u32, hash: &ChunkHash, blocks: &[u32]) {
+    let l = cache.kv_layout();
+    let obj = object(l, content, hash, blocks.len() as u32, 0, 0);
+    cache.write_runs(&chunk_runs(l, blocks), &obj);
 }
 
 /// The first byte of a chunk that differs from what it should be.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error(
-    "layer {layer} part {part} block {block} (#{index} of the chunk): byte {byte} is {got:#04x}, expected {want:#04x}"
+    "layer {layer} block {block} (#{index} of the chunk) token {token} head {head} {part} byte {byte}: {got:#04x}, expected {want:#04x}"
 )]
 pub struct Mismatch {
     pub layer: u32,
-    pub part: u32,
     pub block: u32,
     /// The block's position in the chunk.
     pub index: usize,
-    /// The byte's offset in the slab.
-    pub byte: usize,
+    /// Token in the block, head, K or V, byte in the part.
+    pub token: u32,
+    pub head: u32,
+    pub part: super::Part,
+    pub byte: u64,
     pub got: u8,
     pub want: u8,
 }
@@ -81,41 +140,41 @@ pub struct Mismatch {
 /// `skip_blocks` must still hold `poison` bytes, the rest the chunk's bytes.
 /// Returns the bytes checked, or where the first difference is.
 pub fn verify_chunk(
-    cache: &(impl Slabs + ?Sized),
+    cache: &(impl KvMemory + ?Sized),
     content: u32,
     hash: &ChunkHash,
     blocks: &[u32],
     skip_blocks: u32,
     poison: u8,
 ) -> Result<u64, Mismatch> {
-    let l = *cache.slab_layout();
-    let n = l.slab_bytes() as usize;
-    let (mut want, mut got) = (vec![0u8; n], vec![0u8; n]);
-    let mut checked = 0u64;
-    for layer in 0..l.num_layers {
-        for part in 0..l.parts() {
-            for (j, &b) in blocks.iter().enumerate() {
-                if (j as u32) < skip_blocks {
-                    want.fill(poison);
-                } else {
-                    fill(slab_seed(content, hash, layer, part, j as u32), &mut want);
-                }
-                cache.get_slab(layer, part, b, &mut got);
-                if want != got {
-                    let at = want.iter().zip(&got).position(|(a, b)| a != b).unwrap_or(0);
-                    return Err(Mismatch {
-                        layer,
-                        part,
-                        block: b,
-                        index: j,
-                        byte: at,
-                        got: got[at],
-                        want: want[at],
-                    });
-                }
-                checked += n as u64;
-            }
-        }
-    }
-    Ok(checked)
+    let l = cache.kv_layout();
+    let g = l.geometry();
+    let want = object(l, content, hash, blocks.len() as u32, skip_blocks, poison);
+    let mut got = vec![0u8; want.len()];
+    cache.read_runs(&chunk_runs(l, blocks), &mut got);
+    let Some(at) = want.iter().zip(&got).position(|(a, b)| a != b) else {
+        return Ok(want.len() as u64);
+    };
+    let chunk = blocks.len() as u64 * u64::from(g.block_tokens);
+    let row = at as u64 / g.row_bytes();
+    let within = at as u64 % g.row_bytes();
+    let (token_row, head) = (row / u64::from(g.heads), row % u64::from(g.heads));
+    let (layer, token) = (token_row / chunk, token_row % chunk);
+    let index = (token / u64::from(g.block_tokens)) as usize;
+    let (part, byte) = if within < g.k_bytes() {
+        (super::Part::K, within)
+    } else {
+        (super::Part::V, within - g.k_bytes())
+    };
+    Err(Mismatch {
+        layer: layer as u32,
+        block: blocks[index],
+        index,
+        token: (token % u64::from(g.block_tokens)) as u32,
+        head: head as u32,
+        part,
+        byte,
+        got: got[at],
+        want: want[at],
+    })
 }

@@ -3,7 +3,7 @@
 //! bootstrap socket. Tables in `shm_layout.md`.
 
 use crate::jobs::JobId;
-use crate::kv::KvLayout;
+use crate::kv::{KvGeometry, LayerPlacement};
 use crate::shm_struct::shm_struct;
 use crate::wire::wire_enum;
 use bytemuck::{Pod, Zeroable};
@@ -154,38 +154,53 @@ wire_enum! {
 }
 
 wire_enum! {
-    /// `RegisterKv::mem_kind`: how the tensors' memory is handed over.
+    /// `RegisterKv::mem_kind`: how the KV cache's memory is handed over.
     pub enum MemKind: u32 {
         /// Host memory: sealed memfds passed with the message (SCM_RIGHTS).
         HostFd = 1 => "host_fd",
-        /// Device memory: a legacy CUDA IPC handle per tensor ([`CudaRegion`]).
+        /// Device memory: a legacy CUDA IPC handle per allocation
+        /// (`cuMemAlloc` memory).
         CudaIpc = 2 => "cuda_ipc",
-        /// Device memory: a CUDA VMM allocation exported as a POSIX fd, passed
-        /// with the message ([`CudaRegion`]).
+        /// Device memory: CUDA VMM memory exported as POSIX fds (one per
+        /// physical chunk), passed with the message; the server maps an
+        /// allocation's chunks contiguously, in order.
         CudaVmmFd = 3 => "cuda_vmm_fd",
     }
 }
 
 shm_struct! {
-    /// Where one tensor of a device registration lives: `offset` bytes into an
-    /// allocation of `alloc_bytes`, named by `ipc_handle` (kind 2) or by
-    /// descriptor `fd_index` (kind 3). The server checks `offset + tensor bytes`
-    /// against the size the driver reports (IPC) or maps exactly `alloc_bytes`
-    /// (VMM, which fails if the allocation is smaller).
+    /// One allocation a registration's layout addresses: the `bytes` at
+    /// `offset` of some memory, which is the IPC allocation `ipc_handle`
+    /// (kind 2), or the concatenation of pieces `first_piece ..
+    /// first_piece + n_pieces` (kinds 1 and 3).
     #[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
-    pub struct CudaRegion {
+    pub struct KvAllocation {
         [0] pub ipc_handle: [u8; 64],
         [64] pub offset: u64,
-        [72] pub alloc_bytes: u64,
-        [80] pub fd_index: u32,
-        [84] pub _reserved: u32,
+        [72] pub bytes: u64,
+        [80] pub first_piece: u32,
+        [84] pub n_pieces: u32,
     }
 }
 
 shm_struct! {
-    /// Bootstrap message: register an engine instance's KV cache. Followed by
-    /// `n_tensors` [`TensorRegion`]s; the memory's descriptors travel with this
-    /// message and any [`AttachFds`] messages sent just before it.
+    /// `n_fds` descriptors, from `first_fd` of those sent, each giving
+    /// `fd_bytes` bytes from `fd_offset` (host memfds; VMM chunks: 0).
+    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
+    pub struct MemoryPiece {
+        [0] pub first_fd: u32,
+        [4] pub n_fds: u32,
+        [8] pub fd_offset: u64,
+        [16] pub fd_bytes: u64,
+    }
+}
+
+shm_struct! {
+    /// Bootstrap message: register an engine instance's KV cache. Followed
+    /// by `n_allocs` [`KvAllocation`]s, `n_pieces` [`MemoryPiece`]s and
+    /// `geometry.layers` [`LayerPlacement`]s; the memory's descriptors
+    /// travel with this message and any [`AttachFds`] messages sent just
+    /// before it.
     #[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
     pub struct RegisterKv {
         [0] pub magic: u64,
@@ -196,9 +211,9 @@ shm_struct! {
         [16] pub model_id: u64,
         [24] pub world_size: u32,
         [28] pub rank: u32,
-        [32] pub layout: KvLayout,
-        [64] pub n_tensors: u32,
-        [68] pub _reserved: u32,
+        [32] pub geometry: KvGeometry,
+        [64] pub n_allocs: u32,
+        [68] pub n_pieces: u32,
         /// Device memory: the device's UUID (memory kinds 2 and 3). Host
         /// memory: zero, or the device the engine's worker runs on (its copies
         /// go to that device's copy lane).
@@ -206,15 +221,56 @@ shm_struct! {
     }
 }
 
-shm_struct! {
-    /// Where one tensor of a registration lives: `layout.tensor_bytes()` bytes
-    /// at `offset` of descriptor `fd_index` (counting the descriptors of the
-    /// preceding `AttachFds` messages first, then this message's).
-    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Pod, Zeroable)]
-    pub struct TensorRegion {
-        [0] pub fd_index: u32,
-        [4] pub _reserved: u32,
-        [8] pub offset: u64,
+/// The arrays that follow a [`RegisterKv`], decoded (every value untrusted).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RegisterTables {
+    pub allocs: Vec<KvAllocation>,
+    pub pieces: Vec<MemoryPiece>,
+    pub layers: Vec<LayerPlacement>,
+}
+
+impl RegisterTables {
+    /// The tables' bytes as sent.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut v = Vec::with_capacity(
+            self.allocs.len() * size_of::<KvAllocation>()
+                + self.pieces.len() * size_of::<MemoryPiece>()
+                + self.layers.len() * size_of::<LayerPlacement>(),
+        );
+        v.extend_from_slice(bytemuck::cast_slice(&self.allocs));
+        v.extend_from_slice(bytemuck::cast_slice(&self.pieces));
+        v.extend_from_slice(bytemuck::cast_slice(&self.layers));
+        v
+    }
+
+    /// Decodes the tables `req` announces from `bytes`, which must hold
+    /// exactly them (the geometry's layer count checked first).
+    pub fn decode(req: &RegisterKv, bytes: &[u8]) -> Option<RegisterTables> {
+        let (na, np) = (req.n_allocs as usize, req.n_pieces as usize);
+        let nl = req.geometry.layers as usize;
+        let want = na
+            .checked_mul(size_of::<KvAllocation>())?
+            .checked_add(np.checked_mul(size_of::<MemoryPiece>())?)?
+            .checked_add(nl.checked_mul(size_of::<LayerPlacement>())?)?;
+        if bytes.len() != want {
+            return None;
+        }
+        let (a, rest) = bytes.split_at(na * size_of::<KvAllocation>());
+        let (p, l) = rest.split_at(np * size_of::<MemoryPiece>());
+        Some(RegisterTables {
+            allocs: a
+                .chunks_exact(size_of::<KvAllocation>())
+                .map(bytemuck::pod_read_unaligned)
+                .collect(),
+            pieces: p
+                .chunks_exact(size_of::<MemoryPiece>())
+                .map(bytemuck::pod_read_unaligned)
+                .collect(),
+            layers: l
+                .chunks_exact(size_of::<LayerPlacement>())
+                .map(bytemuck::pod_read_unaligned)
+                .collect(),
+        })
     }
 }
 
@@ -266,14 +322,14 @@ const _: () = {
     assert!(size_of::<LookupRequest>() == 24);
     assert!(size_of::<StoreRequest>() == 88);
     assert!(size_of::<RetrieveRequest>() == 104);
-    assert!(size_of::<CudaRegion>() == 88);
+    assert!(size_of::<KvAllocation>() == 88);
+    assert!(size_of::<MemoryPiece>() == 24);
     assert!(size_of::<FreeLocksRequest>() == 24);
     assert!(size_of::<EndSessionRequest>() == 16);
     assert!(size_of::<ClearReply>() == 16);
     assert!(size_of::<ConfigReply>() == 32);
     assert!(size_of::<StatsReply>() == 18 * 8);
     assert!(size_of::<RegisterKv>() == 88);
-    assert!(size_of::<TensorRegion>() == 16);
     assert!(size_of::<AttachFds>() == 16);
     assert!(size_of::<UnregisterKv>() == 16);
     assert!(size_of::<RegisterReply>() == 224);

@@ -339,7 +339,7 @@ pub fn store(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
         .ok_or(Status::BadLength)?;
     let (hash_part, block_part) = rest.split_at(hash_bytes);
     let bpc = inst.layout.blocks_per_chunk(kv.chunk_tokens);
-    let blocks = blocks_per_chunk(block_part, n, bpc, inst.layout.num_blocks)?;
+    let blocks = blocks_per_chunk(block_part, n, bpc, inst.layout.geometry().blocks)?;
     let id = new_job(shared, JobKind::Store, who)?;
     let tag = inst.rank_tag();
     let keys: Vec<ObjectKey> = hashes(hash_part)
@@ -399,7 +399,7 @@ pub fn retrieve(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
     let (h, rest) = split_header::<RetrieveRequest>(req).ok_or(Status::BadLength)?;
     let (inst, event, publish) = caller_instance(kv, who, h.instance, h.flags, h.event)?;
     let bpc = inst.layout.blocks_per_chunk(kv.chunk_tokens);
-    let blocks = blocks_per_chunk(rest, h.n_chunks, bpc, inst.layout.num_blocks)?;
+    let blocks = blocks_per_chunk(rest, h.n_chunks, bpc, inst.layout.geometry().blocks)?;
     // Every destination block once: concurrent chunk copies never write the
     // same engine memory.
     let mut sorted: Vec<u32> = blocks.iter().flatten().copied().collect();
@@ -407,7 +407,7 @@ pub fn retrieve(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
     if sorted.windows(2).any(|w| w[0] == w[1]) {
         return Err(Status::InvalidArgument);
     }
-    let bt = inst.layout.block_tokens;
+    let bt = inst.layout.geometry().block_tokens;
     if h.skip_tokens % bt != 0
         || u64::from(h.skip_tokens) > u64::from(h.n_chunks) * u64::from(kv.chunk_tokens)
     {

@@ -10,8 +10,8 @@
 //! This module knows no copy backend: the backend implements
 //! [`DeviceOpener`], and what it opens is kept here opaque.
 
-use crate::kv::KvLayout;
-use crate::proto::kv::{CudaRegion, MemKind, RegisterKv, TensorRegion};
+use crate::kv::{CopyPlan, KvLayout};
+use crate::proto::kv::{KvAllocation, MemKind, MemoryPiece, RegisterKv, RegisterTables};
 use memmap2::{MmapOptions, MmapRaw};
 use std::any::Any;
 use std::collections::HashMap;
@@ -24,8 +24,8 @@ pub const MAX_WORLD_SIZE: u32 = 4096;
 /// Rank tag of objects every rank shares (MLA).
 pub const SHARED_RANK: u32 = 0xffff;
 
-/// One tensor in host memory, mapped into the server.
-pub struct HostTensor {
+/// One allocation in host memory, mapped into the server.
+pub struct MappedAllocation {
     _map: MmapRaw,
     ptr: *mut u8,
     bytes: u64,
@@ -33,29 +33,33 @@ pub struct HostTensor {
 
 // SAFETY: the mapping is owned here and only accessed through raw pointers
 // by copy code that stays in bounds (`bytes`).
-unsafe impl Send for HostTensor {}
-// SAFETY: `&HostTensor` gives only the address and size.
-unsafe impl Sync for HostTensor {}
+unsafe impl Send for MappedAllocation {}
+// SAFETY: `&MappedAllocation` gives only the address and size.
+unsafe impl Sync for MappedAllocation {}
 
 /// What the copy backend opened for a registration in device memory (its
-/// device, the tensors' memory and address table), kept until the
+/// device, the allocations' memory and the layer table), kept until the
 /// registration goes; only the backend that made it looks inside.
 pub type DeviceMemory = Box<dyn Any + Send + Sync>;
 
 /// Opens the device memory a registration names (the copy backend).
 pub trait DeviceOpener {
-    /// Opens the device memory of registration `req` of client `slot`:
-    /// `regions` as sent, `fds` the descriptors that came with it.
+    /// Opens the device memory of registration `req` of client `slot`, of
+    /// the validated `layout`: `allocs` and `pieces` as sent (piece and
+    /// descriptor indices checked), `fds` the descriptors that came with
+    /// it. Each allocation's window must lie inside the memory opened.
     fn open_device(
         &self,
         slot: u32,
         req: &RegisterKv,
-        regions: &[CudaRegion],
+        layout: &KvLayout,
+        allocs: &[KvAllocation],
+        pieces: &[MemoryPiece],
         fds: &[OwnedFd],
     ) -> Result<DeviceMemory, Refusal>;
 }
 
-impl HostTensor {
+impl MappedAllocation {
     pub fn ptr(&self) -> *mut u8 {
         self.ptr
     }
@@ -73,9 +77,11 @@ pub struct Registration {
     pub world_size: u32,
     pub rank: u32,
     pub layout: KvLayout,
+    /// How its chunks move (from `layout`).
+    pub plan: CopyPlan,
     pub fingerprint: u64,
-    /// Host memory: the tensors' mappings (empty for device memory).
-    pub tensors: Vec<HostTensor>,
+    /// Host memory: each allocation's mapping (empty for device memory).
+    pub host: Vec<MappedAllocation>,
     /// Device memory: what the copy backend opened.
     pub device: Option<DeviceMemory>,
     /// The device the registration named ([0; 16]: none): its copies go
@@ -86,7 +92,7 @@ pub struct Registration {
 impl Registration {
     /// Whether every rank shares one object per chunk (MLA).
     pub fn shared_objects(&self) -> bool {
-        self.layout.parts() == 1
+        self.layout.geometry().shared()
     }
 
     /// The rank tag of this instance's objects.
@@ -150,9 +156,86 @@ fn bad(text: impl Into<String>) -> Refusal {
     Refusal::invalid(text)
 }
 
+/// Most memory pieces one registration may send.
+pub const MAX_PIECES: usize = 1 << 16;
+
+/// Checks that every allocation names memory of its kind that was sent:
+/// its pieces exist, their descriptors were sent, and its window lies in
+/// the memory the pieces add up to (IPC allocations: checked against the
+/// driver's size when opened; host memfds: against their size when
+/// mapped).
+fn check_memory(
+    kind: MemKind,
+    allocs: &[KvAllocation],
+    pieces: &[MemoryPiece],
+    fds: usize,
+) -> Result<(), Refusal> {
+    for (i, a) in allocs.iter().enumerate() {
+        let end = a.offset.checked_add(a.bytes);
+        let Some(end) = end else {
+            return Err(bad(format!("allocation {i}: window overflows")));
+        };
+        let first = a.first_piece as usize;
+        let own = first
+            .checked_add(a.n_pieces as usize)
+            .and_then(|e| pieces.get(first..e))
+            .ok_or_else(|| {
+                bad(format!(
+                    "allocation {i}: pieces {first}..+{} of {} sent",
+                    a.n_pieces,
+                    pieces.len()
+                ))
+            })?;
+        match kind {
+            MemKind::CudaIpc if !own.is_empty() => {
+                return Err(bad(format!("allocation {i}: an IPC allocation has no pieces")));
+            }
+            MemKind::CudaIpc => continue,
+            MemKind::HostFd if own.len() != 1 || own[0].n_fds != 1 => {
+                return Err(bad(format!(
+                    "allocation {i}: host memory is one memfd per allocation"
+                )));
+            }
+            MemKind::CudaVmmFd if own.is_empty() => {
+                return Err(bad(format!("allocation {i}: VMM memory needs its chunks")));
+            }
+            _ => {}
+        }
+        let mut total = 0u64;
+        for p in own {
+            let last = p.first_fd as usize + p.n_fds as usize;
+            if p.n_fds == 0 || last > fds {
+                return Err(bad(format!(
+                    "allocation {i}: descriptors {}..+{} of {fds} sent",
+                    p.first_fd, p.n_fds
+                )));
+            }
+            if p.fd_bytes == 0 {
+                return Err(bad(format!("allocation {i}: a piece of 0 bytes")));
+            }
+            if kind == MemKind::CudaVmmFd && p.fd_offset != 0 {
+                return Err(bad(format!(
+                    "allocation {i}: VMM chunks are mapped whole (offset 0)"
+                )));
+            }
+            total = u64::from(p.n_fds)
+                .checked_mul(p.fd_bytes)
+                .and_then(|b| total.checked_add(b))
+                .ok_or_else(|| bad(format!("allocation {i}: size overflows")))?;
+        }
+        if end > total {
+            return Err(bad(format!(
+                "allocation {i}: window [{}, {end}) exceeds its {total} bytes of memory",
+                a.offset
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Maps `bytes` at `offset` of a sealed memfd, after checking the seal and
 /// the size, so the mapping can never fault (the engine cannot shrink it).
-fn map_region(fd: &OwnedFd, offset: u64, bytes: u64) -> Result<HostTensor, Refusal> {
+fn map_region(fd: &OwnedFd, offset: u64, bytes: u64) -> Result<MappedAllocation, Refusal> {
     // SAFETY: F_GET_SEALS only reads the descriptor's seal set.
     let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
     if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
@@ -182,7 +265,7 @@ fn map_region(fd: &OwnedFd, offset: u64, bytes: u64) -> Result<HostTensor, Refus
         .map_err(|e| bad(format!("mmap: {e}")))?;
     // SAFETY: `offset - start` < one page, inside the mapping.
     let ptr = unsafe { map.as_mut_ptr().add((offset - start) as usize) };
-    Ok(HostTensor {
+    Ok(MappedAllocation {
         _map: map,
         ptr,
         bytes,
@@ -190,8 +273,9 @@ fn map_region(fd: &OwnedFd, offset: u64, bytes: u64) -> Result<HostTensor, Refus
 }
 
 impl Registry {
-    /// Registers a KV cache for client `slot`/`session`; `backend` opens
-    /// device memory.
+    /// Registers a KV cache for client `slot`/`session`: `req` and the
+    /// tables that followed it (`tables`), with the descriptors `fds`;
+    /// `backend` opens device memory.
     #[allow(clippy::too_many_arguments)]
     pub fn register(
         &mut self,
@@ -199,26 +283,12 @@ impl Registry {
         session: u32,
         chunk_tokens: u32,
         req: &RegisterKv,
-        table: &[u8],
+        tables: &[u8],
         fds: &[OwnedFd],
         backend: &(impl DeviceOpener + ?Sized),
     ) -> Result<Arc<Registration>, Refusal> {
-        let host = match MemKind::decode(req.mem_kind) {
-            Ok(MemKind::HostFd) => true,
-            Ok(MemKind::CudaIpc | MemKind::CudaVmmFd) => false,
-            Err(_) => return Err(bad(format!("unknown memory kind {}", req.mem_kind))),
-        };
-        let region_bytes = if host {
-            std::mem::size_of::<TensorRegion>()
-        } else {
-            std::mem::size_of::<CudaRegion>()
-        };
-        if table.len() != req.n_tensors as usize * region_bytes {
-            return Err(Refusal::new(
-                crate::proto::Status::Malformed,
-                "tensor table length differs from n_tensors",
-            ));
-        }
+        let kind = MemKind::decode(req.mem_kind)
+            .map_err(|_| bad(format!("unknown memory kind {}", req.mem_kind)))?;
         if req.world_size == 0 || req.world_size > MAX_WORLD_SIZE || req.rank >= req.world_size {
             return Err(bad(format!(
                 "rank {} of world size {}: need rank < world size <= {MAX_WORLD_SIZE}",
@@ -228,58 +298,68 @@ impl Registry {
         if req.model_id == 0 {
             return Err(bad("model id 0 is reserved"));
         }
-        let layout = req.layout;
+        // The geometry bounds the layer table's length: checked before the
+        // tables are read.
+        req.geometry
+            .validate(chunk_tokens)
+            .map_err(|e| bad(e.to_string()))?;
+        if req.n_allocs as usize > crate::kv::layout::MAX_ALLOCATIONS
+            || req.n_pieces as usize > MAX_PIECES
+        {
+            return Err(bad(format!(
+                "{} allocations of {} pieces: at most {} and {MAX_PIECES}",
+                req.n_allocs,
+                req.n_pieces,
+                crate::kv::layout::MAX_ALLOCATIONS
+            )));
+        }
+        let t = RegisterTables::decode(req, tables).ok_or_else(|| {
+            Refusal::new(
+                crate::proto::Status::Malformed,
+                "registration tables' length differs from what the header announces",
+            )
+        })?;
+        check_memory(kind, &t.allocs, &t.pieces, fds.len())?;
+        let layout = KvLayout::new(
+            req.geometry,
+            t.allocs.iter().map(|a| a.bytes).collect(),
+            t.layers.clone(),
+        );
         layout
             .validate(chunk_tokens)
             .map_err(|e| bad(e.to_string()))?;
-        if req.n_tensors != layout.num_tensors() {
-            return Err(bad(format!(
-                "{} tensor regions for a layout of {} tensors",
-                req.n_tensors,
-                layout.num_tensors()
-            )));
-        }
         let fingerprint = layout.fingerprint(chunk_tokens);
-        let shared = layout.parts() == 1;
+        let shared = layout.geometry().shared();
         let gkey = (req.model_id, req.world_size);
         if let Some(g) = self.groups.get(&gkey) {
             if g.fingerprint != fingerprint || g.shared_objects != shared {
                 return Err(bad(
-                    "layout differs from the model's other registered ranks (layers, heads, head dim, element size)",
+                    "geometry differs from the model's other registered ranks (layers, heads, K and V widths, element size)",
                 ));
             }
         }
-        let (tensors, dev) = if host {
-            let mut tensors = Vec::with_capacity(req.n_tensors as usize);
-            for (i, c) in table.chunks_exact(region_bytes).enumerate() {
-                let r: TensorRegion = bytemuck::pod_read_unaligned(c);
-                let fd = fds.get(r.fd_index as usize).ok_or_else(|| {
-                    bad(format!(
-                        "tensor {i}: descriptor {} of {} sent",
-                        r.fd_index,
-                        fds.len()
-                    ))
-                })?;
-                tensors.push(
-                    map_region(fd, r.offset, layout.tensor_bytes())
-                        .map_err(|r| Refusal::new(r.status, format!("tensor {i}: {}", r.reason)))?,
+        let (host, dev) = if kind == MemKind::HostFd {
+            let mut maps = Vec::with_capacity(t.allocs.len());
+            for (i, a) in t.allocs.iter().enumerate() {
+                let p = &t.pieces[a.first_piece as usize];
+                let fd = &fds[p.first_fd as usize];
+                let at = p.fd_offset + a.offset;
+                maps.push(
+                    map_region(fd, at, a.bytes).map_err(|r| {
+                        Refusal::new(r.status, format!("allocation {i}: {}", r.reason))
+                    })?,
                 );
             }
-            (tensors, None)
+            (maps, None)
         } else {
-            let regions: Vec<CudaRegion> = table
-                .chunks_exact(region_bytes)
-                .map(bytemuck::pod_read_unaligned)
-                .collect();
-            (
-                Vec::new(),
-                Some(backend.open_device(slot, req, &regions, fds)?),
-            )
+            let d = backend.open_device(slot, req, &layout, &t.allocs, &t.pieces, fds)?;
+            (Vec::new(), Some(d))
         };
         self.next_id = self.next_id.wrapping_add(1).max(1);
         while self.instances.contains_key(&self.next_id) {
             self.next_id = self.next_id.wrapping_add(1).max(1);
         }
+        let plan = layout.plan();
         let inst = Arc::new(Registration {
             id: self.next_id,
             owner_slot: slot,
@@ -288,8 +368,9 @@ impl Registry {
             world_size: req.world_size,
             rank: req.rank,
             layout,
+            plan,
             fingerprint,
-            tensors,
+            host,
             device: dev,
             device_uuid: req.device_uuid,
         });

@@ -14,11 +14,11 @@ fn rows<T: ShmStruct>() -> (&'static str, Vec<FieldRow>) {
 #[allow(clippy::type_complexity)]
 pub fn field_tables() -> Vec<(&'static str, Vec<FieldRow>)> {
     use crate::jobs::{JobId, JobSlot};
-    use crate::kv::KvLayout;
+    use crate::kv::{KvGeometry, LayerPlacement};
     use crate::proto::kv::{
-        AttachFds, ClearReply, ConfigReply, CudaRegion, EndSessionRequest, FreeLocksRequest,
-        LookupRequest, RegisterKv, RegisterReply, RetrieveRequest, StatsReply, StoreRequest,
-        TensorRegion, UnregisterKv,
+        AttachFds, ClearReply, ConfigReply, EndSessionRequest, FreeLocksRequest, KvAllocation,
+        LookupRequest, MemoryPiece, RegisterKv, RegisterReply, RetrieveRequest, StatsReply,
+        StoreRequest, UnregisterKv,
     };
     use crate::proto::{DelayJobRequest, Goodbye, Hello, Welcome};
     use crate::ring::FrameHeader;
@@ -32,7 +32,8 @@ pub fn field_tables() -> Vec<(&'static str, Vec<FieldRow>)> {
         rows::<JobSlot>(),
         rows::<JobId>(),
         rows::<DelayJobRequest>(),
-        rows::<KvLayout>(),
+        rows::<KvGeometry>(),
+        rows::<LayerPlacement>(),
         rows::<LookupRequest>(),
         rows::<StoreRequest>(),
         rows::<RetrieveRequest>(),
@@ -42,8 +43,8 @@ pub fn field_tables() -> Vec<(&'static str, Vec<FieldRow>)> {
         rows::<ConfigReply>(),
         rows::<StatsReply>(),
         rows::<RegisterKv>(),
-        rows::<CudaRegion>(),
-        rows::<TensorRegion>(),
+        rows::<KvAllocation>(),
+        rows::<MemoryPiece>(),
         rows::<AttachFds>(),
         rows::<UnregisterKv>(),
         rows::<RegisterReply>(),

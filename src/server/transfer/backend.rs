@@ -1,7 +1,6 @@
 //! What the lanes and workers need from a copy backend: the [`Backend`]
 //! (one per server) and the [`CopyExecutor`] it gives each worker.
 
-use crate::kv::KvLayout;
 use crate::proto::Status;
 use crate::server::registry::{DeviceOpener, Registration};
 use std::sync::atomic::AtomicU32;
@@ -19,7 +18,6 @@ pub enum Dir {
 /// One chunk to copy: `blocks` of the engine's cache <-> the object at
 /// `object`. Blocks before `skip_blocks` are left alone.
 pub struct ChunkCopy<'a> {
-    pub layout: &'a KvLayout,
     pub inst: &'a Registration,
     pub chunk_tokens: u32,
     pub blocks: &'a [u32],

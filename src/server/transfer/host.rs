@@ -3,7 +3,8 @@
 
 use super::backend::{Backend, BackendKind, ChunkCopy, CopyError, CopyExecutor, Dir};
 use super::nt_copy;
-use crate::proto::kv::{CudaRegion, RegisterKv};
+use crate::kv::KvLayout;
+use crate::proto::kv::{KvAllocation, MemoryPiece, RegisterKv};
 use crate::server::registry::{DeviceMemory, DeviceOpener, Refusal};
 use std::os::fd::OwnedFd;
 
@@ -29,7 +30,9 @@ impl DeviceOpener for HostBackend {
         &self,
         _slot: u32,
         _req: &RegisterKv,
-        _regions: &[CudaRegion],
+        _layout: &KvLayout,
+        _allocs: &[KvAllocation],
+        _pieces: &[MemoryPiece],
         _fds: &[OwnedFd],
     ) -> Result<DeviceMemory, Refusal> {
         Err(Refusal::invalid(format!(
@@ -59,52 +62,63 @@ impl CopyExecutor for HostExecutor {
     }
 }
 
-/// The host copy of one chunk (slab pieces, four at a time, streaming).
+/// Runs gathered before each batch of streaming copies.
+const BATCH: usize = 4096;
+
+/// The host copy of one chunk: the registration's runs ([`CopyPlan`]),
+/// four at a time, streaming.
+///
+/// [`CopyPlan`]: crate::kv::CopyPlan
 pub(super) fn host_copy(c: &ChunkCopy<'_>) -> Result<u64, CopyError> {
-    let l = c.layout;
-    let slab = l.slab_bytes() as usize;
-    let mut pieces = Vec::with_capacity((l.parts() * l.num_layers) as usize * c.blocks.len());
-    for part in 0..l.parts() {
-        for layer in 0..l.num_layers {
-            for (j, &block) in c.blocks.iter().enumerate().skip(c.skip_blocks as usize) {
-                let (t, off) = l.slab_at(layer, part, block);
-                // Device memory has no host mapping (no tensors here).
-                let tensor = c
-                    .inst
-                    .tensors
-                    .get(t as usize)
-                    .ok_or(CopyError::NotHostMemory)?;
-                let obj_off = l.object_offset(c.chunk_tokens, layer, part, j as u32);
-                debug_assert!(off + slab as u64 <= tensor.bytes());
-                // SAFETY: `block < num_blocks` was checked when the job
-                // was accepted, so the slab lies inside the tensor's
-                // mapping (`slab_at` tiles the tensor exactly); the
-                // object range lies inside the pool range the cache
-                // allocated for `object_bytes`. Only addresses here.
-                let (eng, obj) = unsafe {
-                    (
-                        tensor.ptr().add(off as usize),
-                        c.object.add(obj_off as usize),
-                    )
-                };
-                pieces.push(match c.dir {
-                    Dir::ToPool => (obj, eng as *const u8),
-                    Dir::FromPool => (eng, obj as *const u8),
+    let inst = c.inst;
+    // Device memory has no host mapping.
+    if inst.host.is_empty() {
+        return Err(CopyError::NotHostMemory);
+    }
+    let (l, plan) = (&inst.layout, &inst.plan);
+    let g = l.geometry();
+    let mut pieces: [Vec<(*mut u8, *const u8)>; 2] = [Vec::new(), Vec::new()];
+    let mut moved = 0u64;
+    let flush = |pieces: &mut [Vec<(*mut u8, *const u8)>; 2]| {
+        for (part, p) in pieces.iter_mut().enumerate() {
+            // SAFETY: every piece is a run inside a live mapping and the
+            // object (below); destinations are distinct runs of one object
+            // (store: the plan tiles it) or of the engine's cache (retrieve:
+            // block ids are distinct, checked at acceptance, and the layout
+            // was proven free of overlapping rows at registration), and a
+            // pool object never overlaps engine memory. The engine's memory
+            // may change under the copy (its bytes are the engine's
+            // business) but cannot shrink (sealed), so no access faults.
+            // Raw pointers only: no reference to shared memory is formed.
+            unsafe { nt_copy::copy_pieces(p, plan.width[part] as usize) };
+            p.clear();
+        }
+    };
+    for layer in 0..g.layers {
+        let base = inst.host[l.layers()[layer as usize].alloc as usize].ptr();
+        for (j, &block) in c.blocks.iter().enumerate().skip(c.skip_blocks as usize) {
+            plan.for_each_run(l, c.chunk_tokens, layer, block, j as u32, |part, eng, obj, n| {
+                // SAFETY: `block < num_blocks` was checked when the job was
+                // accepted and the layout was validated at registration
+                // against the allocation's mapped size, so the run lies
+                // inside the mapping; the object run lies inside the pool
+                // range the cache allocated for `object_bytes` (the plan
+                // tiles the object). Only addresses here.
+                let (e, o) = unsafe { (base.add(eng as usize), c.object.add(obj as usize)) };
+                pieces[part as usize].push(match c.dir {
+                    Dir::ToPool => (o, e as *const u8),
+                    Dir::FromPool => (e, o as *const u8),
                 });
-            }
+                moved += n;
+            });
+        }
+        if pieces[0].len() + pieces[1].len() >= BATCH {
+            flush(&mut pieces);
         }
     }
-    // SAFETY: every piece is a slab inside a live mapping (above); the
-    // destinations are distinct slabs of one object (store) or distinct
-    // blocks of the engine's cache (retrieve: block ids are distinct,
-    // checked at acceptance), so no two overlap, and a
-    // pool object never overlaps engine memory. The engine's memory may
-    // change under the copy (its bytes are the engine's business) but
-    // cannot shrink (sealed), so no access faults. Raw pointers only: no
-    // reference to shared memory is formed.
-    unsafe { nt_copy::copy_pieces(&pieces, slab) };
+    flush(&mut pieces);
     // The streaming stores land before the job's completion is published
     // (a Release store after this returns).
     nt_copy::fence();
-    Ok((pieces.len() * slab) as u64)
+    Ok(moved)
 }

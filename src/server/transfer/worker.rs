@@ -93,7 +93,6 @@ pub fn run(shared: &Shared, lane: usize) {
                     chunks_left: left,
                     publish_progress: &publish_progress,
                 }),
-                layout: &job.inst.layout,
                 inst: &job.inst,
                 chunk_tokens,
                 blocks: &task.blocks,

@@ -6,8 +6,10 @@ use super::devices::{BackendState, CudaDevice, DeviceTable};
 use super::executor::CudaExecutor;
 use super::pool_pin::PoolPin;
 use crate::gpu::kernels::Kernels;
-use crate::gpu::{Context, DeviceBuffer, DeviceTensor, GpuError, OpenedMemory};
-use crate::proto::kv::{CudaRegion, MemKind, RegisterKv};
+use crate::gpu::kernels::LayerEntry;
+use crate::gpu::{Context, DeviceBuffer, GpuError, OpenedMemory};
+use crate::kv::KvLayout;
+use crate::proto::kv::{KvAllocation, MemKind, MemoryPiece, RegisterKv};
 use crate::proto::Status;
 use crate::server::pool::PoolMemory;
 use crate::server::registry::{DeviceMemory, DeviceOpener, Refusal};
@@ -129,7 +131,9 @@ impl DeviceOpener for CudaBackend {
         &self,
         slot: u32,
         req: &RegisterKv,
-        regions: &[CudaRegion],
+        layout: &KvLayout,
+        allocs: &[KvAllocation],
+        pieces: &[MemoryPiece],
         fds: &[OwnedFd],
     ) -> Result<DeviceMemory, Refusal> {
         let dev = self.state.devices.get(&req.device_uuid).ok_or_else(|| {
@@ -138,42 +142,78 @@ impl DeviceOpener for CudaBackend {
                 crate::gpu::hex(&req.device_uuid)
             ))
         })?;
-        let bytes = req.layout.tensor_bytes();
-        let mut tensors = Vec::with_capacity(regions.len());
-        let mut bases = Vec::with_capacity(regions.len());
-        for (i, r) in regions.iter().enumerate() {
+        let mut memory = Vec::with_capacity(allocs.len());
+        let mut windows = Vec::with_capacity(allocs.len());
+        for (i, a) in allocs.iter().enumerate() {
             let mem = if req.mem_kind == MemKind::CudaIpc as u32 {
-                self.state.open_ipc(slot, dev, &r.ipc_handle)
+                self.state.open_ipc(slot, dev, &a.ipc_handle)
             } else {
-                let fd = fds.get(r.fd_index as usize).ok_or_else(|| {
-                    refuse(format!("tensor {i}: descriptor {} not sent", r.fd_index))
-                })?;
-                OpenedMemory::import_vmm_fd(&dev.ctx, fd.as_raw_fd(), r.alloc_bytes).map(Arc::new)
+                // Indices checked by the registry.
+                let own = &pieces[a.first_piece as usize..][..a.n_pieces as usize];
+                let chunks: Vec<(i32, u64)> = own
+                    .iter()
+                    .flat_map(|p| {
+                        fds[p.first_fd as usize..][..p.n_fds as usize]
+                            .iter()
+                            .map(move |fd| (fd.as_raw_fd(), p.fd_bytes))
+                    })
+                    .collect();
+                OpenedMemory::import_vmm_fds(&dev.ctx, &chunks).map(Arc::new)
             }
-            .map_err(|e| refuse(format!("tensor {i}: {e}")))?;
-            let end = r.offset.checked_add(bytes);
+            .map_err(|e| refuse(format!("allocation {i}: {e}")))?;
+            // The window [offset, offset + bytes) must lie in the memory as
+            // the driver sees it; the layout was validated against `bytes`.
+            let end = a.offset.checked_add(a.bytes);
             if end.is_none_or(|e| e > mem.size()) {
                 return Err(refuse(format!(
-                    "tensor {i}: [{}, +{bytes}) exceeds its allocation of {} bytes",
-                    r.offset, mem.size()
+                    "allocation {i}: [{}, +{}) exceeds its memory of {} bytes",
+                    a.offset,
+                    a.bytes,
+                    mem.size()
                 )));
             }
-            bases.push(mem.base() + r.offset);
-            tensors.push(DeviceTensor {
-                dptr: mem.base() + r.offset,
-                bytes,
-                memory: mem,
-            });
+            windows.push(mem.base() + a.offset);
+            memory.push(mem);
         }
-        let table =
-            DeviceBuffer::new(&dev.ctx, bases.len() * 8).map_err(|e| refuse(e.to_string()))?;
+        let plan = layout.plan();
+        let mut align = plan.align;
+        let entries: Vec<LayerEntry> = layout
+            .layers()
+            .iter()
+            .map(|p| {
+                let base = windows[p.alloc as usize];
+                let v = if plan.parts == 2 { base + p.v_offset } else { 0 };
+                align = align.min(align_of(base + p.k_offset));
+                if plan.parts == 2 {
+                    align = align.min(align_of(v));
+                }
+                LayerEntry {
+                    base: [base + p.k_offset, v],
+                    block_stride: p.block_stride,
+                    head_stride: p.head_stride,
+                    token_stride: p.token_stride,
+                }
+            })
+            .collect();
+        let table = DeviceBuffer::new(&dev.ctx, std::mem::size_of_val(entries.as_slice()))
+            .map_err(|e| refuse(e.to_string()))?;
         table
-            .write(bytemuck::cast_slice(&bases))
+            .write(bytemuck::cast_slice(&entries))
             .map_err(|e| refuse(e.to_string()))?;
         Ok(Box::new(DeviceTable {
             device: dev.clone(),
-            bases: table,
-            _tensors: tensors,
+            layers: table,
+            align,
+            _memory: memory,
         }))
+    }
+}
+
+/// The largest power of two up to 16 dividing `v`.
+pub(super) fn align_of(v: u64) -> u32 {
+    if v == 0 {
+        16
+    } else {
+        1 << v.trailing_zeros().min(4)
     }
 }

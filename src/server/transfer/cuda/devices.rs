@@ -5,7 +5,7 @@
 use super::job_events::JobEvents;
 use super::pool_pin::PoolPin;
 use crate::gpu::kernels::Kernels;
-use crate::gpu::{Context, CudaError, DeviceBuffer, DeviceTensor, OpenedMemory};
+use crate::gpu::{Context, CudaError, DeviceBuffer, OpenedMemory};
 use crate::server::transfer::backend::CopyError;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
@@ -17,13 +17,17 @@ pub struct CudaDevice {
 }
 
 /// What a registration in device memory needs on the server: its device,
-/// the table of its tensors' addresses in device memory (what `kv_copy`
-/// reads), and the tensors' opened memory, kept open while the
-/// registration lives.
+/// the layer table in device memory (what `kv_copy` reads: per layer the
+/// device addresses of its K and V rows of block 0 and its strides), the
+/// alignment every address of it has, and the allocations' opened memory,
+/// kept open while the registration lives.
 pub struct DeviceTable {
     pub device: Arc<CudaDevice>,
-    pub bases: DeviceBuffer,
-    pub(super) _tensors: Vec<DeviceTensor>,
+    pub layers: DeviceBuffer,
+    /// The largest power of two up to 16 dividing every address and size
+    /// the kernel computes for this registration (the object's aside).
+    pub align: u32,
+    pub(super) _memory: Vec<Arc<OpenedMemory>>,
 }
 
 /// (client slot, IPC handle) of an opened allocation.

@@ -127,24 +127,27 @@ impl DeviceQueue {
         obj_bytes: u64,
         zero_copy_ctas: u32,
     ) -> Result<(), CopyError> {
-        let l = c.layout;
+        let inst = c.inst;
         let n = c.blocks.len();
         let slot = &self.slots[k];
         let stream = &self.stream;
         let kernels = &self.device.kernels;
         let staging = slot.staging.as_ref().map_or(0, |s| s.ptr());
-        let (bases, ids) = (table.bases.ptr(), slot.ids_dev.ptr());
-        let args = KvCopyArgs {
-            kind: l.kind,
-            num_layers: l.num_layers,
-            parts: l.parts(),
-            num_blocks: l.num_blocks,
-            blocks_per_chunk: n as u32,
-            skip_blocks: c.skip_blocks,
-            slab_bytes: l.slab_bytes(),
-            to_engine: u32::from(c.dir == Dir::FromPool),
-            _pad: 0,
+        let (layers, ids) = (table.layers.ptr(), slot.ids_dev.ptr());
+        let object = if zero_copy_ctas > 0 {
+            c.object as u64
+        } else {
+            staging
         };
+        let vec = table.align.min(super::backend::align_of(object));
+        let args = KvCopyArgs::new(
+            &inst.plan,
+            inst.layout.geometry().layers,
+            n as u32,
+            c.skip_blocks,
+            c.dir == Dir::FromPool,
+            vec,
+        );
         if let Some(ev) = client_ready {
             stream.wait_event(ev)?;
         }
@@ -153,8 +156,8 @@ impl DeviceQueue {
         // holds `MAX_CHUNK_BLOCKS` >= n ids.
         unsafe { stream.copy_htod_async(ids, slot.ids_host.as_ptr(), n * 4) }?;
         // Every address below stays valid until the slot's event completes
-        // (recorded after them on this stream): the registration's tensors
-        // and their address table `bases` (the worker holds the task, which
+        // (recorded after them on this stream): the registration's memory
+        // and its layer table (the worker holds the task, which
         // holds the registration), the pool object (pinned, allocated to
         // this job for `obj_bytes` bytes; no other copy touches it until the
         // job ends), the slot's `ids` and `staging` (`staging` holds
@@ -164,19 +167,22 @@ impl DeviceQueue {
             // itself (registered device-mapped; with unified addressing its
             // device address is its host address).
             _ if zero_copy_ctas > 0 => {
-                // SAFETY: `bases` and `ids` are live device tables of this
-                // registration and slot; the block ids are below
-                // `num_blocks` (checked at acceptance); the pool object is
-                // device-mapped and `object_bytes` long, what the kernel
-                // addresses for these `args`.
+                // SAFETY: `layers` and `ids` are live device tables of this
+                // registration and slot; the block ids are below the
+                // layout's block count (checked at acceptance) and the
+                // layout was validated against the opened memory; `vec`
+                // divides every address (the table's alignment and the
+                // object's); the pool object is device-mapped and
+                // `object_bytes` long, what the kernel addresses for these
+                // `args`.
                 unsafe {
-                    kernels.launch(stream, bases, ids, c.object as u64, args, zero_copy_ctas)
+                    kernels.launch(stream, layers, ids, object, args, zero_copy_ctas)
                 }?;
             }
             Dir::ToPool => {
                 // SAFETY: as for the zero-copy launch, with the slot's
                 // `staging` (`obj_bytes` of device memory) as the object.
-                unsafe { kernels.launch(stream, bases, ids, staging, args, 0) }?;
+                unsafe { kernels.launch(stream, layers, ids, staging, args, 0) }?;
                 // SAFETY: `staging` holds `obj_bytes` device bytes, the
                 // pinned pool object as many host bytes.
                 unsafe { stream.copy_dtoh_async(c.object, staging, obj_bytes as usize) }?;
@@ -187,7 +193,7 @@ impl DeviceQueue {
                 unsafe { stream.copy_htod_async(staging, c.object, obj_bytes as usize) }?;
                 // SAFETY: as for the zero-copy launch, with the slot's
                 // `staging` (`obj_bytes` of device memory) as the object.
-                unsafe { kernels.launch(stream, bases, ids, staging, args, 0) }?;
+                unsafe { kernels.launch(stream, layers, ids, staging, args, 0) }?;
             }
         }
         slot.event.record(stream)?;
@@ -259,8 +265,7 @@ impl CopyExecutor for CudaExecutor {
             self.host_done.push((token, r));
             return Ok(());
         };
-        let l = c.layout;
-        let obj_bytes = l.object_bytes(c.chunk_tokens);
+        let obj_bytes = c.inst.layout.object_bytes(c.chunk_tokens);
         self.backend.pinned_pool_offset(c.object, obj_bytes)?;
         let client_ready = match c.event {
             Some(h) => Some(self.client_ready_event(&table.device, &h)?),
@@ -286,10 +291,9 @@ impl CopyExecutor for CudaExecutor {
             je.publish_after(&queue.slots[k].event, p)?;
         }
         let n = c.blocks.len() as u64;
-        let moved = u64::from(l.parts())
-            * u64::from(l.num_layers)
-            * (n - u64::from(c.skip_blocks).min(n))
-            * l.slab_bytes();
+        let g = c.inst.layout.geometry();
+        let moved =
+            u64::from(g.layers) * (n - u64::from(c.skip_blocks).min(n)) * g.page_bytes();
         queue.slots[k].state = SlotState::Busy {
             token,
             moved,

@@ -5,11 +5,11 @@
 //! kernel, no host callback, no lock on any driver thread):
 //!
 //! * STORE: [wait for the engine's IPC event] -> block ids to the device ->
-//!   `kv_copy` gathers the chunk's slabs from the paged cache into a device
+//!   `kv_copy` gathers the chunk's runs from the paged cache into a device
 //!   staging buffer -> one copy-engine transfer staging -> pinned pool object
 //!   -> record an event;
 //! * RETRIEVE: [wait for the engine's event] -> block ids -> one transfer
-//!   pool object -> staging -> `kv_copy` scatters the slabs into the paged
+//!   pool object -> staging -> `kv_copy` scatters the runs into the paged
 //!   cache -> record an event.
 //!
 //! Each worker keeps four chunks in flight per device by default
