@@ -14,14 +14,16 @@
 //!   in-process server with a registered KV cache: every request is answered
 //!   exactly once with a known status, jobs it creates end, the connection
 //!   survives;
-//! * [`registration`]: any registration message and tensor table against
-//!   the server's registry (with real sealed and unsealed memfds), and any
-//!   layout descriptor against its own addressing: whatever is accepted
-//!   addresses only memory it mapped.
+//! * [`registration`]: any registration message and tables (allocations,
+//!   memory pieces, layer placements) against the server's registry (with
+//!   real sealed and unsealed memfds), and any layout descriptor — raw, or
+//!   a preset with hostile edits — against its own addressing: whatever is
+//!   accepted addresses only memory it mapped, and no two of its rows share
+//!   a byte.
 
 use crate::jobs::{JobId, JobStatus};
-use crate::kv::{Dtype, KvLayout, KvLayoutKind, KvShape};
-use crate::proto::kv::{RegisterKv, TensorRegion};
+use crate::kv::{Dtype, KvGeometry, KvLayout, KvShape, LayerPlacement, LayoutPreset};
+use crate::proto::kv::{KvAllocation, MemoryPiece, RegisterKv, RegisterTables};
 use crate::proto::{Opcode, Status};
 use crate::ring::heap::HeapRing;
 use crate::ring::{frame_bytes, Consumer, FrameFlags, FrameHeader, RingError, HEADER_BYTES};
@@ -316,7 +318,8 @@ fn fuzz_layout() -> KvLayout {
         heads: 1,
         head_dim: 16,
     };
-    KvLayout::new(KvLayoutKind::FlashAttn, shape, Dtype::Bf16)
+    KvLayout::preset(LayoutPreset::FlashAttn, KvGeometry::mha(shape, Dtype::Bf16))
+        .expect("a valid preset")
 }
 
 /// Any frames submitted to a live server: each answered once with a known
@@ -469,21 +472,122 @@ fn memfd(bytes: u64, sealed: bool) -> std::os::fd::OwnedFd {
     fd
 }
 
+/// A layout from fuzz input: a preset of a small geometry with some of its
+/// numbers overwritten, or every number raw.
+fn fuzz_descriptor(inp: &mut Input<'_>) -> KvLayout {
+    let raw = inp.u8() % 4 == 0;
+    let mut g = KvGeometry::mha(
+        KvShape {
+            layers: 1 + u32::from(inp.u8() % 4),
+            blocks: 1 + u32::from(inp.u8() % 8),
+            block_tokens: 1 << (inp.u8() % 4),
+            heads: 1 + u32::from(inp.u8() % 3),
+            head_dim: 1 + u32::from(inp.u8() % 12),
+        },
+        [Dtype::Fp8, Dtype::Bf16, Dtype::F32][usize::from(inp.u8() % 3)],
+    );
+    if inp.u8() % 4 == 0 {
+        g = KvGeometry::mla(g.layers, g.blocks, g.block_tokens, g.k_dim, Dtype::Bf16);
+    }
+    let preset = LayoutPreset::ALL[usize::from(inp.u8()) % LayoutPreset::ALL.len()];
+    let base = KvLayout::preset(preset, g)
+        .or_else(|_| KvLayout::preset(LayoutPreset::Lbnhc, g))
+        .expect("a one-buffer preset fits every geometry");
+    let mut allocs = base.allocations().to_vec();
+    let mut layers = base.layers().to_vec();
+    if raw {
+        let mut raw_g = [0u8; std::mem::size_of::<KvGeometry>()];
+        let b = inp.bytes(raw_g.len());
+        raw_g[..b.len()].copy_from_slice(b);
+        g = bytemuck::pod_read_unaligned(&raw_g);
+        g.layers %= 5;
+        allocs = (0..inp.u8() % 3).map(|_| inp.u64() % (1 << 20)).collect();
+        layers = (0..g.layers)
+            .map(|_| {
+                let mut raw_p = [0u8; std::mem::size_of::<LayerPlacement>()];
+                let b = inp.bytes(raw_p.len());
+                raw_p[..b.len()].copy_from_slice(b);
+                bytemuck::pod_read_unaligned(&raw_p)
+            })
+            .collect();
+    } else {
+        // Hostile edits: any field of any placement, or an allocation size.
+        for _ in 0..inp.u8() % 4 {
+            let v = match inp.u8() % 4 {
+                0 => inp.u64(),
+                1 => u64::from(inp.u16()),
+                2 => 0,
+                _ => u64::MAX - u64::from(inp.u8()),
+            };
+            let field = inp.u8();
+            if field % 8 == 7 {
+                if let Some(a) = allocs.first_mut() {
+                    *a = v;
+                }
+                continue;
+            }
+            let n = layers.len();
+            let p = &mut layers[usize::from(inp.u8()) % n];
+            match field % 8 {
+                0 => p.k_offset = v,
+                1 => p.v_offset = v,
+                2 => p.block_stride = v,
+                3 => p.head_stride = v,
+                4 => p.token_stride = v,
+                5 => p.alloc = v as u32,
+                _ => p.k_offset = p.v_offset.wrapping_add(v % 64),
+            }
+        }
+    }
+    KvLayout::new(g, allocs, layers)
+}
+
 /// Any registration against the registry, and any layout against its own
 /// addressing.
 pub fn registration(data: &[u8]) {
     let mut inp = Input(data);
     let chunk_tokens = 1 + u32::from(inp.u16()) % 1024;
+    let layout = fuzz_descriptor(&mut inp);
+    check_layout(&layout, chunk_tokens);
     let mut raw = [0u8; std::mem::size_of::<RegisterKv>()];
     let head = inp.bytes(raw.len());
     raw[..head.len()].copy_from_slice(head);
     let mut req: RegisterKv = bytemuck::pod_read_unaligned(&raw);
-    // Mostly host memory (the only kind without a GPU).
+    // Mostly host memory (the only kind without a GPU), mostly the
+    // descriptor built above in one memfd.
     if inp.u8() % 4 != 0 {
         req.mem_kind = crate::proto::kv::MemKind::HostFd as u32;
     }
-    let table = inp.bytes(64 * std::mem::size_of::<TensorRegion>()).to_vec();
-    check_layout(&req.layout, chunk_tokens);
+    let table = if inp.u8() % 4 != 0 {
+        req.geometry = *layout.geometry();
+        let mut at = 0u64;
+        let mut t = RegisterTables {
+            allocs: Vec::new(),
+            pieces: Vec::new(),
+            layers: layout.layers().to_vec(),
+        };
+        for &bytes in layout.allocations() {
+            t.allocs.push(KvAllocation {
+                ipc_handle: [0; 64],
+                offset: 0,
+                bytes,
+                first_piece: t.pieces.len() as u32,
+                n_pieces: 1,
+            });
+            t.pieces.push(MemoryPiece {
+                first_fd: u32::from(inp.u8() % 2),
+                n_fds: 1,
+                fd_offset: at,
+                fd_bytes: bytes,
+            });
+            at = at.wrapping_add(bytes.wrapping_add(4095) & !4095);
+        }
+        req.n_allocs = t.allocs.len() as u32;
+        req.n_pieces = t.pieces.len() as u32;
+        t.encode()
+    } else {
+        inp.bytes(4096).to_vec()
+    };
 
     static FDS: OnceLock<Vec<std::os::fd::OwnedFd>> = OnceLock::new();
     let fds = FDS.get_or_init(|| vec![memfd(1 << 20, true), memfd(1 << 20, false), memfd(0, true)]);
@@ -495,51 +599,59 @@ pub fn registration(data: &[u8]) {
     let mut reg = crate::server::registry::Registry::default();
     let backend = crate::server::HostBackend;
     if let Ok(inst) = reg.register(3, 1, chunk_tokens, &req, &table, &sent, &backend) {
-        let l = inst.layout;
+        let l = &inst.layout;
         assert!(l.validate(chunk_tokens).is_ok());
-        assert_eq!(inst.tensors.len() as u32, l.num_tensors());
-        // Host memory by type: `tensors` holds only host mappings.
-        for m in &inst.tensors {
-            assert!(
-                m.bytes() >= l.tensor_bytes(),
-                "a tensor smaller than its layout"
-            );
+        assert_eq!(inst.host.len(), l.allocations().len());
+        // Host memory by type: `host` holds only host mappings.
+        for (m, &bytes) in inst.host.iter().zip(l.allocations()) {
+            assert!(m.bytes() >= bytes, "an allocation mapped smaller than its layout");
         }
+        check_layout(l, chunk_tokens);
         assert_eq!(reg.len(), 1);
         assert!(reg.unregister(3, 1, inst.id));
         assert_eq!(reg.len(), 0);
     }
 }
 
-/// A layout that validates addresses only its tensors and objects.
+/// A layout that validates addresses only its allocations and objects, and
+/// no two of its rows share a byte (checked byte range by byte range).
 fn check_layout(l: &KvLayout, chunk_tokens: u32) {
     if l.validate(chunk_tokens).is_err() {
         return;
     }
-    let tb = l.tensor_bytes();
-    assert!(tb <= crate::kv::layout::MAX_TENSOR_BYTES);
-    let slab = l.slab_bytes();
-    let ob = l.object_bytes(chunk_tokens);
+    let g = l.geometry();
     let bpc = l.blocks_per_chunk(chunk_tokens);
     assert!(bpc >= 1);
-    let last = |n: u32| [0, n / 2, n - 1];
-    for layer in last(l.num_layers) {
-        for part in 0..l.parts() {
-            for block in last(l.num_blocks) {
-                let (t, off) = l.slab_at(layer, part, block);
-                assert!(t < l.num_tensors(), "slab in tensor {t}");
+    let ob = l.object_bytes(chunk_tokens);
+    let plan = l.plan();
+    // Every run of every page, with the blocks of one chunk placed at the
+    // start of the object (larger block counts cycle through it).
+    let mut ranges: Vec<(u32, u64, u64)> = Vec::new();
+    let rows = u64::from(g.layers) * u64::from(g.blocks) * g.page_bytes() / g.row_bytes().max(1);
+    for layer in 0..g.layers {
+        let alloc = l.layers()[layer as usize].alloc;
+        for block in 0..g.blocks {
+            let j = block % bpc;
+            plan.for_each_run(l, chunk_tokens, layer, block, j, |_, eng, obj, n| {
                 assert!(
-                    off.checked_add(slab).is_some_and(|e| e <= tb),
-                    "slab past its tensor"
+                    eng.checked_add(n)
+                        .is_some_and(|e| e <= l.allocations()[alloc as usize]),
+                    "a run past its allocation"
                 );
-            }
-            for j in last(bpc) {
-                let off = l.object_offset(chunk_tokens, layer, part, j);
-                assert!(
-                    off.checked_add(slab).is_some_and(|e| e <= ob),
-                    "slab past its object"
-                );
-            }
+                assert!(obj.checked_add(n).is_some_and(|e| e <= ob), "a run past the object");
+                if rows <= 1 << 14 {
+                    ranges.push((alloc, eng, eng + n));
+                }
+            });
         }
+    }
+    ranges.sort_unstable();
+    for w in ranges.windows(2) {
+        assert!(
+            w[0].0 != w[1].0 || w[0].2 <= w[1].1,
+            "two runs share bytes: {:?} {:?}",
+            w[0],
+            w[1]
+        );
     }
 }
