@@ -14,7 +14,9 @@
 //! every retrieved byte matched what was stored.
 
 use kvring::jobs::{JobResult, JobStatus};
-use kvring::kv::{chunk_hashes, model_id, pattern, Dtype, KvLayout, KvLayoutKind, KvShape};
+use kvring::kv::{
+    chunk_hashes, model_id, pattern, Dtype, KvGeometry, KvLayout, KvShape, LayoutPreset,
+};
 use kvring::server::{self, BackendChoice};
 use kvring::{
     Client, HostKvCache, Job, KvSpec, LeaseId, Lookup, Registration, Retrieve, ServerConfig, Store,
@@ -71,12 +73,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         heads: 2,
         head_dim: 64,
     };
-    let layout = KvLayout::new(KvLayoutKind::FlashAttn, shape, Dtype::Bf16);
+    let layout =
+        KvLayout::preset(LayoutPreset::Lbnhc, KvGeometry::mha(shape, Dtype::Bf16)).unwrap();
     let model = model_id("example-model");
     let mut workers = Vec::new();
     for rank in 0..WORLD {
         let mut client = connect()?;
-        let cache = HostKvCache::new(layout, CHUNK)?;
+        let cache = HostKvCache::new(layout.clone(), CHUNK)?;
         let reg = client.register_host(&KvSpec::new(model, WORLD, rank), &cache)?;
         workers.push(Worker {
             rank,

@@ -604,7 +604,10 @@ pub fn registration(data: &[u8]) {
         assert_eq!(inst.host.len(), l.allocations().len());
         // Host memory by type: `host` holds only host mappings.
         for (m, &bytes) in inst.host.iter().zip(l.allocations()) {
-            assert!(m.bytes() >= bytes, "an allocation mapped smaller than its layout");
+            assert!(
+                m.bytes() >= bytes,
+                "an allocation mapped smaller than its layout"
+            );
         }
         check_layout(l, chunk_tokens);
         assert_eq!(reg.len(), 1);
@@ -638,7 +641,10 @@ fn check_layout(l: &KvLayout, chunk_tokens: u32) {
                         .is_some_and(|e| e <= l.allocations()[alloc as usize]),
                     "a run past its allocation"
                 );
-                assert!(obj.checked_add(n).is_some_and(|e| e <= ob), "a run past the object");
+                assert!(
+                    obj.checked_add(n).is_some_and(|e| e <= ob),
+                    "a run past the object"
+                );
                 if rows <= 1 << 14 {
                     ranges.push((alloc, eng, eng + n));
                 }

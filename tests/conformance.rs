@@ -15,32 +15,44 @@ mod common;
 
 use common::*;
 use kvring::jobs::{JobId, JobResult, JobStatus};
-use kvring::kv::pattern::Slabs;
-use kvring::kv::{chunk_hashes, model_id, salt_id, KvLayout, KvLayoutKind};
+use kvring::kv::pattern::{self, KvMemory};
+use kvring::kv::{chunk_hashes, model_id, salt_id, KvLayout, LayoutPreset};
 use kvring::proto::Status;
 use kvring::{LeaseId, Lookup, Retrieve};
 use std::time::{Duration, Instant};
 
-/// A 3-layer layout of `kind` with the backend's head size.
-fn layout<B: Backend>(kind: KvLayoutKind, elem_bytes: u32, num_blocks: u32) -> KvLayout {
-    kv_layout(kind, elem_bytes, num_blocks, B::HEAD_DIM)
+/// A 3-layer layout `preset` with the backend's head size.
+fn layout<B: Backend>(preset: LayoutPreset, elem_bytes: u32, num_blocks: u32) -> KvLayout {
+    kv_layout(preset, elem_bytes, num_blocks, B::HEAD_DIM)
 }
 
 fn every_layout_and_element_size_round_trips_byte_for_byte<B: Backend>() {
     let s = B::fixture("layouts", Duration::from_secs(300), B::POOL);
     let mut sched = s.client();
     assert_eq!(sched.server_config().unwrap().backend, B::KIND.raw());
-    for kind in KvLayoutKind::ALL {
+    // Every named layout (vLLM 0.21 to 0.34), fp8, 16- and 32-bit
+    // elements; MLA in the one-buffer layouts of 0.33+ too.
+    let mut cases: Vec<KvLayout> = Vec::new();
+    for preset in LayoutPreset::ALL {
         for elem in [1, 2, 4] {
-            let l = layout::<B>(kind, elem, 48);
-            round_trip(
-                &s,
-                &mut sched,
-                l,
-                || B::new_cache(l, 0),
-                kind as u32 * 10 + elem,
-            );
+            cases.push(layout::<B>(preset, elem, 48));
         }
+    }
+    for preset in [
+        LayoutPreset::Lbnhc,
+        LayoutPreset::Blhnc,
+        LayoutPreset::Bhlnc,
+    ] {
+        cases.push(mla_layout(preset, 1, 48, B::HEAD_DIM + 8));
+    }
+    for (i, l) in cases.into_iter().enumerate() {
+        round_trip(
+            &s,
+            &mut sched,
+            l.clone(),
+            || B::new_cache(l.clone(), 0),
+            i as u32 + 1,
+        );
     }
     let st = sched.stats().unwrap();
     assert_eq!(st.instances, 0);
@@ -49,51 +61,55 @@ fn every_layout_and_element_size_round_trips_byte_for_byte<B: Backend>() {
 
 fn layouts_of_one_geometry_share_objects_and_skip_tokens_leave_blocks_alone<B: Backend>() {
     let s = B::fixture("share", Duration::from_secs(120), B::POOL);
-    // Stored from a flash-attention cache, retrieved into a FlashInfer one
-    // with a smaller block size: the object format is layout-independent.
-    let fa = layout::<B>(KvLayoutKind::FlashAttn, 2, 64);
-    let mut fi = layout::<B>(KvLayoutKind::FlashInfer, 2, 128);
-    fi.block_tokens = 8;
-    let mut a = B::engine(&s, fa, 1, 0, 0);
+    // Stored from a cache in vLLM 0.33's default layout, retrieved into a
+    // block-outermost one with a smaller block size and into vLLM 0.21's
+    // per-layer tensors: the object format is layout-independent.
+    let lbnhc = layout::<B>(LayoutPreset::Lbnhc, 2, 64);
+    let g8 = lbnhc.geometry().with_blocks(128).with_block_tokens(8);
+    let blhnc = KvLayout::preset(LayoutPreset::Blhnc, g8).unwrap();
+    let fa = layout::<B>(LayoutPreset::FlashAttn, 2, 64);
+    let mut a = B::engine(&s, lbnhc.clone(), 1, 0, 0);
     let hashes = chunk_hashes(&prompt(5, 3 * CHUNK as usize), CHUNK);
     let src = a.blocks(0, 3);
     a.write(&hashes, &src);
     a.store(0, &hashes, &src);
-    let mut b = B::engine(&s, fi, 1, 0, 0);
-    b.cache.poison(0x11);
-    let lease = lookup(&mut b.c, 1, 0, &hashes);
-    assert_eq!(lease.hits(), 3);
-    let dst = b.blocks(5, 3);
-    // Skip the first 40 tokens (5 blocks of 8): they stay as they were.
-    done(
-        b.c.retrieve(Retrieve::new(&b.inst, &lease, &dst).skip_tokens(40))
-            .unwrap(),
-    );
-    // Compare token rows: row t of layer l, part p is at the same object
-    // offset in both; read both caches through their layouts.
-    let tb = fa.token_bytes() as usize;
-    let bpc_a = (CHUNK / fa.block_tokens) as usize;
-    let bpc_b = (CHUNK / fi.block_tokens) as usize;
-    for (c, _) in hashes.iter().enumerate() {
-        for layer in 0..3 {
-            for part in 0..2 {
-                for t in 0..CHUNK as usize {
-                    let token = c * CHUNK as usize + t;
-                    let (ba, ia) = (src[c * bpc_a + t / 16], t % 16);
-                    let (bb, ib) = (dst[c * bpc_b + t / 8], t % 8);
-                    let mut x = vec![0u8; fa.slab_bytes() as usize];
-                    a.cache.get_slab(layer, part, ba, &mut x);
-                    let mut y = vec![0u8; fi.slab_bytes() as usize];
-                    b.cache.get_slab(layer, part, bb, &mut y);
-                    let row_b = &y[ib * tb..(ib + 1) * tb];
-                    if token < 40 {
-                        assert!(
-                            row_b.iter().all(|&v| v == 0x11),
-                            "token {token} overwritten"
-                        );
-                    } else {
-                        assert_eq!(&x[ia * tb..(ia + 1) * tb], row_b, "token {token}");
-                    }
+    // What the first engine holds, chunk by chunk, in object order.
+    let bpc_a = a.bpc() as usize;
+    let objects: Vec<Vec<u8>> = src
+        .chunks(bpc_a)
+        .map(|b| {
+            let mut o = vec![0u8; lbnhc.object_bytes(CHUNK) as usize];
+            a.cache.read_runs(&pattern::chunk_runs(&lbnhc, b), &mut o);
+            o
+        })
+        .collect();
+    for (other, skip) in [(blhnc, 40), (fa, 16)] {
+        let mut b = B::engine(&s, other.clone(), 1, 0, 0);
+        b.cache.poison(0x11);
+        let lease = lookup(&mut b.c, 1, 0, &hashes);
+        assert_eq!(lease.hits(), 3);
+        let dst = b.blocks(5, 3);
+        // Skip the first tokens (whole blocks): they stay as they were.
+        done(
+            b.c.retrieve(Retrieve::new(&b.inst, &lease, &dst).skip_tokens(skip))
+                .unwrap(),
+        );
+        let g = other.geometry();
+        let row = g.row_bytes() as usize;
+        for (c, blocks) in dst.chunks(b.bpc() as usize).enumerate() {
+            let mut got = vec![0u8; other.object_bytes(CHUNK) as usize];
+            b.cache
+                .read_runs(&pattern::chunk_runs(&other, blocks), &mut got);
+            for (i, (x, y)) in objects[c].chunks(row).zip(got.chunks(row)).enumerate() {
+                let (layer_token, _head) = (i / g.heads as usize, i % g.heads as usize);
+                let token = c * CHUNK as usize + layer_token % CHUNK as usize;
+                if token < skip as usize {
+                    assert!(
+                        y.iter().all(|&v| v == 0x11),
+                        "{other:?}: token {token} overwritten"
+                    );
+                } else {
+                    assert_eq!(x, y, "{:?}: row {i} of chunk {c}", other.preset_name());
                 }
             }
         }
@@ -102,7 +118,7 @@ fn layouts_of_one_geometry_share_objects_and_skip_tokens_leave_blocks_alone<B: B
 
 fn lookups_find_the_longest_stored_prefix_per_salt<B: Backend>() {
     let s = B::fixture("prefix", Duration::from_secs(60), B::POOL);
-    let mut e = B::engine(&s, layout::<B>(KvLayoutKind::FlashAttn, 2, 64), 1, 0, 0);
+    let mut e = B::engine(&s, layout::<B>(LayoutPreset::Lbnhc, 2, 64), 1, 0, 0);
     let tokens = prompt(1, 6 * CHUNK as usize);
     let hashes = chunk_hashes(&tokens, CHUNK);
     let blocks = e.blocks(0, 3);
@@ -154,7 +170,7 @@ fn lookups_find_the_longest_stored_prefix_per_salt<B: Backend>() {
 
 fn retrieve_needs_a_lease_and_uses_it_once<B: Backend>() {
     let s = B::fixture("lease", Duration::from_secs(60), B::POOL);
-    let mut e = B::engine(&s, layout::<B>(KvLayoutKind::FlashAttn, 2, 64), 1, 0, 0);
+    let mut e = B::engine(&s, layout::<B>(LayoutPreset::Lbnhc, 2, 64), 1, 0, 0);
     let hashes = chunk_hashes(&prompt(2, 2 * CHUNK as usize), CHUNK);
     let blocks = e.blocks(0, 2);
     e.write(&hashes, &blocks);
@@ -203,8 +219,8 @@ fn eviction_under_pressure_never_takes_leased_objects<B: Backend>() {
     // Each object is 3 layers * 2 parts * 64 tokens * 96 B = 36 KiB (the
     // same rows on every backend): a 1 MiB pool holds 28.
     let s = B::fixture("evict", Duration::from_secs(60), "1MiB");
-    let l = kv_layout(KvLayoutKind::FlashAttn, 2, 256, 24);
-    let mut e = B::engine(&s, l, 1, 0, 0);
+    let l = kv_layout(LayoutPreset::Lbnhc, 2, 256, 24);
+    let mut e = B::engine(&s, l.clone(), 1, 0, 0);
     let per = l.object_bytes(CHUNK).div_ceil(4096) * 4096;
     let capacity = (1u64 << 20) / per;
     let a = chunk_hashes(&prompt(10, 20 * CHUNK as usize), CHUNK);
@@ -224,7 +240,7 @@ fn eviction_under_pressure_never_takes_leased_objects<B: Backend>() {
         "{r:?} with room for {capacity}"
     );
     // The leased prompt is whole and retrievable.
-    let mut f = B::engine(&s, l, 1, 0, 0);
+    let mut f = B::engine(&s, l.clone(), 1, 0, 0);
     f.cache.poison(0);
     let dst = f.blocks(1, 20);
     done(f.c.retrieve(Retrieve::new(&f.inst, &lease, &dst)).unwrap());
@@ -240,12 +256,20 @@ fn eviction_under_pressure_never_takes_leased_objects<B: Backend>() {
 fn tensor_parallel_ranks_store_and_retrieve_concurrently_and_mla_shares<B: Backend>() {
     let s = B::fixture("tp", Duration::from_secs(120), B::POOL);
     let mut total_objects = 0;
-    for kind in [KvLayoutKind::FlashAttn, KvLayoutKind::Mla] {
-        let l = layout::<B>(kind, 2, 64);
-        let hashes = chunk_hashes(&prompt(kind as u32, 8 * CHUNK as usize), CHUNK);
+    for (seed, l) in [
+        layout::<B>(LayoutPreset::Lbnhc, 2, 64),
+        mla_layout(LayoutPreset::Lbnhc, 2, 64, B::HEAD_DIM),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let shared = l.geometry().shared();
+        let hashes = chunk_hashes(&prompt(seed as u32, 8 * CHUNK as usize), CHUNK);
         let world = 2;
         // Two ranks, each its own connection and thread, storing at once.
-        let mut ranks: Vec<_> = (0..world).map(|r| B::engine(&s, l, world, r, 0)).collect();
+        let mut ranks: Vec<_> = (0..world)
+            .map(|r| B::engine(&s, l.clone(), world, r, 0))
+            .collect();
         std::thread::scope(|sc| {
             for e in ranks.iter_mut() {
                 let hashes = &hashes;
@@ -257,18 +281,16 @@ fn tensor_parallel_ranks_store_and_retrieve_concurrently_and_mla_shares<B: Backe
             }
         });
         // One object per chunk and rank; MLA ranks share one per chunk.
-        total_objects += if kind == KvLayoutKind::Mla { 8 } else { 16 };
-        assert_eq!(
-            ranks[0].c.stats().unwrap().objects,
-            total_objects,
-            "{kind:?}"
-        );
+        total_objects += if shared { 8 } else { 16 };
+        assert_eq!(ranks[0].c.stats().unwrap().objects, total_objects, "{l:?}");
         let mut sched = s.client();
         let lease = lookup(&mut sched, world, 0, &hashes);
         assert_eq!(lease.hits(), 8);
         let lease = lease.id();
         // Fresh caches, both ranks retrieving at once from one lease.
-        let mut fresh: Vec<_> = (0..world).map(|r| B::engine(&s, l, world, r, 0)).collect();
+        let mut fresh: Vec<_> = (0..world)
+            .map(|r| B::engine(&s, l.clone(), world, r, 0))
+            .collect();
         std::thread::scope(|sc| {
             for e in fresh.iter_mut() {
                 let hashes = &hashes;
@@ -299,12 +321,12 @@ fn tensor_parallel_ranks_on_two_devices_store_and_retrieve_concurrently<B: Backe
     std::thread::scope(|sc| {
         let ranks: Vec<_> = (0..2u32)
             .map(|rank| {
-                let s = &s;
+                let (s, l) = (&s, &l);
                 sc.spawn(move || {
                     // Rank r runs on device r: its cache, and a fresh one
                     // to retrieve into, registered with world size 2.
-                    let mut e = B::engine(s, l, 2, rank, rank);
-                    let mut fresh = B::engine(s, l, 2, rank, rank);
+                    let mut e = B::engine(s, l.clone(), 2, rank, rank);
+                    let mut fresh = B::engine(s, l.clone(), 2, rank, rank);
                     let bpc = e.bpc();
                     for round in 0..DEVICE_ROUNDS {
                         let hs = prompt_hashes(round, 8);

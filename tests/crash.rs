@@ -9,7 +9,9 @@ mod common;
 
 use common::*;
 use kvring::jobs::JobStatus;
-use kvring::kv::{chunk_hashes, model_id, pattern, Dtype, KvLayout, KvLayoutKind, KvShape};
+use kvring::kv::{
+    chunk_hashes, model_id, pattern, Dtype, KvGeometry, KvLayout, KvShape, LayoutPreset,
+};
 use kvring::proto::Opcode;
 use kvring::shm::SlotState;
 use kvring::{DelayJob, KvSpec, Lookup, Retrieve, Store};
@@ -24,7 +26,7 @@ fn layout() -> KvLayout {
         heads: 2,
         head_dim: 64,
     };
-    KvLayout::new(KvLayoutKind::FlashAttn, shape, Dtype::Bf16)
+    KvLayout::preset(LayoutPreset::Lbnhc, KvGeometry::mha(shape, Dtype::Bf16)).unwrap()
 }
 
 fn spec() -> KvSpec {

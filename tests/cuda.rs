@@ -20,8 +20,8 @@ mod common;
 use common::*;
 use kvring::client::cuda_cache::{CudaKvCache, EngineStream, Export, IpcEvent};
 use kvring::jobs::{JobResult, JobStatus};
-use kvring::kv::pattern::{self, Slabs};
-use kvring::kv::{chunk_hashes, model_id, ChunkHash, KvLayout, KvLayoutKind};
+use kvring::kv::pattern::{self, KvMemory};
+use kvring::kv::{chunk_hashes, model_id, ChunkHash, KvLayout, LayoutPreset};
 use kvring::{Client, Job, KvSpec, Lookup, Retrieve, Store};
 use std::time::{Duration, Instant};
 
@@ -45,8 +45,8 @@ const CUDA_ARGS: [&str; 6] = [
 
 /// Layouts with 80-byte rows (40 * 2 heads * 1 byte): not a multiple of 16,
 /// so the bytewise path runs too.
-fn layout(kind: KvLayoutKind, elem: u32, blocks: u32) -> KvLayout {
-    kv_layout(kind, elem, blocks, 40)
+fn layout(preset: LayoutPreset, elem: u32, blocks: u32) -> KvLayout {
+    kv_layout(preset, elem, blocks, 40)
 }
 
 /// Waits (30 s at most) for a job that must end `Done`; it is released when
@@ -68,7 +68,14 @@ fn blocks(first: u32, n: u32, nb: u32) -> Vec<u32> {
     (0..n).map(|k| (first + k * 3) % nb).collect()
 }
 
-fn verify(cache: &impl Slabs, hashes: &[ChunkHash], b: &[u32], bpc: usize, skip: u32, poison: u8) {
+fn verify(
+    cache: &impl KvMemory,
+    hashes: &[ChunkHash],
+    b: &[u32],
+    bpc: usize,
+    skip: u32,
+    poison: u8,
+) {
     let mut left = skip;
     for (i, (h, bl)) in hashes.iter().zip(b.chunks(bpc)).enumerate() {
         let s = left.min(bpc as u32);
@@ -84,8 +91,8 @@ fn round_trip_gpu(s: &Scope, sched: &mut Client, l: KvLayout, export: Export, se
     round_trip(
         s,
         sched,
-        l,
-        || CudaKvCache::new(l, CHUNK, 0, export).unwrap(),
+        l.clone(),
+        || CudaKvCache::new(l.clone(), CHUNK, 0, export).unwrap(),
         seed,
     );
 }
@@ -103,12 +110,35 @@ fn vmm_exported_caches_and_realistic_rows_round_trip_through_the_gpu_path() {
         kvring::proto::kv::BackendKind::Cuda.raw(),
         "a CUDA server"
     );
-    // A VMM allocation exported as a POSIX fd, and realistic rows (uint4
+    // A VMM allocation exported as one POSIX fd, and realistic rows (uint4
     // path).
-    let mut big = layout(KvLayoutKind::FlashAttn, 2, 64);
-    big.head_dim = 128;
-    round_trip_gpu(&s, &mut sched, big, Export::VmmFd, 100);
+    let big = kv_layout(LayoutPreset::Lbnhc, 2, 64, 128);
+    round_trip_gpu(&s, &mut sched, big.clone(), Export::VmmFd, 100);
     round_trip_gpu(&s, &mut sched, big, Export::Ipc, 101);
+    // VMM memory in 20 MiB chunks, one fd each (PyTorch's expandable
+    // segments): one buffer of 96 MiB over five chunks, and per-layer
+    // tensors of 32 MiB, one of them starting inside a chunk and spanning
+    // three.
+    for (i, preset) in [
+        LayoutPreset::Lbnhc,
+        LayoutPreset::FlashAttn,
+        LayoutPreset::Blhnc,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let l = kv_layout(preset, 2, 2048, 128);
+        let cache = CudaKvCache::new(l.clone(), CHUNK, 0, Export::VmmChunks(20 << 20)).unwrap();
+        assert!(cache.chunks() >= 5, "{preset}: {} chunks", cache.chunks());
+        drop(cache);
+        round_trip_gpu(
+            &s,
+            &mut sched,
+            l,
+            Export::VmmChunks(20 << 20),
+            110 + i as u32,
+        );
+    }
     let st = sched.stats().unwrap();
     assert_eq!(st.leases, 0);
     assert_eq!(st.instances, 0);
@@ -120,17 +150,15 @@ fn a_store_waits_for_the_engines_event() {
     require_gpu();
     let s = Fixture::new("cuda-event", Duration::from_secs(120), &CUDA_ARGS);
     let mut c = s.client();
-    let mut l = layout(KvLayoutKind::FlashAttn, 2, 64);
-    l.head_dim = 128;
-    let cache = CudaKvCache::new(l, CHUNK, 0, Export::Ipc).unwrap();
+    let l = kv_layout(LayoutPreset::Lbnhc, 2, 64, 128);
+    let cache = CudaKvCache::new(l.clone(), CHUNK, 0, Export::Ipc).unwrap();
     cache.fill(0).unwrap();
     let inst = c.register_cuda(&spec("ev"), &cache).unwrap();
     let bpc = inst.blocks_per_chunk();
     // The engine's stream first does a long fill of a large scratch cache,
     // then fills the KV cache with 0x77, then records the event.
-    let mut scratch_l = l;
-    scratch_l.num_blocks = 1 << 14;
-    let scratch = CudaKvCache::new(scratch_l, CHUNK, 0, Export::Ipc).unwrap();
+    let scratch_l = kv_layout(LayoutPreset::Lbnhc, 2, 1 << 14, 128);
+    let scratch = CudaKvCache::new(scratch_l.clone(), CHUNK, 0, Export::Ipc).unwrap();
     let stream = EngineStream::new(&cache).unwrap();
     let ev = IpcEvent::new(&cache).unwrap();
     for _ in 0..8 {
@@ -147,22 +175,15 @@ fn a_store_waits_for_the_engines_event() {
     stream.synchronize().unwrap();
     // Retrieve into a zeroed cache: every byte is 0x77, the value written
     // after the long fill, so the store's copy ran after the event.
-    let dst = CudaKvCache::new(l, CHUNK, 0, Export::Ipc).unwrap();
+    let dst = CudaKvCache::new(l.clone(), CHUNK, 0, Export::Ipc).unwrap();
     dst.fill(0).unwrap();
     let dinst = c.register_cuda(&spec("ev"), &dst).unwrap();
     let lease = c.lookup(Lookup::new(model_id("ev"), 1, &hashes)).unwrap();
     done30(c.retrieve(Retrieve::new(&dinst, &lease, &b)).unwrap());
-    let mut slab = vec![0u8; l.slab_bytes() as usize];
-    for layer in 0..l.num_layers {
-        for part in 0..2 {
-            for &blk in &b {
-                dst.get_slab(layer, part, blk, &mut slab);
-                assert!(
-                    slab.iter().all(|&x| x == 0x77),
-                    "layer {layer} part {part} block {blk}"
-                );
-            }
-        }
+    let mut got = vec![0u8; l.object_bytes(CHUNK) as usize];
+    dst.read_runs(&pattern::chunk_runs(&l, &b), &mut got);
+    if let Some(at) = got.iter().position(|&x| x != 0x77) {
+        panic!("object byte {at} is {:#04x}", got[at]);
     }
 }
 
@@ -195,11 +216,10 @@ fn transfers_and_telemetry_run_together_without_a_hang() {
             n
         })
     };
-    let mut l = layout(KvLayoutKind::FlashAttn, 2, 256);
-    l.head_dim = 128;
+    let l = kv_layout(LayoutPreset::Lbnhc, 2, 256, 128);
     let engines: Vec<_> = (0..3u32)
         .map(|e| {
-            let (dir, name) = (s.dir.clone(), s.name.clone());
+            let (dir, name, l) = (s.dir.clone(), s.name.clone(), l.clone());
             std::thread::spawn(move || {
                 let mut c = Client::builder(&name).runtime_dir(&dir).connect().unwrap();
                 let cache = CudaKvCache::new(l, CHUNK, 0, Export::Ipc).unwrap();
@@ -259,14 +279,23 @@ fn the_zero_copy_path_round_trips_every_layout_too() {
     );
     let mut sched = s.client();
     let mut seed = 500;
-    for kind in KvLayoutKind::ALL {
+    for preset in LayoutPreset::ALL {
         for elem in [1, 2] {
             seed += 1;
-            round_trip_gpu(&s, &mut sched, layout(kind, elem, 40), Export::Ipc, seed);
+            round_trip_gpu(&s, &mut sched, layout(preset, elem, 40), Export::Ipc, seed);
         }
     }
-    let mut big = layout(KvLayoutKind::FlashAttn, 2, 64);
-    big.head_dim = 128;
+    for preset in [LayoutPreset::Lbnhc, LayoutPreset::Bhlnc] {
+        seed += 1;
+        round_trip_gpu(
+            &s,
+            &mut sched,
+            mla_layout(preset, 2, 40, 36),
+            Export::Ipc,
+            seed,
+        );
+    }
+    let big = kv_layout(LayoutPreset::Lbnhc, 2, 64, 128);
     round_trip_gpu(&s, &mut sched, big, Export::VmmFd, 600);
 }
 
@@ -276,8 +305,8 @@ fn host_memory_engines_are_served_by_a_cuda_server_too() {
     require_gpu();
     let s = Fixture::new("cuda-host", Duration::from_secs(60), &CUDA_ARGS);
     let mut c = s.client();
-    let l = layout(KvLayoutKind::FlashInfer, 2, 40);
-    let src = kvring::HostKvCache::new(l, CHUNK).unwrap();
+    let l = layout(LayoutPreset::FlashInfer, 2, 40);
+    let src = kvring::HostKvCache::new(l.clone(), CHUNK).unwrap();
     let inst = c.register_host(&spec("h"), &src).unwrap();
     let bpc = inst.blocks_per_chunk() as usize;
     let hashes = chunk_hashes(&prompt(9, 2 * CHUNK as usize), CHUNK);
@@ -287,7 +316,7 @@ fn host_memory_engines_are_served_by_a_cuda_server_too() {
     }
     done30(c.store(Store::new(&inst, &hashes, &sb)).unwrap());
     let lease = c.lookup(Lookup::new(model_id("h"), 1, &hashes)).unwrap();
-    let dst = kvring::HostKvCache::new(l, CHUNK).unwrap();
+    let dst = kvring::HostKvCache::new(l.clone(), CHUNK).unwrap();
     dst.fill(0xa5);
     let dinst = c.register_host(&spec("h"), &dst).unwrap();
     let db = blocks(11, 2 * bpc as u32, 40);
@@ -301,9 +330,8 @@ fn the_engines_stream_waits_for_a_retrieve_through_the_published_job_event() {
     require_gpu();
     let s = Fixture::new("cuda-published", Duration::from_secs(120), &CUDA_ARGS);
     let mut c = s.client();
-    let mut l = layout(KvLayoutKind::FlashAttn, 2, 1024);
-    l.head_dim = 128;
-    let src = CudaKvCache::new(l, CHUNK, 0, Export::Ipc).unwrap();
+    let l = kv_layout(LayoutPreset::Lbnhc, 2, 1024, 128);
+    let src = CudaKvCache::new(l.clone(), CHUNK, 0, Export::Ipc).unwrap();
     src.fill(0).unwrap();
     let inst = c.register_cuda(&spec("pub"), &src).unwrap();
     let bpc = inst.blocks_per_chunk();
@@ -318,9 +346,9 @@ fn the_engines_stream_waits_for_a_retrieve_through_the_published_job_event() {
     done30(c.store(Store::new(&inst, hashes, &sb)).unwrap());
     let lease = c.lookup(Lookup::new(model_id("pub"), 1, hashes)).unwrap();
 
-    let dst = CudaKvCache::new(l, CHUNK, 0, Export::Ipc).unwrap();
+    let dst = CudaKvCache::new(l.clone(), CHUNK, 0, Export::Ipc).unwrap();
     dst.fill(0xa5).unwrap();
-    let mirror = CudaKvCache::new(l, CHUNK, 0, Export::Ipc).unwrap();
+    let mirror = CudaKvCache::new(l.clone(), CHUNK, 0, Export::Ipc).unwrap();
     mirror.fill(0).unwrap();
     let dinst = c.register_cuda(&spec("pub"), &dst).unwrap();
     let events = kvring::client::cuda_cache::ServerEvents::open(
@@ -361,10 +389,9 @@ fn rank_main(role: &str, name: &str, dir: &std::path::Path) {
         .map(|(r, o)| (r.parse::<u32>().unwrap(), o.parse::<i32>().unwrap()))
         .expect("role rank<R>@<ordinal>");
     let mut c = Client::builder(name).runtime_dir(dir).connect().unwrap();
-    let mut l = layout(KvLayoutKind::FlashAttn, 2, 64);
-    l.head_dim = 64;
-    let src = CudaKvCache::new(l, CHUNK, ordinal, Export::Ipc).unwrap();
-    let dst = CudaKvCache::new(l, CHUNK, ordinal, Export::Ipc).unwrap();
+    let l = kv_layout(LayoutPreset::Blnhc, 2, 64, 64);
+    let src = CudaKvCache::new(l.clone(), CHUNK, ordinal, Export::Ipc).unwrap();
+    let dst = CudaKvCache::new(l.clone(), CHUNK, ordinal, Export::Ipc).unwrap();
     let model = model_id("tp2-gpus");
     let spec = KvSpec::new(model, 2, rank);
     let inst = c.register_cuda(&spec, &src).unwrap();

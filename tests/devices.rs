@@ -12,7 +12,9 @@ mod common;
 
 use common::*;
 use kvring::jobs::JobStatus;
-use kvring::kv::{chunk_hashes, model_id, pattern, Dtype, KvLayout, KvLayoutKind, KvShape};
+use kvring::kv::{
+    chunk_hashes, model_id, pattern, Dtype, KvGeometry, KvLayout, KvShape, LayoutPreset,
+};
 use kvring::{HostKvCache, KvSpec, Lookup, Retrieve, Store};
 use std::time::{Duration, Instant};
 
@@ -50,8 +52,8 @@ fn one_devices_backlog_never_holds_up_another_device() {
         heads: 8,
         head_dim: 128,
     };
-    let big = KvLayout::new(KvLayoutKind::FlashAttn, shape, Dtype::Bf16);
-    let big_cache = HostKvCache::new(big, CHUNK).unwrap();
+    let big = KvLayout::preset(LayoutPreset::Lbnhc, KvGeometry::mha(shape, Dtype::Bf16)).unwrap();
+    let big_cache = HostKvCache::new(big.clone(), CHUNK).unwrap();
     let big_inst = c
         .register_host(
             &KvSpec::new(model_id("big"), 1, 0).on_device(simulated_device_uuid(0)),

@@ -34,10 +34,10 @@ fn hostile_clients_never_hurt_the_server_or_an_honest_engine() {
     // The honest engine.
     let mut good = s.client();
     let l = small_layout();
-    let cache = kvring::HostKvCache::new(l, 64).unwrap();
+    let cache = kvring::HostKvCache::new(l.clone(), 64).unwrap();
     let spec = KvSpec::new(model_id("h"), 1, 0);
     let inst = good.register_host(&spec, &cache).unwrap();
-    let fresh = kvring::HostKvCache::new(l, 64).unwrap();
+    let fresh = kvring::HostKvCache::new(l.clone(), 64).unwrap();
     let finst = good.register_host(&spec, &fresh).unwrap();
     let mut rng = Rng(0x9e3779b97f4a7c15);
     let ro = kvring::segment::ReadOnlySegment::open(&s.name).unwrap();

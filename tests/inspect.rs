@@ -7,7 +7,7 @@ mod common;
 
 use common::*;
 use kvring::jobs::{FailReason, JobStatus};
-use kvring::kv::{model_id, Dtype, KvLayout, KvLayoutKind, KvShape};
+use kvring::kv::{model_id, Dtype, KvGeometry, KvLayout, KvShape, LayoutPreset};
 use kvring::proto::Opcode;
 use kvring::{DelayJob, KvSpec};
 use serde_json::Value;
@@ -85,9 +85,10 @@ fn json_reflects_the_state_live_wedged_and_post_mortem() {
         heads: 1,
         head_dim: 8,
     };
-    let layout = KvLayout::new(KvLayoutKind::FlashAttn, shape, Dtype::Bf16);
+    let layout =
+        KvLayout::preset(LayoutPreset::Lbnhc, KvGeometry::mha(shape, Dtype::Bf16)).unwrap();
     let chunk = b.server_config().unwrap().chunk_tokens;
-    let cache = kvring::HostKvCache::new(layout, chunk).unwrap();
+    let cache = kvring::HostKvCache::new(layout.clone(), chunk).unwrap();
     let _reg = b
         .register_host(&KvSpec::new(model_id("m"), 1, 0), &cache)
         .unwrap();

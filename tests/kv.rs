@@ -10,15 +10,15 @@ mod common;
 
 use common::*;
 use kvring::jobs::JobStatus;
-use kvring::kv::{chunk_hashes, model_id, ChunkHash, KvLayout, KvLayoutKind, KvShape};
+use kvring::kv::{chunk_hashes, model_id, ChunkHash, KvGeometry, KvLayout, KvShape, LayoutPreset};
 use kvring::proto::kv::StoreRequest;
 use kvring::proto::{Opcode, Status};
 use kvring::ring::FrameHeader;
-use kvring::{Client, Error, HostKvCache, KvSpec, Lookup, Memory, Retrieve, Store};
+use kvring::{Client, Error, HostKvCache, KvSpec, Lookup, Retrieve, Store};
 use std::time::{Duration, Instant};
 
-fn layout(kind: KvLayoutKind, elem_bytes: u32, num_blocks: u32) -> KvLayout {
-    kv_layout(kind, elem_bytes, num_blocks, 24)
+fn layout(preset: LayoutPreset, elem_bytes: u32, num_blocks: u32) -> KvLayout {
+    kv_layout(preset, elem_bytes, num_blocks, 24)
 }
 
 /// A STORE of raw fields, for instance ids no registration has.
@@ -57,8 +57,8 @@ fn child_main() -> bool {
         }
         "mid-store" => {
             // A store of many chunks, killed while it is copying.
-            let l = layout(KvLayoutKind::FlashAttn, 4, 4096);
-            let cache = HostKvCache::new(l, CHUNK).unwrap();
+            let l = layout(LayoutPreset::Lbnhc, 4, 4096);
+            let cache = HostKvCache::new(l.clone(), CHUNK).unwrap();
             let inst = c
                 .register_host(&KvSpec::new(model_id(MODEL), 1, 0), &cache)
                 .unwrap();
@@ -81,7 +81,7 @@ fn a_client_that_dies_holding_leases_or_mid_store_is_reclaimed() {
         return;
     }
     let s = Fixture::new("death", Duration::from_secs(60), &KV_SERVER_ARGS);
-    let mut e = Engine::new(&s, layout(KvLayoutKind::FlashAttn, 4, 64), 1, 0);
+    let mut e = Engine::new(&s, layout(LayoutPreset::Lbnhc, 4, 64), 1, 0);
     let hashes = chunk_hashes(&prompt(77, 4 * CHUNK as usize), CHUNK);
     let blocks = e.blocks(0, 4);
     e.write(&hashes, &blocks);
@@ -121,7 +121,7 @@ fn a_client_that_dies_holding_leases_or_mid_store_is_reclaimed() {
     assert_eq!(e.store(0, &hashes, &blocks).value, 4);
     let lease = lookup(&mut c, 1, 0, &hashes);
     assert_eq!(lease.hits(), 4);
-    let mut f = Engine::new(&s, layout(KvLayoutKind::FlashAttn, 4, 64), 1, 0);
+    let mut f = Engine::new(&s, layout(LayoutPreset::Lbnhc, 4, 64), 1, 0);
     let dst = f.blocks(9, 4);
     done(f.c.retrieve(Retrieve::new(&f.inst, &lease, &dst)).unwrap());
     f.verify(&hashes, &dst, 0, 0);
@@ -130,7 +130,7 @@ fn a_client_that_dies_holding_leases_or_mid_store_is_reclaimed() {
 #[test]
 fn bad_requests_get_clear_errors_and_the_server_keeps_serving() {
     let s = Fixture::new("bad", Duration::from_secs(60), &KV_SERVER_ARGS);
-    let mut e = Engine::new(&s, layout(KvLayoutKind::FlashAttn, 2, 16), 1, 0);
+    let mut e = Engine::new(&s, layout(LayoutPreset::Lbnhc, 2, 16), 1, 0);
     let hashes = chunk_hashes(&prompt(3, CHUNK as usize), CHUNK);
     // Unknown instance, and another client's instance.
     let fake = e.inst.id() + 1000;
@@ -186,33 +186,25 @@ fn bad_requests_get_clear_errors_and_the_server_keeps_serving() {
         e.c.retrieve(Retrieve::new(&e.inst, &lease, &blocks).skip_tokens(5)),
         Status::InvalidArgument,
     );
-    let mut bad = layout(KvLayoutKind::FlashAttn, 2, 16);
-    bad.block_tokens = 48;
-    match HostKvCache::new(bad, CHUNK) {
+    let l16 = layout(LayoutPreset::Lbnhc, 2, 16);
+    let bad = KvLayout::preset(LayoutPreset::Lbnhc, l16.geometry().with_block_tokens(48)).unwrap();
+    match HostKvCache::new(bad.clone(), CHUNK) {
         Err(Error::InvalidArgument(m)) => assert!(m.contains("does not divide"), "{m}"),
         other => panic!("expected a chunk-size error, got {:?}", other.map(|_| ())),
     }
-    let cache = HostKvCache::new(layout(KvLayoutKind::FlashAttn, 2, 16), 32).unwrap();
+    let cache = HostKvCache::new(bad.clone(), 48).unwrap();
     let mut spec = KvSpec::new(model_id(MODEL), 1, 0);
-    let mut l = *cache.layout();
-    l.block_tokens = 48;
-    let regions = cache.regions();
-    match e
-        .c
-        .register(&spec, l, Memory::Host(&regions), &[cache.fd()])
-    {
+    match e.c.register(&spec, &bad, &cache.memory(), &[cache.fd()]) {
         Err(Error::InvalidArgument(m)) => assert!(
             m.contains("does not divide the server's chunk size of 64"),
             "{m}"
         ),
         other => panic!("expected a chunk-size error, got {other:?}"),
     }
-    l.block_tokens = 16;
+    let cache = HostKvCache::new(l16.clone(), CHUNK).unwrap();
+    let l = cache.layout().clone();
     spec.rank = 3;
-    match e
-        .c
-        .register(&spec, l, Memory::Host(&regions), &[cache.fd()])
-    {
+    match e.c.register(&spec, &l, &cache.memory(), &[cache.fd()]) {
         Err(Error::Registration {
             status: Status::InvalidArgument,
             reason,
@@ -228,8 +220,8 @@ fn bad_requests_get_clear_errors_and_the_server_keeps_serving() {
     spec.rank = 0;
     match e.c.register(
         &spec,
-        l,
-        Memory::Host(&regions),
+        &l,
+        &cache.memory(),
         &[std::os::fd::AsFd::as_fd(&unsealed)],
     ) {
         Err(Error::Registration { reason, .. }) => assert!(reason.contains("sealed"), "{reason}"),
@@ -272,18 +264,22 @@ fn a_large_job_of_one_client_does_not_hold_up_another_clients_small_one() {
         ],
     );
     // 2 MiB chunk objects, 100 of them: 200 MiB to copy.
-    let big_layout = KvLayout::new(
-        KvLayoutKind::FlashAttn,
-        KvShape {
-            layers: 8,
-            heads: 8,
-            head_dim: 128,
-            ..layout(KvLayoutKind::FlashAttn, 2, 4 * 100).shape()
-        },
-        dtype(2),
-    );
+    let big_layout = KvLayout::preset(
+        LayoutPreset::Lbnhc,
+        KvGeometry::mha(
+            KvShape {
+                layers: 8,
+                blocks: 4 * 100,
+                block_tokens: 16,
+                heads: 8,
+                head_dim: 128,
+            },
+            dtype(2),
+        ),
+    )
+    .unwrap();
     let mut big = Engine::of_model(&s, "big-model", big_layout, 1, 0);
-    let mut small = Engine::new(&s, layout(KvLayoutKind::FlashAttn, 2, 16), 1, 0);
+    let mut small = Engine::new(&s, layout(LayoutPreset::Lbnhc, 2, 16), 1, 0);
     let many = chunk_hashes(&prompt(40, 100 * CHUNK as usize), CHUNK);
     let big_blocks: Vec<u32> = (0..100 * 4).collect();
     let one = chunk_hashes(&prompt(41, CHUNK as usize), CHUNK);
@@ -344,7 +340,7 @@ fn a_request_over_the_servers_limit_is_refused_and_the_ring_goes_on() {
 #[test]
 fn dropped_handles_release_what_they_hold_with_the_next_request() {
     let s = Fixture::new("drop", Duration::from_secs(30), &KV_SERVER_ARGS);
-    let mut e = Engine::new(&s, layout(KvLayoutKind::FlashAttn, 2, 64), 1, 0);
+    let mut e = Engine::new(&s, layout(LayoutPreset::Lbnhc, 2, 64), 1, 0);
     let hashes = prompt_hashes(12, 2);
     let blocks = e.blocks(0, 2);
     e.write(&hashes, &blocks);
@@ -378,7 +374,7 @@ fn dropped_handles_release_what_they_hold_with_the_next_request() {
 #[test]
 fn registrations_keep_working_after_a_reconnect_to_the_same_server() {
     let s = Fixture::new("recon-same", Duration::from_secs(30), &KV_SERVER_ARGS);
-    let mut e = Engine::new(&s, layout(KvLayoutKind::FlashAttn, 2, 64), 1, 0);
+    let mut e = Engine::new(&s, layout(LayoutPreset::Lbnhc, 2, 64), 1, 0);
     let hashes = prompt_hashes(21, 2);
     let blocks = e.blocks(0, 2);
     e.write(&hashes, &blocks);

@@ -18,7 +18,7 @@ mod common;
 
 use common::*;
 use kvring::jobs::JobStatus;
-use kvring::kv::pattern::{self, Slabs};
+use kvring::kv::pattern::{self, KvMemory};
 use kvring::kv::{chunk_hashes, model_id, ChunkHash};
 use kvring::proto::Opcode;
 use kvring::{Client, DelayJob, Error, Job, KvSpec, Lookup, Registration, Retrieve, Store};
@@ -39,8 +39,8 @@ fn env_u64(name: &str, default: u64) -> u64 {
 /// An engine's two caches (store from one, retrieve into the other), in
 /// host or GPU memory.
 trait Caches: Send {
-    fn src(&self) -> &dyn Slabs;
-    fn dst(&self) -> &dyn Slabs;
+    fn src(&self) -> &dyn KvMemory;
+    fn dst(&self) -> &dyn KvMemory;
     fn poison_dst(&self, byte: u8);
     fn register(&self, c: &mut Client) -> (Registration, Registration);
 }
@@ -48,10 +48,10 @@ trait Caches: Send {
 struct HostCaches(kvring::HostKvCache, kvring::HostKvCache);
 
 impl Caches for HostCaches {
-    fn src(&self) -> &dyn Slabs {
+    fn src(&self) -> &dyn KvMemory {
         &self.0
     }
-    fn dst(&self) -> &dyn Slabs {
+    fn dst(&self) -> &dyn KvMemory {
         &self.1
     }
     fn poison_dst(&self, byte: u8) {
@@ -74,10 +74,10 @@ struct GpuCaches(
 
 #[cfg(feature = "cuda")]
 impl Caches for GpuCaches {
-    fn src(&self) -> &dyn Slabs {
+    fn src(&self) -> &dyn KvMemory {
         &self.0
     }
-    fn dst(&self) -> &dyn Slabs {
+    fn dst(&self) -> &dyn KvMemory {
         &self.1
     }
     fn poison_dst(&self, byte: u8) {

@@ -136,6 +136,29 @@ impl RawChannel<'_> {
         self.c.send_unregister(instance)
     }
 
+    /// Sends a registration of `layout` in `memory` as it is, without the
+    /// checks [`Client::register`] makes before sending (for fault tests:
+    /// what the server accepts and refuses), and returns the server's
+    /// instance id. Nothing is kept: no handle, no re-registration on
+    /// reconnect.
+    pub fn register(
+        &mut self,
+        spec: &crate::KvSpec,
+        layout: &crate::kv::KvLayout,
+        memory: &super::Memory,
+        fds: &[std::os::fd::BorrowedFd<'_>],
+    ) -> Result<u32> {
+        self.c.send_releases();
+        let saved = super::reconnect::Saved::new(
+            spec,
+            std::sync::Arc::new(layout.clone()),
+            memory.kind(),
+            memory.tables_unchecked(layout),
+            fds,
+        )?;
+        Ok(self.c.send_unchecked(&saved)?.0)
+    }
+
     /// Completion credit not reserved by in-flight requests (bytes).
     #[inline]
     pub fn credits(&self) -> usize {

@@ -174,6 +174,12 @@ impl Memory {
                 self.allocs.len()
             )));
         }
+        Ok(self.tables_unchecked(layout))
+    }
+
+    /// The tables, with as many allocation sizes from `layout` as both have.
+    pub(super) fn tables_unchecked(&self, layout: &KvLayout) -> RegisterTables {
+        let sizes = layout.allocations();
         let mut t = RegisterTables {
             allocs: self.allocs.clone(),
             pieces: self.pieces.clone(),
@@ -185,7 +191,7 @@ impl Memory {
                 t.pieces[a.first_piece as usize].fd_bytes = bytes;
             }
         }
-        Ok(t)
+        t
     }
 }
 
@@ -545,12 +551,18 @@ impl Client {
     /// Sends one registration and waits for the server's answer: the
     /// server's id for it and its chunk size.
     pub(super) fn send_registration(&mut self, saved: &Saved) -> Result<(u32, u32)> {
-        let fds: Vec<BorrowedFd<'_>> = saved.fds.iter().map(|f| f.as_fd()).collect();
         let chunk_tokens = self.server_config()?.chunk_tokens;
         saved
             .layout
             .validate(chunk_tokens)
             .map_err(|e| Error::InvalidArgument(format!("KV layout refused: {e}")))?;
+        self.send_unchecked(saved)
+    }
+
+    /// Sends one registration as it is (no check here: the server's are
+    /// the ones that count) and waits for the answer.
+    pub(super) fn send_unchecked(&mut self, saved: &Saved) -> Result<(u32, u32)> {
+        let fds: Vec<BorrowedFd<'_>> = saved.fds.iter().map(|f| f.as_fd()).collect();
         let max_fds = crate::bootstrap::MAX_FDS;
         let (early, last) = fds.split_at(fds.len() - fds.len().min(max_fds));
         for batch in early.chunks(max_fds) {

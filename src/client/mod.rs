@@ -326,7 +326,7 @@ impl Client {
     /// rings stays queued for the next time. A failure of the server to
     /// release something leaves it to its cleanup when this client
     /// disconnects.
-    fn send_releases(&mut self) {
+    pub(super) fn send_releases(&mut self) {
         let queued = self.releases.take();
         if queued.is_empty() && self.orphans.is_empty() {
             return;

@@ -518,7 +518,10 @@ impl OpenedMemory {
     /// Imports VMM chunks exported as POSIX fds (`(fd, bytes)` each) and
     /// maps them in order, contiguously (the mapping fails if a chunk is
     /// smaller than it is said to be).
-    pub fn import_vmm_fds(ctx: &Arc<Context>, chunks: &[(i32, u64)]) -> Result<OpenedMemory, CudaError> {
+    pub fn import_vmm_fds(
+        ctx: &Arc<Context>,
+        chunks: &[(i32, u64)],
+    ) -> Result<OpenedMemory, CudaError> {
         ctx.bind()?;
         let mut handles = Vec::with_capacity(chunks.len());
         for &(fd, bytes) in chunks {

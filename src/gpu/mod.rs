@@ -33,9 +33,7 @@ mod stream;
 pub use context::{device_uuid, probe, Context, DeviceInfo};
 pub use cudarc::driver::sys::CUresult;
 pub use event::{Event, EventKind};
-pub use memory::{
-    DeviceBuffer, ExportedVmm, HostRegistration, OpenedMemory, PinnedHostBuffer,
-};
+pub use memory::{DeviceBuffer, ExportedVmm, HostRegistration, OpenedMemory, PinnedHostBuffer};
 pub use module::{Function, LaunchConfig, Module};
 pub use stream::Stream;
 

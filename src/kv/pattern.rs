@@ -1,9 +1,10 @@
 //! Deterministic KV contents for the demo, the tests and the benchmarks: a
-//! page's bytes (one block of one layer, in object order) are a function of
-//! a content id (the rank, or a shared id for MLA), the chunk hash (so the
-//! whole prefix), the layer and the block's place in its chunk. A retrieve
-//! that lands a wrong chunk, block, layer, head, token, part or rank fails
-//! byte for byte.
+//! token's rows of one layer (every head's K and V) are a function of a
+//! content id (the rank, or a shared id for MLA), the chunk hash (so the
+//! whole prefix), the layer and the token's place in its chunk — not of the
+//! block size, so engines of any block size agree on a chunk's contents. A
+//! retrieve that lands a wrong chunk, block, layer, head, token, part or
+//! rank fails byte for byte.
 //!
 //! Contents are written and read through a [`KvMemory`] with the layout's
 //! own runs ([`super::CopyPlan`]), the addressing the server copies with.
@@ -37,11 +38,11 @@ fn splitmix(x: &mut u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// The seed of one page: block `j` of a chunk, one layer.
-pub fn page_seed(content: u32, hash: &ChunkHash, layer: u32, j: u32) -> u64 {
+/// The seed of token `t` of a chunk, one layer.
+pub fn token_seed(content: u32, hash: &ChunkHash, layer: u32, t: u32) -> u64 {
     let h = u64::from_le_bytes(hash[..8].try_into().expect("8 bytes"))
         ^ u64::from_le_bytes(hash[8..].try_into().expect("8 bytes")).rotate_left(17);
-    let mut s = h ^ (u64::from(content) << 48) ^ (u64::from(layer) << 24) ^ u64::from(j);
+    let mut s = h ^ (u64::from(content) << 48) ^ (u64::from(layer) << 24) ^ u64::from(t);
     splitmix(&mut s)
 }
 
@@ -71,16 +72,16 @@ pub fn object(
 ) -> Vec<u8> {
     let g = layout.geometry();
     let chunk = n_blocks * g.block_tokens;
-    let page = g.page_bytes() as usize;
+    let token_rows = (u64::from(g.heads) * g.row_bytes()) as usize;
     let mut out = vec![0u8; g.object_bytes(chunk) as usize];
     for layer in 0..g.layers {
-        for j in 0..n_blocks {
-            let at = g.object_row(chunk, layer, j * g.block_tokens, 0) as usize;
-            let dst = &mut out[at..at + page];
-            if j < skip_blocks {
+        for t in 0..chunk {
+            let at = g.object_row(chunk, layer, t, 0) as usize;
+            let dst = &mut out[at..at + token_rows];
+            if t < skip_blocks * g.block_tokens {
                 dst.fill(poison);
             } else {
-                fill(page_seed(content, hash, layer, j), dst);
+                fill(token_seed(content, hash, layer, t), dst);
             }
         }
     }
@@ -177,4 +178,24 @@ pub fn verify_chunk(
         got: got[at],
         want: want[at],
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv::{Dtype, KvGeometry, KvShape, LayoutPreset};
+
+    #[test]
+    fn a_written_chunk_verifies_in_every_layout() {
+        let shape = KvShape { layers: 2, blocks: 20, block_tokens: 16, heads: 2, head_dim: 16 };
+        for p in LayoutPreset::ALL {
+            let Ok(l) = KvLayout::preset(p, KvGeometry::mha(shape, Dtype::Bf16)) else { continue };
+            let cache = crate::HostKvCache::new(l, 64).unwrap();
+            cache.fill(0xee);
+            let h = [7u8; 16];
+            let blocks = [4, 11, 18, 5];
+            write_chunk(&cache, 0, &h, &blocks);
+            verify_chunk(&cache, 0, &h, &blocks, 0, 0).unwrap_or_else(|e| panic!("{p:?}: {e}"));
+        }
+    }
 }

@@ -13,7 +13,7 @@ use bytemuck::{Pod, Zeroable};
 use std::mem::size_of;
 
 /// Protocol version spoken over the bootstrap socket and the rings.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 /// `"KVRBOOT1"`: first word of every bootstrap message.
 pub const BOOT_MAGIC: u64 = u64::from_le_bytes(*b"KVRBOOT1");
 

@@ -9,9 +9,9 @@
 #![allow(dead_code)]
 
 use kvring::jobs::{JobResult, JobStatus};
-use kvring::kv::pattern::Slabs;
+use kvring::kv::pattern::KvMemory;
 use kvring::kv::{
-    chunk_hashes, model_id, pattern, ChunkHash, Dtype, KvLayout, KvLayoutKind, KvShape,
+    chunk_hashes, model_id, pattern, ChunkHash, Dtype, KvGeometry, KvLayout, KvShape, LayoutPreset,
 };
 use kvring::proto::kv::BackendKind;
 use kvring::proto::Status;
@@ -350,21 +350,39 @@ pub fn dtype(elem_bytes: u32) -> Dtype {
     }
 }
 
-/// A 3-layer layout of `kind`, 16-token blocks, 2 heads (1 for MLA) of
-/// `head_dim`.
-pub fn kv_layout(kind: KvLayoutKind, elem_bytes: u32, blocks: u32, head_dim: u32) -> KvLayout {
+/// A 3-layer cache in the layout `preset`, 16-token blocks, 2 heads of
+/// `head_dim` `elem_bytes`-byte elements; for [`LayoutPreset::Mla`], an MLA
+/// latent of `head_dim` elements.
+pub fn kv_layout(preset: LayoutPreset, elem_bytes: u32, blocks: u32, head_dim: u32) -> KvLayout {
     let shape = KvShape {
         layers: 3,
         blocks,
         block_tokens: 16,
-        heads: if kind == KvLayoutKind::Mla { 1 } else { 2 },
+        heads: 2,
         head_dim,
     };
-    KvLayout::new(kind, shape, dtype(elem_bytes))
+    let g = if preset == LayoutPreset::Mla {
+        KvGeometry::mla(3, blocks, 16, head_dim, dtype(elem_bytes))
+    } else {
+        KvGeometry::mha(shape, dtype(elem_bytes))
+    };
+    KvLayout::preset(preset, g).unwrap()
 }
 
-/// A small flash-attention layout (2 layers, 64 blocks of 16 tokens, 2
-/// heads of 32 two-byte elements: 32 KiB per 64-token chunk object).
+/// An MLA cache (3 layers, 16-token blocks, a latent of `width`
+/// `elem_bytes`-byte elements) in `preset`, one of the one-buffer layouts
+/// (vLLM 0.33+) or [`LayoutPreset::Mla`] (earlier).
+pub fn mla_layout(preset: LayoutPreset, elem_bytes: u32, blocks: u32, width: u32) -> KvLayout {
+    KvLayout::preset(
+        preset,
+        KvGeometry::mla(3, blocks, 16, width, dtype(elem_bytes)),
+    )
+    .unwrap()
+}
+
+/// A small cache in vLLM's default layout (2 layers, 64 blocks of 16
+/// tokens, 2 heads of 32 two-byte elements: 32 KiB per 64-token chunk
+/// object).
 pub fn small_layout() -> KvLayout {
     let shape = KvShape {
         layers: 2,
@@ -373,7 +391,7 @@ pub fn small_layout() -> KvLayout {
         heads: 2,
         head_dim: 32,
     };
-    KvLayout::new(KvLayoutKind::FlashAttn, shape, Dtype::Bf16)
+    KvLayout::preset(LayoutPreset::Lbnhc, KvGeometry::mha(shape, Dtype::Bf16)).unwrap()
 }
 
 /// `tokens` tokens of a prompt determined by `seed`.
@@ -406,8 +424,8 @@ pub fn lookup(c: &mut Client, world: u32, salt: u64, hashes: &[ChunkHash]) -> Le
 }
 
 /// A KV cache an engine owns, as the tests drive it: the host cache or a
-/// GPU one (its slabs read and written through [`Slabs`]).
-pub trait EngineCache: Slabs + Send {
+/// GPU one (its bytes read and written through [`KvMemory`]).
+pub trait EngineCache: KvMemory + Send {
     /// Sets every byte of the cache to `byte`.
     fn poison(&self, byte: u8);
     /// Registers the cache with `c`'s server under `spec`.
@@ -450,7 +468,7 @@ impl Engine {
     }
 
     pub fn of_model(s: &Scope, model: &str, l: KvLayout, world: u32, rank: u32) -> Engine {
-        let cache = HostKvCache::new(l, CHUNK).unwrap();
+        let cache = HostKvCache::new(l.clone(), CHUNK).unwrap();
         Engine::with_cache(s, cache, &KvSpec::new(model_id(model), world, rank))
     }
 }
@@ -470,7 +488,7 @@ impl<C: EngineCache> Engine<C> {
 
     /// The content id of this rank's objects (MLA ranks share one).
     pub fn content(&self) -> u32 {
-        if self.cache.slab_layout().parts() == 1 {
+        if self.cache.kv_layout().geometry().shared() {
             u32::MAX
         } else {
             self.rank
@@ -483,7 +501,7 @@ impl<C: EngineCache> Engine<C> {
 
     /// Blocks for chunk `i`, spread over the cache in a scrambled order.
     pub fn blocks(&self, first_block: u32, n_chunks: usize) -> Vec<u32> {
-        let nb = self.cache.slab_layout().num_blocks;
+        let nb = self.cache.kv_layout().geometry().blocks;
         (0..n_chunks as u32 * self.bpc())
             .map(|k| (first_block + k * 7) % nb)
             .collect()
@@ -562,7 +580,7 @@ pub fn round_trip<C: EngineCache>(
             .unwrap(),
     );
     assert_eq!(r.value, 4, "{l:?}");
-    b.verify(&hashes, &dst, 16 / l.block_tokens, 0xa5);
+    b.verify(&hashes, &dst, 16 / l.geometry().block_tokens, 0xa5);
     let _ = lease.into_id();
     a.c.unregister(a.inst).unwrap();
     b.c.unregister(b.inst).unwrap();
@@ -674,7 +692,7 @@ impl Backend for Host {
         host_args(pool)
     }
     fn new_cache(l: KvLayout, _device: u32) -> HostKvCache {
-        HostKvCache::new(l, CHUNK).unwrap()
+        HostKvCache::new(l.clone(), CHUNK).unwrap()
     }
     fn on_device(spec: KvSpec, _device: u32) -> KvSpec {
         spec
@@ -753,7 +771,7 @@ impl Backend for Cuda {
         static GPUS: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
         let gpus = *GPUS.get_or_init(|| kvring::gpu::probe().map_or(1, |d| d.len() as u32));
         let ordinal = if device < gpus { device } else { 0 };
-        CudaKvCache::new(l, CHUNK, ordinal as i32, Export::Ipc).unwrap()
+        CudaKvCache::new(l.clone(), CHUNK, ordinal as i32, Export::Ipc).unwrap()
     }
     /// (The device is the cache's.)
     fn on_device(spec: KvSpec, _device: u32) -> KvSpec {

@@ -15,7 +15,7 @@
 
 use kvring::jobs::{JobId, JobStatus};
 use kvring::kv::{
-    chunk_hashes, model_id, pattern, ChunkHash, Dtype, KvLayout, KvLayoutKind, KvShape,
+    chunk_hashes, model_id, pattern, ChunkHash, Dtype, KvGeometry, KvLayout, KvShape, LayoutPreset,
 };
 use kvring::{Client, Error, HostKvCache, Job, KvSpec, LeaseId, Lookup, Registration, Result};
 use kvring::{Retrieve, Store};
@@ -43,9 +43,10 @@ const PROMPT_BLOCKS: u32 = ((SYSTEM_TOKENS + OWN_TOKENS) / 16) as u32;
 const POISON: u8 = 0xa5;
 const WAIT: Duration = Duration::from_secs(60);
 
-/// The per-rank KV geometry of the demo model (a Llama-like slice: 8
-/// layers, 4 KV heads per rank, head dim 128, 2-byte elements, 16-token
-/// blocks).
+/// The per-rank KV cache of the demo model (a Llama-like slice: 8 layers,
+/// 4 KV heads per rank, head dim 128, 2-byte elements, 16-token blocks), in
+/// vLLM 0.33's default layout: one buffer for all layers, `[L, B, N, H,
+/// K|V]`.
 pub fn demo_layout(num_blocks: u32) -> KvLayout {
     let shape = KvShape {
         layers: 8,
@@ -54,7 +55,8 @@ pub fn demo_layout(num_blocks: u32) -> KvLayout {
         heads: 4,
         head_dim: 128,
     };
-    KvLayout::new(KvLayoutKind::FlashAttn, shape, Dtype::Bf16)
+    KvLayout::preset(LayoutPreset::Lbnhc, KvGeometry::mha(shape, Dtype::Bf16))
+        .expect("the demo's layout is valid")
 }
 
 /// A prompt: a system prompt (shared by all prompts of one `system`) and
@@ -276,17 +278,19 @@ pub fn run(json: bool) -> Result<()> {
         on_gpu = ready.get(2).map(String::as_str) == Some("gpu");
         workers.push(w);
     }
-    let l = demo_layout(PROMPT_BLOCKS * PROMPTS);
+    let layout = demo_layout(PROMPT_BLOCKS * PROMPTS);
+    let l = layout.geometry();
     println!(
         "kvring demo: server pid {}, {WORLD} tensor-parallel workers and a scheduler; model {MODEL}: \
-         {} layers, {} KV heads per rank, head dim {}, {}-byte elements, {}-token blocks; \
+         {} layers, {} KV heads per rank, head dim {}, {}-byte elements, {}-token blocks, layout {}; \
          chunk {} tokens = {} MiB per rank; {} copy threads; KV caches in {}",
         server.0.id(),
-        l.num_layers,
-        l.num_heads,
-        l.head_dim,
+        l.layers,
+        l.heads,
+        l.k_dim,
         l.elem_bytes,
         l.block_tokens,
+        layout.preset_name().unwrap_or("custom"),
         cfg.chunk_tokens,
         l.object_bytes(CHUNK) >> 20,
         cfg.copy_threads,
@@ -515,7 +519,7 @@ impl EngineCache {
         }
     }
 
-    fn slabs(&self) -> &dyn pattern::Slabs {
+    fn memory(&self) -> &dyn pattern::KvMemory {
         match self {
             EngineCache::Host(h) => h,
             #[cfg(feature = "cuda")]
@@ -529,7 +533,7 @@ fn worker_loop(name: &str, dir: &Path, rank: u32) -> Result<()> {
     let layout = demo_layout(PROMPT_BLOCKS * PROMPTS);
     // Engines on the GPU when the server copies with CUDA.
     let gpu = c.server_config()?.backend == kvring::proto::kv::BackendKind::Cuda.raw();
-    let cache = EngineCache::new(layout, gpu)?;
+    let cache = EngineCache::new(layout.clone(), gpu)?;
     let inst = cache.register(&mut c, rank)?;
     let bpc = inst.blocks_per_chunk();
     println!("ready {} {}", inst.id(), if gpu { "gpu" } else { "host" });
@@ -545,7 +549,7 @@ fn worker_loop(name: &str, dir: &Path, rank: u32) -> Result<()> {
                     let hs = hashes(1, p);
                     let blocks: Vec<u32> = (p * PROMPT_BLOCKS..(p + 1) * PROMPT_BLOCKS).collect();
                     for (h, b) in hs.iter().zip(blocks.chunks(bpc as usize)) {
-                        pattern::write_chunk(cache.slabs(), rank, h, b);
+                        pattern::write_chunk(cache.memory(), rank, h, b);
                     }
                 }
                 println!("computed");
@@ -589,7 +593,7 @@ fn worker_loop(name: &str, dir: &Path, rank: u32) -> Result<()> {
                     chunks += r.value;
                     bytes += r.aux;
                     for (h, b) in hs[..n as usize].iter().zip(blocks.chunks(bpc as usize)) {
-                        checked += pattern::verify_chunk(fresh.slabs(), rank, h, b, 0, POISON)
+                        checked += pattern::verify_chunk(fresh.memory(), rank, h, b, 0, POISON)
                             .map_err(|e| Error::Protocol(format!("rank {rank}: {e}")))?;
                     }
                 }
