@@ -213,7 +213,7 @@ impl Memory {
 /// # Examples
 ///
 /// ```
-/// # use kvring::kv::{chunk_hashes, model_id, pattern, Dtype, KvLayout, KvLayoutKind, KvShape};
+/// # use kvring::kv::{chunk_hashes, model_id, pattern, Dtype, KvGeometry, KvLayout, KvShape, LayoutPreset};
 /// # use kvring::{Client, HostKvCache, KvSpec, ServerConfig};
 /// # use std::time::{Duration, Instant};
 /// # let name = format!("doc-registration-{}", std::process::id());
@@ -225,7 +225,7 @@ impl Memory {
 /// # let server = kvring::server::start(cfg)?;
 /// # let mut client = Client::builder(&name).runtime_dir(&dir).connect()?;
 /// # let shape = KvShape { layers: 2, blocks: 64, block_tokens: 16, heads: 2, head_dim: 32 };
-/// # let layout = KvLayout::new(KvLayoutKind::FlashAttn, shape, Dtype::Bf16);
+/// # let layout = KvLayout::preset(LayoutPreset::Lbnhc, KvGeometry::mha(shape, Dtype::Bf16))?;
 /// # let cache = HostKvCache::new(layout, 256)?;
 /// # let deadline = Instant::now() + Duration::from_secs(10);
 /// let spec = KvSpec::new(model_id("doc-model"), 2, 0); // rank 0 of 2
@@ -308,7 +308,7 @@ fn payload(header: &impl bytemuck::Pod, parts: &[&[u8]]) -> Vec<u8> {
 /// # Examples
 ///
 /// ```
-/// # use kvring::kv::{chunk_hashes, model_id, pattern, Dtype, KvLayout, KvLayoutKind, KvShape};
+/// # use kvring::kv::{chunk_hashes, model_id, pattern, Dtype, KvGeometry, KvLayout, KvShape, LayoutPreset};
 /// # use kvring::{Client, HostKvCache, KvSpec, ServerConfig};
 /// # use std::time::{Duration, Instant};
 /// # let name = format!("doc-store-{}", std::process::id());
@@ -320,7 +320,7 @@ fn payload(header: &impl bytemuck::Pod, parts: &[&[u8]]) -> Vec<u8> {
 /// # let server = kvring::server::start(cfg)?;
 /// # let mut client = Client::builder(&name).runtime_dir(&dir).connect()?;
 /// # let shape = KvShape { layers: 2, blocks: 64, block_tokens: 16, heads: 2, head_dim: 32 };
-/// # let layout = KvLayout::new(KvLayoutKind::FlashAttn, shape, Dtype::Bf16);
+/// # let layout = KvLayout::preset(LayoutPreset::Lbnhc, KvGeometry::mha(shape, Dtype::Bf16))?;
 /// # let cache = HostKvCache::new(layout, 256)?;
 /// # let deadline = Instant::now() + Duration::from_secs(10);
 /// use kvring::jobs::JobStatus;
@@ -391,7 +391,7 @@ impl<'a> Store<'a> {
 /// # Examples
 ///
 /// ```
-/// # use kvring::kv::{chunk_hashes, model_id, pattern, Dtype, KvLayout, KvLayoutKind, KvShape};
+/// # use kvring::kv::{chunk_hashes, model_id, pattern, Dtype, KvGeometry, KvLayout, KvShape, LayoutPreset};
 /// # use kvring::{Client, HostKvCache, KvSpec, ServerConfig};
 /// # use std::time::{Duration, Instant};
 /// # let name = format!("doc-retrieve-{}", std::process::id());
@@ -403,7 +403,7 @@ impl<'a> Store<'a> {
 /// # let server = kvring::server::start(cfg)?;
 /// # let mut client = Client::builder(&name).runtime_dir(&dir).connect()?;
 /// # let shape = KvShape { layers: 2, blocks: 64, block_tokens: 16, heads: 2, head_dim: 32 };
-/// # let layout = KvLayout::new(KvLayoutKind::FlashAttn, shape, Dtype::Bf16);
+/// # let layout = KvLayout::preset(LayoutPreset::Lbnhc, KvGeometry::mha(shape, Dtype::Bf16))?;
 /// # let cache = HostKvCache::new(layout, 256)?;
 /// # let deadline = Instant::now() + Duration::from_secs(10);
 /// use kvring::jobs::JobStatus;

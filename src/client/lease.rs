@@ -102,7 +102,7 @@ impl<'a> Lookup<'a> {
 /// # Examples
 ///
 /// ```
-/// # use kvring::kv::{chunk_hashes, model_id, pattern, Dtype, KvLayout, KvLayoutKind, KvShape};
+/// # use kvring::kv::{chunk_hashes, model_id, pattern, Dtype, KvGeometry, KvLayout, KvShape, LayoutPreset};
 /// # use kvring::{Client, HostKvCache, KvSpec, ServerConfig};
 /// # use std::time::{Duration, Instant};
 /// # let name = format!("doc-lease-{}", std::process::id());
@@ -114,7 +114,7 @@ impl<'a> Lookup<'a> {
 /// # let server = kvring::server::start(cfg)?;
 /// # let mut client = Client::builder(&name).runtime_dir(&dir).connect()?;
 /// # let shape = KvShape { layers: 2, blocks: 64, block_tokens: 16, heads: 2, head_dim: 32 };
-/// # let layout = KvLayout::new(KvLayoutKind::FlashAttn, shape, Dtype::Bf16);
+/// # let layout = KvLayout::preset(LayoutPreset::Lbnhc, KvGeometry::mha(shape, Dtype::Bf16))?;
 /// # let cache = HostKvCache::new(layout, 256)?;
 /// # let deadline = Instant::now() + Duration::from_secs(10);
 /// use kvring::{LeaseId, Lookup};
