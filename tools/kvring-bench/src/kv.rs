@@ -3,7 +3,8 @@
 //! * `store_gbps` / `retrieve_gbps`: a STORE (RETRIEVE) job of many 32 MiB
 //!   chunks (Llama-3-8B geometry: 32 layers, 8 KV heads, head dim 128,
 //!   2-byte elements, 16-token blocks, 256-token chunks) from (into) random
-//!   blocks of an engine's host cache, client-observed from submit to done;
+//!   blocks of an engine's host cache laid out as `--layout` (default
+//!   `lbnhc`, vLLM's default), client-observed from submit to done;
 //! * `memcpy_gbps`: the same number of bytes copied by plain memcpy between
 //!   two warm buffers with the same number of threads: the ceiling;
 //! * `lookup_us`: client-observed time from submitting a LOOKUP of a
@@ -12,7 +13,9 @@
 use crate::peers::{cpus, kvring_client, kvring_server_with, pin, stop_server};
 use crate::stats::Summary;
 use kvring::jobs::JobStatus;
-use kvring::kv::{chunk_hashes, model_id, pattern, Dtype, KvLayout, KvLayoutKind, KvShape};
+use kvring::kv::{
+    chunk_hashes, model_id, pattern, Dtype, KvGeometry, KvLayout, KvShape, LayoutPreset,
+};
 use kvring::wait::WaitPolicy;
 use kvring::{HostKvCache, Job, KvSpec, Lookup, Retrieve, Store};
 use serde_json::json;
@@ -21,8 +24,9 @@ use std::time::{Duration, Instant};
 const CHUNK: u32 = 256;
 const CHUNKS: u32 = 24;
 
-/// Llama-3-8B's per-rank KV geometry (flash-attention layout).
-pub fn llama_layout(num_blocks: u32) -> KvLayout {
+/// Llama-3-8B's per-rank KV geometry: 32 layers, 8 KV heads of 128, bf16,
+/// 16-token blocks (a block of one layer: 64 KiB; of all layers: 2 MiB).
+pub fn llama_geometry(num_blocks: u32) -> KvGeometry {
     let shape = KvShape {
         layers: 32,
         blocks: num_blocks,
@@ -30,7 +34,51 @@ pub fn llama_layout(num_blocks: u32) -> KvLayout {
         heads: 8,
         head_dim: 128,
     };
-    KvLayout::new(KvLayoutKind::FlashAttn, shape, Dtype::Bf16)
+    KvGeometry::mha(shape, Dtype::Bf16)
+}
+
+/// The model a layout is measured with: Llama-3-8B, except for `mla`, which
+/// holds one latent per token and no V: DeepSeek-V3's (61 layers, a
+/// 576-wide bf16 latent, 64-token blocks).
+pub fn bench_geometry(preset: LayoutPreset, num_blocks: u32) -> (&'static str, KvGeometry) {
+    if preset == LayoutPreset::Mla {
+        (
+            "deepseek-v3",
+            KvGeometry::mla(61, num_blocks, 64, 576, Dtype::Bf16),
+        )
+    } else {
+        ("llama-3-8b", llama_geometry(num_blocks))
+    }
+}
+
+/// The bench model's cache of `num_blocks` blocks laid out as `preset`.
+pub fn bench_layout(preset: LayoutPreset, num_blocks: u32) -> KvLayout {
+    let (_, g) = bench_geometry(preset, num_blocks);
+    KvLayout::preset(preset, g).unwrap_or_else(|e| panic!("layout {}: {e}", preset.name()))
+}
+
+/// The preset named `name`, or exit with the list of names.
+pub fn parse_layout(name: &str) -> LayoutPreset {
+    LayoutPreset::from_name(name).unwrap_or_else(|| {
+        let names: Vec<&str> = LayoutPreset::ALL.iter().map(|p| p.name()).collect();
+        eprintln!("unknown layout {name:?}; one of: {}", names.join(", "));
+        std::process::exit(2);
+    })
+}
+
+/// What the JSON says about the geometry and layout measured.
+pub fn geometry_json(layout: &KvLayout, chunk_tokens: u32) -> serde_json::Value {
+    let g = layout.geometry();
+    let preset = layout.preset_name().and_then(LayoutPreset::from_name);
+    json!({
+        "model": preset.map(|p| bench_geometry(p, 0).0),
+        "layers": g.layers, "kv_heads": g.heads, "head_dim": g.k_dim, "v_dim": g.v_dim,
+        "elem_bytes": g.elem_bytes, "block_tokens": g.block_tokens,
+        "chunk_tokens": chunk_tokens, "chunk_bytes": layout.object_bytes(chunk_tokens),
+        "allocations": layout.allocations().len(),
+        "run_bytes": layout.plan().run_bytes(),
+        "runs_per_page": layout.plan().runs_per_page(),
+    })
 }
 
 /// Waits for a job that must end `Done`; it is released when the handle
@@ -78,15 +126,26 @@ fn memcpy_gbps(bytes: usize, threads: usize, reps: usize) -> f64 {
     rates[rates.len() / 2]
 }
 
-pub fn run(json_out: bool, passes: usize, lookups: usize, copy_threads: Option<u32>) {
+pub fn run(
+    json_out: bool,
+    passes: usize,
+    lookups: usize,
+    copy_threads: Option<u32>,
+    preset: LayoutPreset,
+) {
     let ncpu = std::thread::available_parallelism().map_or(1, |n| n.get()) as u32;
     let threads = copy_threads.unwrap_or((ncpu - 1).max(1));
-    let l = llama_layout(CHUNKS * 16 * 2);
+    // Twice the blocks a job moves: disjoint sources and destinations.
+    let bpc = bench_geometry(preset, 0).1.blocks_per_chunk(CHUNK);
+    let l = bench_layout(preset, CHUNKS * bpc * 2);
     let obj = l.object_bytes(CHUNK);
     let pool_mib = ((u64::from(CHUNKS) * obj) >> 20) + 256;
     eprintln!(
-        "{CHUNKS} chunks of {} MiB per job, {threads} copy threads, pool {pool_mib} MiB, {passes} passes",
-        obj >> 20
+        "layout {} ({} allocation(s), {}-byte runs): {CHUNKS} chunks of {:.1} MiB per job, {threads} copy threads, pool {pool_mib} MiB, {passes} passes",
+        preset.name(),
+        l.allocations().len(),
+        l.plan().run_bytes(),
+        obj as f64 / f64::from(1 << 20)
     );
     let extra: Vec<String> = [
         "--pool-mib".to_string(),
@@ -103,15 +162,15 @@ pub fn run(json_out: bool, passes: usize, lookups: usize, copy_threads: Option<u
         pin(cpus().0);
     }
     let mut c = kvring_client(&name);
-    let cache = HostKvCache::new(l, CHUNK).unwrap();
+    let cache = HostKvCache::new(l.clone(), CHUNK).unwrap();
     let inst = c
-        .register_host(&KvSpec::new(inst_model(), 1, 0), &cache)
+        .register_host(&KvSpec::new(bench_model(preset), 1, 0), &cache)
         .unwrap();
     let tokens: Vec<u32> = (0..CHUNKS * CHUNK).map(|i| i.wrapping_mul(7919)).collect();
     let hashes = chunk_hashes(&tokens, CHUNK);
     let bpc = inst.blocks_per_chunk() as usize;
     // Random, disjoint block sets: stores read `src`, retrieves write `dst`.
-    let perm = shuffled(l.num_blocks, 1);
+    let perm = shuffled(l.geometry().blocks, 1);
     let n = CHUNKS as usize * bpc;
     let (src, dst) = (perm[..n].to_vec(), perm[n..2 * n].to_vec());
     for (h, b) in hashes.iter().zip(src.chunks(bpc)) {
@@ -134,7 +193,9 @@ pub fn run(json_out: bool, passes: usize, lookups: usize, copy_threads: Option<u
         );
         c.release_job(job).unwrap();
         // The retrieve takes the lease's holds; its lookup job goes now.
-        let lease = c.lookup(Lookup::new(inst_model(), 1, &hashes)).unwrap();
+        let lease = c
+            .lookup(Lookup::new(bench_model(preset), 1, &hashes))
+            .unwrap();
         assert_eq!(lease.hits(), u64::from(CHUNKS));
         let lease = lease.into_id();
         c.release_job(lease.job()).unwrap();
@@ -150,9 +211,11 @@ pub fn run(json_out: bool, passes: usize, lookups: usize, copy_threads: Option<u
         }
     }
     // Every retrieved byte is what was stored.
+    let mut checked = 0;
     for (h, b) in hashes.iter().zip(dst.chunks(bpc)) {
-        pattern::verify_chunk(&cache, 0, h, b, 0, 0).expect("retrieved bytes differ");
+        checked += pattern::verify_chunk(&cache, 0, h, b, 0, 0).expect("retrieved bytes differ");
     }
+    assert_eq!(checked, bytes);
     let memcpy = memcpy_gbps(bytes as usize, threads as usize, passes);
     let med = |v: &mut Vec<f64>| {
         v.sort_by(f64::total_cmp);
@@ -164,17 +227,20 @@ pub fn run(json_out: bool, passes: usize, lookups: usize, copy_threads: Option<u
     );
 
     // Lookup latency: a 128-chunk prompt of a small model, stored.
-    let small = KvLayout::new(
-        KvLayoutKind::FlashAttn,
-        KvShape {
-            layers: 1,
-            heads: 1,
-            head_dim: 8,
-            blocks: 128 * 16,
-            ..llama_layout(0).shape()
-        },
-        Dtype::Bf16,
-    );
+    let small = KvLayout::preset(
+        LayoutPreset::Lbnhc,
+        KvGeometry::mha(
+            KvShape {
+                layers: 1,
+                blocks: 128 * 16,
+                block_tokens: 16,
+                heads: 1,
+                head_dim: 8,
+            },
+            Dtype::Bf16,
+        ),
+    )
+    .expect("small layout");
     let scache = HostKvCache::new(small, CHUNK).unwrap();
     let sinst = c
         .register_host(&KvSpec::new(model_id("bench-small"), 1, 0), &scache)
@@ -209,16 +275,15 @@ pub fn run(json_out: bool, passes: usize, lookups: usize, copy_threads: Option<u
     let out = json!({
         "bench": "kv",
         "backend": "host",
-        "geometry": {
-            "layers": 32, "kv_heads": 8, "head_dim": 128, "elem_bytes": 2,
-            "block_tokens": 16, "chunk_tokens": CHUNK, "chunk_bytes": obj,
-        },
+        "layout": preset.name(),
+        "geometry": geometry_json(&l, CHUNK),
         "chunks_per_job": CHUNKS,
         "copy_threads": threads,
         "passes": passes,
         "store_gbps": store_gbps,
         "retrieve_gbps": retrieve_gbps,
         "memcpy_gbps": memcpy,
+        "retrieved_bytes_checked": checked,
         "ratios": {
             "store_over_memcpy": store_gbps / memcpy,
             "retrieve_over_memcpy": retrieve_gbps / memcpy,
@@ -237,6 +302,7 @@ pub fn run(json_out: bool, passes: usize, lookups: usize, copy_threads: Option<u
     }
 }
 
-fn inst_model() -> u64 {
-    model_id("bench-llama-3-8b")
+/// The model id of the bench model measured with `preset`.
+pub fn bench_model(preset: LayoutPreset) -> u64 {
+    model_id(&format!("bench-{}", bench_geometry(preset, 0).0))
 }

@@ -107,6 +107,12 @@ enum Cmd {
         /// ceiling measured on all of them at once.
         #[arg(long)]
         devices: Option<usize>,
+        /// The engine cache's layout, a preset name: lbnhc (vLLM 0.33+
+        /// default), lbhnc, blnhc, blhnc, lhbnc, bhlnc, flash-attn,
+        /// flash-attn-hnd, flashinfer, flashinfer-hnd, packed, packed-hnd,
+        /// mla (measured with DeepSeek-V3's latent geometry), cross-layer.
+        #[arg(long, default_value = "lbnhc")]
+        layout: String,
     },
 }
 
@@ -128,14 +134,18 @@ fn main() {
             copy_threads,
             backend,
             devices,
-        } => match backend.as_str() {
-            "host" => kv::run(json, passes, lookups, copy_threads),
-            "cuda" => kv_cuda::run(json, passes, copy_threads, devices),
-            other => {
-                eprintln!("unknown backend {other} (host or cuda)");
-                std::process::exit(2);
+            layout,
+        } => {
+            let preset = kv::parse_layout(&layout);
+            match backend.as_str() {
+                "host" => kv::run(json, passes, lookups, copy_threads, preset),
+                "cuda" => kv_cuda::run(json, passes, copy_threads, devices, preset),
+                other => {
+                    eprintln!("unknown backend {other} (host or cuda)");
+                    std::process::exit(2);
+                }
             }
-        },
+        }
         Cmd::ServeChild {
             name,
             dir,
