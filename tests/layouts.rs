@@ -204,6 +204,9 @@ fn register_raw(c: &mut Client, layout: &KvLayout, real: &HostKvCache) -> kvring
     )
 }
 
+/// A change to a descriptor's placements, allocation sizes and geometry.
+type Edit<'a> = dyn Fn(&mut Vec<LayerPlacement>, &mut Vec<u64>, &mut KvGeometry) + 'a;
+
 /// Descriptors that would make a copy read or write outside the registered
 /// memory, or two rows share bytes, are refused by the server itself (the
 /// client's own check bypassed), each with its reason; the server serves on.
@@ -214,7 +217,7 @@ fn hostile_descriptors_are_refused_by_the_server_with_their_reason() {
     let good = small_layout();
     let cache = HostKvCache::new(good.clone(), CHUNK).unwrap();
     let g = *good.geometry();
-    let edit = |f: &dyn Fn(&mut Vec<LayerPlacement>, &mut Vec<u64>, &mut KvGeometry)| {
+    let edit = |f: &Edit<'_>| {
         let (mut p, mut a, mut g) = (good.layers().to_vec(), good.allocations().to_vec(), g);
         f(&mut p, &mut a, &mut g);
         KvLayout::new(g, a, p)

@@ -1,4 +1,4 @@
-//! One worker's CUDA executor: per device a stream and [`DEPTH`] staging
+//! One worker's CUDA executor: per device a stream per direction and [`DEPTH`] staging
 //! slots, each slot one chunk in flight.
 //!
 //! [`DEPTH`]: super::DEPTH
@@ -42,11 +42,15 @@ struct StagingSlot {
     state: SlotState,
 }
 
-/// One worker's queue on one device: a stream and its staging slots.
+/// One worker's queue on one device: a stream per direction and its
+/// staging slots. A store's device-to-host transfer and a retrieve's
+/// host-to-device one never wait for each other in one stream's order, so
+/// both copy engines (PCIe is full duplex) run when stores and retrieves
+/// are in flight together.
 struct DeviceQueue {
     /// Drained and destroyed first (declaration order), so no queued copy
     /// still uses the slots' buffers when they are freed.
-    stream: Stream,
+    streams: [Stream; 2],
     device: Arc<CudaDevice>,
     slots: Vec<StagingSlot>,
 }
@@ -54,7 +58,7 @@ struct DeviceQueue {
 impl DeviceQueue {
     fn new(device: &Arc<CudaDevice>, depth: usize) -> Result<DeviceQueue, CopyError> {
         let ctx = &device.ctx;
-        let stream = Stream::new(ctx)?;
+        let streams = [Stream::new(ctx)?, Stream::new(ctx)?];
         let mut slots = Vec::with_capacity(depth);
         for _ in 0..depth {
             slots.push(StagingSlot {
@@ -66,7 +70,7 @@ impl DeviceQueue {
             });
         }
         Ok(DeviceQueue {
-            stream,
+            streams,
             device: device.clone(),
             slots,
         })
@@ -130,7 +134,7 @@ impl DeviceQueue {
         let inst = c.inst;
         let n = c.blocks.len();
         let slot = &self.slots[k];
-        let stream = &self.stream;
+        let stream = &self.streams[usize::from(c.dir == Dir::FromPool)];
         let kernels = &self.device.kernels;
         let staging = slot.staging.as_ref().map_or(0, |s| s.ptr());
         let (layers, ids) = (table.layers.ptr(), slot.ids_dev.ptr());
