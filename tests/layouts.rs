@@ -322,3 +322,30 @@ fn hostile_descriptors_are_refused_by_the_server_with_their_reason() {
         3,
     );
 }
+
+/// The largest registration message: 1024 layers, each its own tensor
+/// (1024 allocations), goes through the bootstrap socket, is accepted and
+/// round-trips.
+#[test]
+fn a_registration_of_1024_per_layer_tensors_round_trips() {
+    let s = host_server("max-registration");
+    let g = KvGeometry::mha(
+        KvShape {
+            layers: kvring::kv::geometry::MAX_LAYERS,
+            blocks: 20,
+            block_tokens: 16,
+            heads: 1,
+            head_dim: 4,
+        },
+        kvring::kv::Dtype::Bf16,
+    );
+    let l = KvLayout::preset(LayoutPreset::FlashAttn, g).unwrap();
+    assert_eq!(l.allocations().len(), kvring::kv::layout::MAX_ALLOCATIONS);
+    round_trip(
+        &s,
+        &mut s.client(),
+        l.clone(),
+        || HostKvCache::new(l.clone(), CHUNK).unwrap(),
+        4,
+    );
+}

@@ -174,6 +174,13 @@ impl Memory {
                 self.allocs.len()
             )));
         }
+        if self.pieces.len() > crate::proto::kv::MAX_PIECES {
+            return Err(Error::InvalidArgument(format!(
+                "{} memory pieces: at most {} (describe equal VMM chunks of one allocation as one piece)",
+                self.pieces.len(),
+                crate::proto::kv::MAX_PIECES
+            )));
+        }
         Ok(self.tables_unchecked(layout))
     }
 

@@ -94,8 +94,10 @@ impl std::fmt::Display for Part {
     }
 }
 
-/// Most allocations one layout may span.
-pub const MAX_ALLOCATIONS: usize = 4096;
+/// Most allocations one layout may span (one per layer at most is what
+/// engines need; the bound keeps a registration message within one
+/// bootstrap message).
+pub const MAX_ALLOCATIONS: usize = 1024;
 
 /// Why a layout is refused (registration answers with this text).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

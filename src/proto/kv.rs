@@ -221,6 +221,20 @@ shm_struct! {
     }
 }
 
+/// Most memory pieces one registration may send (a piece is a run of
+/// descriptors of one size: an allocation of any number of equal VMM chunks
+/// is one piece).
+pub const MAX_PIECES: usize = 2048;
+
+/// The largest registration message: the header and the largest tables
+/// ([`crate::kv::layout::MAX_ALLOCATIONS`] allocations, [`MAX_PIECES`]
+/// pieces, [`crate::kv::geometry::MAX_LAYERS`] placements), under the
+/// default socket buffer of a `SOCK_SEQPACKET` message.
+pub const MAX_REGISTER_MESSAGE: usize = size_of::<RegisterKv>()
+    + crate::kv::layout::MAX_ALLOCATIONS * size_of::<KvAllocation>()
+    + MAX_PIECES * size_of::<MemoryPiece>()
+    + crate::kv::geometry::MAX_LAYERS as usize * size_of::<LayerPlacement>();
+
 /// The arrays that follow a [`RegisterKv`], decoded (every value untrusted).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RegisterTables {
@@ -333,6 +347,8 @@ const _: () = {
     assert!(size_of::<AttachFds>() == 16);
     assert!(size_of::<UnregisterKv>() == 16);
     assert!(size_of::<RegisterReply>() == 224);
+    // What shm_layout.md states.
+    assert!(MAX_REGISTER_MESSAGE == 188_504);
 };
 
 impl RegisterReply {

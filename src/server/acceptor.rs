@@ -22,10 +22,11 @@ use std::time::{Duration, Instant};
 /// How long a new connection may take to send its hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// Most descriptors a client may send ahead of one registration.
-const MAX_PENDING_FDS: usize = 4096;
-/// Largest bootstrap message (a registration of up to 1024 tensors fits).
-const MAX_BOOT_MESSAGE: usize = 64 * 1024;
+/// Most descriptors a client may send ahead of one registration (a 141 GB
+/// cache in PyTorch's 20 MiB VMM chunks is about 7,000).
+const MAX_PENDING_FDS: usize = 1 << 16;
+/// Largest bootstrap message: the largest registration.
+const MAX_BOOT_MESSAGE: usize = crate::proto::kv::MAX_REGISTER_MESSAGE;
 
 enum Phase {
     Free,

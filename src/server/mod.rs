@@ -398,6 +398,21 @@ impl Drop for ServerHandle {
     }
 }
 
+/// Raises this process's soft limit on open descriptors to its hard limit:
+/// a registration of VMM memory arrives as one descriptor per chunk (about
+/// 7,000 for a 141 GB cache in PyTorch's 20 MiB chunks), all open until it
+/// is imported, far above the usual soft limit of 1,024.
+fn raise_open_file_limit() {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    if let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) {
+        if soft < hard {
+            if let Err(e) = setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+                tracing::warn!("raise the open-descriptor limit from {soft} to {hard}: {e}");
+            }
+        }
+    }
+}
+
 /// Starts a server: takes the start-up lock, creates (or replaces a dead
 /// server's) segment, binds the socket and starts the threads.
 pub fn start(cfg: ServerConfig) -> Result<ServerHandle> {
@@ -419,6 +434,7 @@ pub fn start(cfg: ServerConfig) -> Result<ServerHandle> {
     cfg.kv
         .validate()
         .map_err(|e| Error::Config(e.to_string()))?;
+    raise_open_file_limit();
     let kv = kv_ops::KvState::new(&cfg.kv, cfg.geometry.max_clients)?;
     let seg = ServerSegment::create(&paths.shm_name, cfg.geometry)?;
     let slots = seg.mapping.job_slots();

@@ -156,8 +156,6 @@ fn bad(text: impl Into<String>) -> Refusal {
     Refusal::invalid(text)
 }
 
-/// Most memory pieces one registration may send.
-pub const MAX_PIECES: usize = 1 << 16;
 
 /// Checks that every allocation names memory of its kind that was sent:
 /// its pieces exist, their descriptors were sent, and its window lies in
@@ -304,13 +302,14 @@ impl Registry {
             .validate(chunk_tokens)
             .map_err(|e| bad(e.to_string()))?;
         if req.n_allocs as usize > crate::kv::layout::MAX_ALLOCATIONS
-            || req.n_pieces as usize > MAX_PIECES
+            || req.n_pieces as usize > crate::proto::kv::MAX_PIECES
         {
             return Err(bad(format!(
-                "{} allocations of {} pieces: at most {} and {MAX_PIECES}",
+                "{} allocations of {} pieces: at most {} and {}",
                 req.n_allocs,
                 req.n_pieces,
-                crate::kv::layout::MAX_ALLOCATIONS
+                crate::kv::layout::MAX_ALLOCATIONS,
+                crate::proto::kv::MAX_PIECES
             )));
         }
         let t = RegisterTables::decode(req, tables).ok_or_else(|| {
