@@ -149,6 +149,23 @@ impl CudaKvCache {
         span
     }
 
+    /// The device bytes the runs span (from offset `lo` of the cache), read
+    /// in one copy; none for no runs.
+    fn image(&self, runs: &[Run]) -> Option<(u64, Vec<u8>)> {
+        let (lo, hi) = self.span(runs)?;
+        let mut img = vec![0u8; (hi - lo) as usize];
+        // SAFETY: `[base + lo, base + hi)` lies inside this cache's
+        // allocation (`span` checks each run against its allocation).
+        unsafe { self.ctx.copy_dtoh(&mut img, self.base + lo) }.expect("read the KV cache");
+        Some((lo, img))
+    }
+
+    /// Where each run starts in an image read from offset `lo`.
+    fn places<'a>(&'a self, runs: &'a [Run], lo: u64) -> impl Iterator<Item = usize> + 'a {
+        runs.iter()
+            .map(move |r| (self.offsets[r.alloc as usize] + r.offset - lo) as usize)
+    }
+
     /// Sets every byte of the cache to `byte`.
     pub fn fill(&self, byte: u8) -> crate::Result<()> {
         // SAFETY: exactly this cache's allocation, `size` bytes at `base`.
@@ -174,31 +191,24 @@ impl KvMemory for CudaKvCache {
     /// One read of the range the runs span, patched, one write back: the
     /// bytes are in device memory when it returns.
     fn write_runs(&self, runs: &[Run], src: &[u8]) {
-        let Some((lo, hi)) = self.span(runs) else {
+        let Some((lo, mut img)) = self.image(runs) else {
             return;
         };
-        let mut img = vec![0u8; (hi - lo) as usize];
-        // SAFETY: `[base + lo, base + hi)` lies inside this cache's
-        // allocation (`span` checks each run against its allocation).
-        unsafe { self.ctx.copy_dtoh(&mut img, self.base + lo) }.expect("read the KV cache");
-        for r in runs {
-            let at = (self.offsets[r.alloc as usize] + r.offset - lo) as usize;
+        for (r, at) in runs.iter().zip(self.places(runs, lo)) {
             img[at..at + r.bytes as usize]
                 .copy_from_slice(&src[r.at as usize..][..r.bytes as usize]);
         }
-        // SAFETY: as above.
+        // SAFETY: `img` is the range `image` read, inside this cache's
+        // allocation.
         unsafe { self.ctx.copy_htod(self.base + lo, &img) }.expect("write the KV cache");
     }
 
+    /// One read of the range the runs span.
     fn read_runs(&self, runs: &[Run], dst: &mut [u8]) {
-        let Some((lo, hi)) = self.span(runs) else {
+        let Some((lo, img)) = self.image(runs) else {
             return;
         };
-        let mut img = vec![0u8; (hi - lo) as usize];
-        // SAFETY: as in `write_runs`.
-        unsafe { self.ctx.copy_dtoh(&mut img, self.base + lo) }.expect("read the KV cache");
-        for r in runs {
-            let at = (self.offsets[r.alloc as usize] + r.offset - lo) as usize;
+        for (r, at) in runs.iter().zip(self.places(runs, lo)) {
             dst[r.at as usize..][..r.bytes as usize]
                 .copy_from_slice(&img[at..at + r.bytes as usize]);
         }
