@@ -246,7 +246,7 @@ mod tests {
         assert_eq!((pl.alloc, pl.k_offset), (2, 0));
         assert_eq!(pl.v_offset, nb * bs * h * d * e);
         assert_eq!((pl.block_stride, pl.token_stride, pl.head_stride), (bs * h * d * e, h * d * e, d * e));
-        // [NB, 2, BS, H, D]: V one slab after K.
+        // [NB, 2, BS, H, D]: V one block page after K.
         let fi = p(LayoutPreset::FlashInfer).layers()[0];
         assert_eq!((fi.v_offset, fi.block_stride), (bs * h * d * e, 2 * bs * h * d * e));
         // [NB, L, 2, BS, H, D].

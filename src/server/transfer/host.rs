@@ -1,4 +1,4 @@
-//! The host backend: slab-by-slab copies between mapped engine memory and
+//! The host backend: run-by-run copies between mapped engine memory and
 //! the pool, done in `submit` with streaming stores ([`super::nt_copy`]).
 
 use super::backend::{Backend, BackendKind, ChunkCopy, CopyError, CopyExecutor, Dir};

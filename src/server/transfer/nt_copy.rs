@@ -7,7 +7,7 @@
 //! straight to memory, as a large `memcpy` does; that memcpy is the ceiling
 //! a store or retrieve is measured against.
 //!
-//! A chunk is many slab-sized pieces at scattered addresses. One piece at a
+//! A chunk is many runs (pages or rows) at scattered addresses. One piece at a
 //! time, a thread keeps too few cache misses in flight to reach memcpy's
 //! rate (the hardware prefetcher restarts at every piece); [`copy_pieces`]
 //! therefore copies four pieces at once, a line of each in turn: four
