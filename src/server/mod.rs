@@ -17,6 +17,7 @@
 
 mod acceptor;
 mod cache;
+mod capacity;
 mod delay;
 mod kv_ops;
 mod pool;
@@ -55,6 +56,10 @@ pub struct ServerConfig {
     pub tick: Duration,
     /// The cache's settings.
     pub kv: KvConfig,
+    /// Start even when the segment exceeds the free space of the
+    /// shared-memory mount or the pool and segment exceed available memory
+    /// (refused otherwise, naming the limit).
+    pub allow_oversize: bool,
 }
 
 /// Which copy backend a server uses.
@@ -228,6 +233,7 @@ impl ServerConfig {
             },
             tick: Duration::from_millis(50),
             kv: KvConfig::default(),
+            allow_oversize: false,
         }
     }
 }
@@ -413,11 +419,68 @@ fn raise_open_file_limit() {
     }
 }
 
+/// What a start created, removed again if the start fails: the runtime
+/// directory and lock file when they were not there before, the segment's
+/// name and the socket.
+#[derive(Default)]
+struct StartUndo {
+    dir: Option<PathBuf>,
+    lock: Option<PathBuf>,
+    shm: Option<String>,
+    socket: Option<PathBuf>,
+}
+
+impl StartUndo {
+    /// The start succeeded: keep everything.
+    fn done(mut self) {
+        self.dir = None;
+        self.lock = None;
+        self.shm = None;
+        self.socket = None;
+    }
+}
+
+impl Drop for StartUndo {
+    fn drop(&mut self) {
+        if let Some(s) = &self.socket {
+            let _ = std::fs::remove_file(s);
+        }
+        if let Some(n) = &self.shm {
+            let _ = nix::sys::mman::shm_unlink(n.as_str());
+        }
+        if let Some(l) = &self.lock {
+            let _ = std::fs::remove_file(l);
+        }
+        if let Some(d) = &self.dir {
+            // Only if empty: nothing of anyone else's goes.
+            let _ = std::fs::remove_dir(d);
+        }
+    }
+}
+
 /// Starts a server: takes the start-up lock, creates (or replaces a dead
 /// server's) segment, binds the socket and starts the threads.
 pub fn start(cfg: ServerConfig) -> Result<ServerHandle> {
+    // Everything that can be checked is checked before the file system is
+    // touched; what a failed start created, it removes.
     let paths = ServerPaths::in_dir(&cfg.name, &cfg.runtime_dir)?;
+    cfg.geometry
+        .validate()
+        .map_err(|e| Error::Config(e.to_string()))?;
+    cfg.kv
+        .validate()
+        .map_err(|e| Error::Config(e.to_string()))?;
+    if !cfg.allow_oversize {
+        capacity::check(cfg.geometry.offsets().segment_bytes, cfg.kv.pool_bytes)?;
+    }
+    let mut undo = StartUndo::default();
+    if !paths.dir.exists() {
+        undo.dir = Some(paths.dir.clone());
+    }
     ensure_runtime_dir(&paths.dir)?;
+    if !paths.lock.exists() {
+        undo.lock = Some(paths.lock.clone());
+    }
     let lock = crate::liveness::open_lock_file(&paths.lock)
         .map_err(crate::error::io(format!("open {}", paths.lock.display())))?;
     if !crate::liveness::try_lock(std::os::fd::AsFd::as_fd(&lock))
@@ -431,12 +494,10 @@ pub fn start(cfg: ServerConfig) -> Result<ServerHandle> {
             pid,
         });
     }
-    cfg.kv
-        .validate()
-        .map_err(|e| Error::Config(e.to_string()))?;
     raise_open_file_limit();
     let kv = kv_ops::KvState::new(&cfg.kv, cfg.geometry.max_clients)?;
     let seg = ServerSegment::create(&paths.shm_name, cfg.geometry)?;
+    undo.shm = Some(paths.shm_name.clone());
     let slots = seg.mapping.job_slots();
     // SAFETY: the slots lie in the segment's mapping, which `Shared` owns
     // next to the table and drops after it; this table is their only writer.
@@ -450,6 +511,7 @@ pub fn start(cfg: ServerConfig) -> Result<ServerHandle> {
     };
     let listener = crate::bootstrap::Listener::bind(&paths.socket)
         .map_err(crate::error::io(format!("bind {}", paths.socket.display())))?;
+    undo.socket = Some(paths.socket.clone());
     let shared = Arc::new(Shared {
         jobs,
         kv,
@@ -502,6 +564,7 @@ pub fn start(cfg: ServerConfig) -> Result<ServerHandle> {
         }
     }
     kv_ops::publish(&shared, &shared.kv.stats());
+    undo.done();
     Ok(ServerHandle {
         shared,
         threads,

@@ -76,6 +76,11 @@ enum Cmd {
         /// page faults (start-up takes longer).
         #[arg(long, env = "KVRING_PREFAULT")]
         prefault: bool,
+        /// Start even when the segment exceeds the free space of /dev/shm
+        /// or the pool and segment exceed available memory (refused
+        /// otherwise, naming the limit).
+        #[arg(long)]
+        allow_oversize: bool,
         /// Threads that copy chunks between engines' caches and the pool,
         /// per copy lane: one lane for engines with no device, one per GPU
         /// (or simulated device). Default: half the CPUs, 1 to 8, on the
@@ -248,6 +253,7 @@ fn run(cli: Cli) -> kvring::Result<()> {
             chunk_tokens,
             pool_bytes,
             prefault,
+            allow_oversize,
             copy_threads,
             max_request_bytes,
             lease_ttl_s,
@@ -271,6 +277,7 @@ fn run(cli: Cli) -> kvring::Result<()> {
             cfg.kv.chunk_tokens = chunk_tokens;
             cfg.kv.pool_bytes = pool_bytes;
             cfg.kv.prefault = prefault;
+            cfg.allow_oversize = allow_oversize;
             cfg.kv.copy_threads = copy_threads;
             cfg.kv.max_request_bytes = u32::try_from(max_request_bytes).map_err(|_| {
                 kvring::Error::Config(format!(
