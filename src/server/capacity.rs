@@ -13,7 +13,7 @@ const SHM_MOUNT: &str = "/dev/shm";
 /// Bytes free for an unprivileged user in the file system at `path`.
 fn free_bytes(path: &Path) -> Option<u64> {
     let s = nix::sys::statvfs::statvfs(path).ok()?;
-    Some(u64::from(s.blocks_available()).saturating_mul(s.fragment_size()))
+    Some(s.blocks_available().saturating_mul(s.fragment_size()))
 }
 
 /// `MemAvailable` of `/proc/meminfo`, in bytes.
