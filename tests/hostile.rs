@@ -136,3 +136,88 @@ fn hostile_clients_never_hurt_the_server_or_an_honest_engine() {
         "kicked clients' slots were not reclaimed"
     );
 }
+
+/// Another process of the same user (one trust domain: it can open the
+/// segment by name) sets a running job's lock word odd. The server retires
+/// that slot the moment it comes to write it, instead of spinning on it
+/// with the job table locked: every other client keeps being served, new
+/// jobs take other slots, and the header and the inspector count it.
+#[test]
+fn an_odd_lock_word_retires_its_job_slot_instead_of_stalling_the_server() {
+    use kvring::DelayJob;
+    let s = Fixture::new("odd-seqlock", Duration::from_secs(60), &[]);
+    let mut c = s.client();
+    let job = c
+        .delay_job(DelayJob::new(Duration::ZERO, Duration::from_millis(300)))
+        .unwrap();
+    let index = job.id().index();
+    let ro = kvring::segment::ReadOnlySegment::open(&s.name).unwrap();
+    let info = ro.mapping.info().clone();
+    let fd = nix::sys::mman::shm_open(
+        kvring::rundir::shm_name(&s.name).as_str(),
+        nix::fcntl::OFlag::O_RDWR,
+        nix::sys::stat::Mode::empty(),
+    )
+    .unwrap();
+    let len = std::num::NonZeroUsize::new(info.segment_bytes as usize).unwrap();
+    // SAFETY: a fresh shared mapping of the whole segment, unmapped below;
+    // only one atomic word of it is touched.
+    let base = unsafe {
+        nix::sys::mman::mmap(
+            None,
+            len,
+            nix::sys::mman::ProtFlags::PROT_READ | nix::sys::mman::ProtFlags::PROT_WRITE,
+            nix::sys::mman::MapFlags::MAP_SHARED,
+            &fd,
+            0,
+        )
+    }
+    .unwrap();
+    let at = info.offsets.jobs_off as usize
+        + index as usize * std::mem::size_of::<kvring::jobs::JobSlot>();
+    // SAFETY: `seq`, the slot's first word, inside the mapping, 8-aligned.
+    let seq =
+        unsafe { &*(base.as_ptr().cast::<u8>().add(at) as *const std::sync::atomic::AtomicU64) };
+    seq.store(seq.load(Ordering::Relaxed) | 1, Ordering::Release);
+    // The job's end comes (300 ms) and finds the word odd. The server
+    // answers on, well within deadlines.
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_millis(800) {
+        assert_eq!(
+            c.ping(b"x", Instant::now() + Duration::from_secs(2))
+                .unwrap(),
+            b"x"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut other = s.client();
+    let j = other
+        .delay_job(DelayJob::new(Duration::ZERO, Duration::from_millis(5)).result(7, 8))
+        .unwrap();
+    assert_ne!(j.id().index(), index);
+    assert!(matches!(
+        j.wait(Instant::now() + Duration::from_secs(5)).unwrap(),
+        JobStatus::Done(_)
+    ));
+    // Counted in the header (published every tick) and flagged.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while ro.mapping.header().jobs_retired.load(Ordering::Relaxed) != 1 {
+        assert!(
+            Instant::now() < deadline,
+            "the retired slot was not counted"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let inspect = std::env::var_os("KVRING_INSPECT_BIN")
+        .unwrap_or_else(|| env!("CARGO_BIN_EXE_kvring-inspect").into());
+    let out = std::process::Command::new(inspect)
+        .args(["show", &s.name, "--json"])
+        .env("KVRING_RUNTIME_DIR", &s.dir)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("job slots retired"), "{text}");
+    drop(job);
+    // SAFETY: the mapping made above, not used after this.
+    unsafe { nix::sys::mman::munmap(base, len.get()) }.unwrap();
+}

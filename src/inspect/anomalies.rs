@@ -115,6 +115,16 @@ pub(super) fn check_jobs(jobs: &JobsSummary, th: Thresholds, out: &mut Vec<Anoma
             });
         }
     }
+    if jobs.retired > 0 {
+        out.push(Anomaly {
+            kind: AnomalyKind::Inconsistent,
+            message: format!(
+                "{} job slots retired: another process wrote their lock word",
+                jobs.retired
+            ),
+            client_slot: None,
+        });
+    }
     if jobs.busy_slots > 0 {
         out.push(Anomaly {
             kind: AnomalyKind::Inconsistent,

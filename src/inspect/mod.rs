@@ -250,6 +250,8 @@ pub struct JobsSummary {
     pub failed: u64,
     pub released: u64,
     pub refused: u64,
+    /// Slots retired because another process wrote their lock word.
+    pub retired: u64,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -483,6 +485,7 @@ fn read_jobs(seg: &ReadOnlySegment, now: u64) -> (JobsSummary, Vec<JobRow>) {
         failed: h.jobs_failed.load(Relaxed),
         released: h.jobs_released.load(Relaxed),
         refused: h.jobs_refused.load(Relaxed),
+        retired: h.jobs_retired.load(Relaxed),
         ..Default::default()
     };
     let mut rows = Vec::new();

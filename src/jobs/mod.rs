@@ -271,6 +271,9 @@ pub enum TableError {
     /// The job is not in a state this transition starts from.
     #[error("job is {}", .0.name())]
     WrongState(JobState),
+    /// Another process wrote the slot's lock word: the slot is retired.
+    #[error("job slot retired (written by another process)")]
+    Retired,
 }
 
 /// A change of a job's state.

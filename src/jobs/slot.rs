@@ -192,11 +192,14 @@ impl JobSlot {
         }
     }
 
-    /// Takes the writers' lock (seq even -> odd). Only server threads write,
-    /// each holding the lock for a handful of stores and no other lock, so
-    /// the spin is bounded by one such section.
-    pub fn lock(&self) -> SlotWriter<'_> {
+    /// Takes the writers' lock (seq even -> odd), waiting at most `spins`
+    /// times for another writer to leave; `None` when the word stayed odd.
+    /// The server's writers exclude each other before they come here (the
+    /// job table's stripes), so an odd word they meet was written by
+    /// another process, and is never waited for without a bound.
+    pub fn try_lock(&self, spins: u32) -> Option<SlotWriter<'_>> {
         let mut s = self.seq.load(Ordering::Relaxed);
+        let mut waited = 0u32;
         loop {
             if s & 1 == 0 {
                 // Acquire pairs with the previous writer's W2: its stores
@@ -211,13 +214,28 @@ impl JobSlot {
                     Err(now) => s = now,
                 }
             } else {
+                if waited >= spins {
+                    return None;
+                }
+                waited += 1;
                 crate::sync::spin_hint();
                 s = self.seq.load(Ordering::Relaxed);
             }
         }
         // W1: pairs with the readers' R2 fence.
         fence(Ordering::Release);
-        SlotWriter { slot: self, seq: s }
+        Some(SlotWriter { slot: self, seq: s })
+    }
+
+    /// Takes the writers' lock, waiting as long as another writer holds it
+    /// (tests and models, whose writers all play by the rules).
+    #[cfg(any(test, loom))]
+    pub fn lock(&self) -> SlotWriter<'_> {
+        loop {
+            if let Some(w) = self.try_lock(u32::MAX) {
+                return w;
+            }
+        }
     }
 }
 

@@ -10,13 +10,27 @@
 //! Every transition is checked under the slot's lock against the id's
 //! generation and the current state, so a stale id (a job already failed
 //! because its client died, a slot since reused) changes nothing.
+//!
+//! The slots live in shared memory, so their words are untrusted. The
+//! server's own writers of a slot exclude each other with a private mutex
+//! (one of [`STRIPES`], by index) before they take the slot's seqlock, so
+//! the seqlock is always free when they come: a lock word found odd was
+//! written by another process. Such a slot is **retired** at once (never
+//! waited for, never used again, counted: [`JobTable::retired`]), and the
+//! operation fails with [`TableError::Retired`]. No server thread spins on
+//! a job slot.
 
-use super::slot::{JobSlot, SlotUpdate};
+use super::slot::{JobSlot, SlotUpdate, SlotWriter};
 use super::{
     step, FailReason, JobId, JobKind, JobResult, JobState, TableError, Transition, MAX_GENERATION,
 };
 use std::collections::VecDeque;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard};
+
+/// Private mutexes the server's writers of a slot take first (slot `i`:
+/// stripe `i % STRIPES`).
+pub const STRIPES: usize = 64;
 
 /// What a new job is.
 #[derive(Clone, Copy, Debug)]
@@ -78,6 +92,7 @@ impl Alloc {
     /// Puts a tombstoned slot back at the end of the free queue, unless its
     /// generation is exhausted (then it is retired, never wrapped).
     fn recycle(&mut self, index: u32, generation: u64) {
+        // (A retired slot is skipped when it comes up in the free queue.)
         if generation < MAX_GENERATION {
             self.free.push_back(index);
         }
@@ -91,6 +106,11 @@ pub struct JobTable {
     len: u32,
     epoch: u64,
     alloc: Mutex<Alloc>,
+    stripes: Box<[Mutex<()>]>,
+    /// Per slot: retired (its lock word was found written by another
+    /// process).
+    retired_flags: Box<[AtomicBool]>,
+    retired: AtomicU64,
     _heap: Option<Box<[JobSlot]>>,
 }
 
@@ -119,6 +139,9 @@ impl JobTable {
                 pos: vec![NOT_OWNED; len as usize],
                 owner: vec![NOT_OWNED; len as usize],
             }),
+            stripes: (0..STRIPES).map(|_| Mutex::new(())).collect(),
+            retired_flags: (0..len).map(|_| AtomicBool::new(false)).collect(),
+            retired: AtomicU64::new(0),
             _heap: None,
         }
     }
@@ -156,6 +179,56 @@ impl JobTable {
         self.alloc.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Slots retired so far (their lock word was found written by another
+    /// process).
+    pub fn retired(&self) -> u64 {
+        // A counter: Relaxed.
+        self.retired.load(Ordering::Relaxed)
+    }
+
+    fn is_retired(&self, index: u32) -> bool {
+        // Written and read by server threads under the slot's stripe or the
+        // allocator's mutex; Relaxed: a flag, ordered by those mutexes.
+        self.retired_flags[index as usize].load(Ordering::Relaxed)
+    }
+
+    fn stripe(&self, index: u32) -> MutexGuard<'_, ()> {
+        self.stripes[index as usize % STRIPES]
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The writers' lock of slot `index`, under its stripe. The server's
+    /// writers never meet each other here (the stripe), so a lock word
+    /// found odd was written by another process: the slot is retired and
+    /// `Retired` returned, without a wait.
+    fn write(&self, index: u32) -> Result<(MutexGuard<'_, ()>, SlotWriter<'_>), TableError> {
+        let stripe = self.stripe(index);
+        if self.is_retired(index) {
+            return Err(TableError::Retired);
+        }
+        match self.slot(index).try_lock(0) {
+            Some(w) => Ok((stripe, w)),
+            None => {
+                // Relaxed: see `is_retired`; the counter is a counter.
+                if !self.retired_flags[index as usize].swap(true, Ordering::Relaxed) {
+                    self.retired.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(
+                        "job slot {index} retired: its lock word was written by another process"
+                    );
+                }
+                Err(TableError::Retired)
+            }
+        }
+    }
+
+    /// One consistent read of slot `index` under its stripe (no server
+    /// writer inside): `None` when another process wrote its lock word.
+    fn read<T>(&self, index: u32, f: impl FnOnce(&JobSlot) -> Option<T>) -> Option<T> {
+        let _stripe = self.stripe(index);
+        f(self.slot(index))
+    }
+
     /// Checks an id's epoch and index; returns the slot.
     fn slot_of(&self, id: JobId) -> Result<&JobSlot, TableError> {
         if id.epoch != self.epoch || id.index() >= self.len || id.generation() == 0 {
@@ -168,9 +241,13 @@ impl JobTable {
     /// slot holds an unreleased job: a live job is never overwritten.
     pub fn submit(&self, job: NewJob) -> Result<JobId, TableError> {
         let mut a = self.alloc();
-        let index = a.free.pop_front().ok_or(TableError::Full)?;
-        let slot = self.slot(index);
-        let w = slot.lock();
+        let (index, _stripe, w) = loop {
+            let index = a.free.pop_front().ok_or(TableError::Full)?;
+            // A retired slot leaves the free queue here.
+            if let Ok((stripe, w)) = self.write(index) {
+                break (index, stripe, w);
+            }
+        };
         let cur = w.current();
         debug_assert!(matches!(
             JobState::decode(cur.status.state).ok(),
@@ -205,8 +282,8 @@ impl JobTable {
         id: JobId,
         f: impl FnOnce(JobState) -> Result<SlotUpdate, TableError>,
     ) -> Result<JobState, TableError> {
-        let slot = self.slot_of(id)?;
-        let w = slot.lock();
+        self.slot_of(id)?;
+        let (_stripe, w) = self.write(id.index())?;
         let cur = w.current();
         let g = cur.status.generation;
         if g < id.generation() {
@@ -280,8 +357,18 @@ impl JobTable {
         now_ns: u64,
     ) -> Result<Released, TableError> {
         let mut a = self.alloc();
-        let slot = self.slot_of(id)?;
-        let w = slot.lock();
+        self.slot_of(id)?;
+        let (stripe, w) = match self.write(id.index()) {
+            Ok(x) => x,
+            Err(e) => {
+                // Retired: no longer the owner's to release; its bookkeeping
+                // goes, the slot is never reused.
+                if a.owner[id.index() as usize] == owner_slot {
+                    a.disown(id.index());
+                }
+                return Err(e);
+            }
+        };
         let cur = w.current();
         let g = cur.status.generation;
         if g < id.generation() {
@@ -305,6 +392,7 @@ impl JobTable {
             ..Default::default()
         });
         drop(w);
+        drop(stripe);
         a.disown(id.index());
         a.recycle(id.index(), g);
         Ok(Released::Now)
@@ -321,7 +409,12 @@ impl JobTable {
         let jobs = std::mem::take(list);
         let mut failed = 0;
         for &index in &jobs {
-            let w = self.slot(index).lock();
+            let Ok((_stripe, w)) = self.write(index) else {
+                // Retired: forgotten, never reused.
+                a.owner[index as usize] = NOT_OWNED;
+                a.pos[index as usize] = NOT_OWNED;
+                continue;
+            };
             let cur = w.current();
             let state = JobState::decode(cur.status.state).ok();
             let mut u = SlotUpdate {
@@ -354,7 +447,9 @@ impl JobTable {
         for (client, list) in a.owned.iter().enumerate() {
             let mut any = false;
             for &index in list {
-                let w = self.slot(index).lock();
+                let Ok((_stripe, w)) = self.write(index) else {
+                    continue;
+                };
                 let state = JobState::decode(w.current().status.state).ok();
                 if state.is_some_and(|s| step(s, Transition::Fail).is_ok()) {
                     w.apply(&fail_update(reason, now_ns));
@@ -372,14 +467,8 @@ impl JobTable {
     /// Kind, submitted and finished times (CLOCK_MONOTONIC ns) of `id`, if
     /// the slot still holds it.
     pub fn timing(&self, id: JobId) -> Option<(JobKind, u64, u64)> {
-        let slot = self.slot_of(id).ok()?;
-        let snap = loop {
-            if let Some(s) = slot.try_snapshot() {
-                break s;
-            }
-            // Only server threads write, for a handful of stores.
-            std::hint::spin_loop();
-        };
+        self.slot_of(id).ok()?;
+        let snap = self.read(id.index(), JobSlot::try_snapshot)?;
         (snap.status.generation == id.generation())
             .then_some(())
             .and(JobKind::decode(snap.kind).ok())
@@ -388,20 +477,17 @@ impl JobTable {
 
     /// Whether `id` is still pending or running (one seqlock read).
     pub fn is_live(&self, id: JobId) -> bool {
-        let Ok(slot) = self.slot_of(id) else {
+        if self.slot_of(id).is_err() {
             return false;
-        };
-        loop {
-            if let Some(s) = slot.try_read_status() {
-                return s.generation == id.generation()
+        }
+        self.read(id.index(), JobSlot::try_read_status)
+            .is_some_and(|s| {
+                s.generation == id.generation()
                     && matches!(
                         JobState::decode(s.state).ok(),
                         Some(JobState::Pending | JobState::Running)
-                    );
-            }
-            // Only server threads write, for a handful of stores.
-            std::hint::spin_loop();
-        }
+                    )
+            })
     }
 
     /// Jobs allocated and not released yet.

@@ -195,7 +195,8 @@ impl From<crate::jobs::TableError> for Status {
         match e {
             E::Full => Status::NoFreeJobSlot,
             E::Unknown => Status::UnknownJob,
-            E::Expired => Status::JobExpired,
+            // A retired slot's job is gone as surely as a reused one's.
+            E::Expired | E::Retired => Status::JobExpired,
             E::NotOwner => Status::NotJobOwner,
             E::NotFinished | E::WrongState(_) => Status::JobNotFinished,
         }

@@ -447,6 +447,8 @@ pub(super) fn run(shared: &Shared, listener: Listener, tick: Duration) {
         // Heartbeat: observers compare it with their own CLOCK_MONOTONIC.
         h.heartbeat_ns
             .store(liveness::monotonic_ns(), Ordering::Relaxed);
+        h.jobs_retired
+            .store(shared.jobs.retired(), Ordering::Relaxed);
         a.poll_once(&listener, tick);
         a.housekeeping();
     }

@@ -114,7 +114,10 @@ shm_struct! {
         /// reply (`proto::kv::StatsReply`), each stored Relaxed after every
         /// cache operation (each word is current; they are not one snapshot).
         [584] pub cache_stats: [AtomicU64; CACHE_STATS_WORDS],
-        [728] pub _reserved2: [AtomicU64; 5],
+        /// Live: job slots retired because another process wrote their
+        /// lock word (never used again).
+        [728] pub jobs_retired: AtomicU64,
+        [736] pub _reserved2: [AtomicU64; 4],
     }
 }
 

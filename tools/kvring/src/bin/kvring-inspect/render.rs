@@ -136,7 +136,7 @@ pub fn show(s: &Snapshot, rates: Option<Rates>) -> String {
         .collect();
     let _ = writeln!(
         o,
-        "jobs: {} (submitted {}, done {}, failed {}, released {}, refused {})",
+        "jobs: {} (submitted {}, done {}, failed {}, released {}, refused {}, slots retired {})",
         if states.is_empty() {
             "none".to_string()
         } else {
@@ -146,7 +146,8 @@ pub fn show(s: &Snapshot, rates: Option<Rates>) -> String {
         s.jobs.done,
         s.jobs.failed,
         s.jobs.released,
-        s.jobs.refused
+        s.jobs.refused,
+        s.jobs.retired
     );
     if let Some(j) = &s.jobs.oldest_unfinished {
         let _ = writeln!(
