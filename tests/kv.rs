@@ -394,3 +394,81 @@ fn registrations_keep_working_after_a_reconnect_to_the_same_server() {
     // One registration on the server: the old connection's went with it.
     assert_eq!(e.c.stats().unwrap().instances, 1);
 }
+
+/// A lease belongs to the engine whose client took it: that engine's other
+/// processes (its workers, each its own connection) retrieve, free and end
+/// it; another engine, or an anonymous client, gets `ForeignLease` for
+/// each and changes nothing.
+#[test]
+fn leases_belong_to_the_engine_that_took_them() {
+    let s = Fixture::new(
+        "engines",
+        Duration::from_secs(60),
+        &["--chunk-tokens", "64", "--pool-bytes", "64MiB"],
+    );
+    let engine = |id: Option<&str>| {
+        let b = s.client_builder();
+        match id {
+            Some(id) => b.engine(id).connect().unwrap(),
+            None => b.connect().unwrap(),
+        }
+    };
+    let l = layout(LayoutPreset::Lbnhc, 2, 64);
+    let spec = KvSpec::new(model_id(MODEL), 1, 0);
+    // Engine A: a scheduler and a worker in separate connections.
+    let mut sched = engine(Some("engine-a"));
+    let mut worker = engine(Some("engine-a"));
+    let cache = HostKvCache::new(l.clone(), CHUNK).unwrap();
+    let reg = worker.register_host(&spec, &cache).unwrap();
+    let hashes = prompt_hashes(77, 3);
+    let blocks: Vec<u32> = (0..3 * reg.blocks_per_chunk()).collect();
+    for (h, b) in hashes
+        .iter()
+        .zip(blocks.chunks(reg.blocks_per_chunk() as usize))
+    {
+        kvring::kv::pattern::write_chunk(&cache, 0, h, b);
+    }
+    done(worker.store(Store::new(&reg, &hashes, &blocks)).unwrap());
+    let lease = sched
+        .lookup(Lookup::new(model_id(MODEL), 1, &hashes))
+        .unwrap();
+    assert_eq!(lease.hits(), 3);
+    let id = lease.id();
+    // Engine B (another vLLM instance of the same user) and an anonymous
+    // client, each with a cache of its own registered.
+    for (who, mut c) in [
+        ("engine B", engine(Some("engine-b"))),
+        ("anonymous", engine(None)),
+    ] {
+        let other = HostKvCache::new(l.clone(), CHUNK).unwrap();
+        let oreg = c.register_host(&spec, &other).unwrap();
+        let dst: Vec<u32> = (0..reg.blocks_per_chunk()).collect();
+        match c.retrieve(Retrieve::new(&oreg, id, &dst)) {
+            Err(Error::Status(Status::ForeignLease)) => {}
+            other => panic!("{who}: retrieve {other:?}"),
+        }
+        expect_status(
+            c.release_lease_chunks(id, 0, u32::MAX),
+            Status::ForeignLease,
+        );
+        expect_status(c.end_lease_id(id), Status::ForeignLease);
+        c.unregister(oreg).unwrap();
+    }
+    // Nothing changed: the lease still holds every chunk, and engine A's
+    // worker retrieves all three, byte for byte.
+    assert_eq!(sched.stats().unwrap().leases, 1);
+    let fresh = HostKvCache::new(l.clone(), CHUNK).unwrap();
+    fresh.fill(0x5a);
+    let freg = worker.register_host(&spec, &fresh).unwrap();
+    let dst: Vec<u32> = (10..10 + 3 * reg.blocks_per_chunk()).collect();
+    done(worker.retrieve(Retrieve::new(&freg, id, &dst)).unwrap());
+    for (h, b) in hashes
+        .iter()
+        .zip(dst.chunks(reg.blocks_per_chunk() as usize))
+    {
+        kvring::kv::pattern::verify_chunk(&fresh, 0, h, b, 0, 0x5a).unwrap();
+    }
+    // The engine's scheduler ends it (a second end: no lease left).
+    drop(lease);
+    assert_eq!(sched.stats().unwrap().leases, 0);
+}

@@ -132,6 +132,10 @@ pub(super) fn connect(paths: &ServerPaths, opts: &ClientOptions) -> Result<Clien
         protocol: PROTOCOL_VERSION,
         layout_version: LAYOUT_VERSION,
         _reserved: 0,
+        engine: opts
+            .engine
+            .as_deref()
+            .map_or([0; 32], crate::kv::engine_key),
     };
     conn.send(bytemuck::bytes_of(&hello), &[])
         .map_err(crate::error::io("send hello"))?;

@@ -72,6 +72,9 @@ pub struct ClientOptions {
     /// How long a synchronous request (a submission that returns a job, a
     /// control request, a registration) may wait for its answer.
     pub call_timeout: Duration,
+    /// The engine this client belongs to (see [`ClientBuilder::engine`]);
+    /// `None`: the anonymous engine.
+    pub engine: Option<String>,
 }
 
 impl Default for ClientOptions {
@@ -80,6 +83,7 @@ impl Default for ClientOptions {
             connect_timeout: Duration::from_secs(5),
             wait: WaitPolicy::default(),
             call_timeout: Duration::from_secs(10),
+            engine: None,
         }
     }
 }
@@ -110,6 +114,17 @@ impl ClientBuilder {
     /// How long a synchronous request may wait for its answer.
     pub fn call_timeout(mut self, d: Duration) -> Self {
         self.opts.call_timeout = d;
+        self
+    }
+
+    /// The engine this client belongs to, by an id its scheduler and every
+    /// worker share and other engines do not know (vLLM's
+    /// `kv_transfer_config.engine_id`). A lease (a LOOKUP) can then be
+    /// retrieved, freed or ended only by clients of this engine; others get
+    /// `Status::ForeignLease`. Clients that name no engine share the
+    /// anonymous one.
+    pub fn engine(mut self, id: &str) -> Self {
+        self.opts.engine = Some(id.to_string());
         self
     }
 

@@ -44,6 +44,16 @@ pub fn chunk_hashes(tokens: &[u32], chunk_tokens: u32) -> Vec<ChunkHash> {
         .collect()
 }
 
+/// The key of engine `id` a client sends in its hello: BLAKE3
+/// ("kvring-engine-v1" || id). The server keeps it and never writes it to
+/// shared memory, so engines that do not know `id` cannot act as this one.
+pub fn engine_key(id: &str) -> [u8; 32] {
+    let mut h = blake3::Hasher::new();
+    h.update(b"kvring-engine-v1");
+    h.update(id.as_bytes());
+    *h.finalize().as_bytes()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -16,7 +16,7 @@ pub mod plan;
 pub mod preset;
 
 pub use geometry::{Dtype, GeometryError, GeometryFlags, KvGeometry, KvShape};
-pub use hash::{chunk_hashes, model_id, salt_id, ChunkHash};
+pub use hash::{chunk_hashes, engine_key, model_id, salt_id, ChunkHash};
 pub use layout::{KvLayout, LayerPlacement, LayoutError, Part};
 pub use plan::CopyPlan;
 pub use preset::LayoutPreset;

@@ -186,6 +186,8 @@ wire_enum! {
         UnknownInstance = -16 => "unknown_instance",
         #[error("server error")]
         ServerError = -17 => "server_error",
+        #[error("the lease belongs to another engine")]
+        ForeignLease = -18 => "foreign_lease",
     }
 }
 
@@ -287,11 +289,17 @@ shm_struct! {
         /// Layout version the client understands.
         [16] pub layout_version: u32,
         [20] pub _reserved: u32,
+        /// The engine this client belongs to: `kv::engine_key(engine id)`,
+        /// the same in an engine's scheduler and every worker; zero: the
+        /// anonymous engine. Only clients of the engine that took a lease may
+        /// use, free or end it. Kept by the server, never written to shared
+        /// memory.
+        [24] pub engine: [u8; 32],
     }
 }
 
 const _: () = {
-    assert!(size_of::<Hello>() == 24);
+    assert!(size_of::<Hello>() == 56);
 };
 
 shm_struct! {

@@ -149,7 +149,11 @@ impl<'a> Acceptor<'a> {
         let w = self.welcome(Status::Ok, slot, session);
         let share = self.shared.seg.share_fd();
         let pidfd = PidFd::open(cred.pid).ok();
-        self.shared.push_event(RingEvent::Attach { slot, session });
+        self.shared.push_event(RingEvent::Attach {
+            slot,
+            session,
+            engine: h.engine,
+        });
         let h = m.header();
         h.clients_accepted.fetch_add(1, r);
         h.clients_connected.fetch_add(1, r);

@@ -87,6 +87,8 @@ pub enum LeaseError {
     NotHeld,
     /// The lease was taken for another model, world size or salt.
     Mismatch,
+    /// The lease belongs to another engine.
+    Foreign,
 }
 
 pub struct Cache {
@@ -105,6 +107,9 @@ pub struct Cache {
 /// What a lease was taken for; a retrieve must match it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LeaseMeta {
+    /// The engine whose client took it (`kv::engine_key`; zero: the
+    /// anonymous engine): only its clients may use, free or end it.
+    pub engine: [u8; 32],
     pub model_id: u64,
     pub world_size: u32,
     pub salt: u64,
@@ -385,6 +390,7 @@ impl Cache {
     pub fn take_for_retrieve(
         &mut self,
         id: JobId,
+        engine: &[u8; 32],
         meta_check: impl FnOnce(&LeaseMeta) -> bool,
         rank: u32,
         first: u32,
@@ -393,6 +399,9 @@ impl Cache {
         let Some((meta, lease)) = self.leases.get_mut(&id) else {
             return Err(LeaseError::NoLease);
         };
+        if meta.engine != *engine {
+            return Err(LeaseError::Foreign);
+        }
         if !meta_check(meta) {
             return Err(LeaseError::Mismatch);
         }
@@ -444,11 +453,27 @@ impl Cache {
         }
     }
 
+    /// Lease `id`, if the client's `engine` may act on it.
+    fn lease_of(&self, id: JobId, engine: &[u8; 32]) -> Result<(), LeaseError> {
+        match self.leases.get(&id) {
+            None => Err(LeaseError::NoLease),
+            Some((m, _)) if m.engine != *engine => Err(LeaseError::Foreign),
+            Some(_) => Ok(()),
+        }
+    }
+
     /// FREE_LOOKUP_LOCKS: drops lease `id`'s holds on chunks `first ..
-    /// first + n` (clamped to the lease). False if there is no such lease.
-    pub fn free_locks(&mut self, id: JobId, first: u32, n: u32) -> bool {
+    /// first + n` (clamped to the lease), for a client of `engine`.
+    pub fn free_locks(
+        &mut self,
+        id: JobId,
+        engine: &[u8; 32],
+        first: u32,
+        n: u32,
+    ) -> Result<(), LeaseError> {
+        self.lease_of(id, engine)?;
         let Some((meta, mut lease)) = self.leases.remove(&id) else {
-            return false;
+            return Err(LeaseError::NoLease);
         };
         let len = lease.holds.len();
         let a = (first as usize).min(len);
@@ -458,19 +483,20 @@ impl Cache {
             self.leases.insert(id, (meta, lease));
         }
         self.stats.leases = self.leases.len() as u64;
-        true
+        Ok(())
     }
 
     /// END_SESSION: drops everything lease `id` holds, marking its objects
-    /// recently used. False if there is no such lease.
-    pub fn end_session(&mut self, id: JobId) -> bool {
+    /// recently used, for a client of `engine`.
+    pub fn end_session(&mut self, id: JobId, engine: &[u8; 32]) -> Result<(), LeaseError> {
+        self.lease_of(id, engine)?;
         let Some((_, mut lease)) = self.leases.remove(&id) else {
-            return false;
+            return Err(LeaseError::NoLease);
         };
         let n = lease.holds.len();
         self.drop_holds(&mut lease, 0..n, true);
         self.stats.leases = self.leases.len() as u64;
-        true
+        Ok(())
     }
 
     /// Drops the leases of a departed client, and leases past their TTL.
@@ -536,6 +562,7 @@ mod tests {
 
     fn meta() -> LeaseMeta {
         LeaseMeta {
+            engine: [0; 32],
             model_id: 1,
             world_size: 2,
             salt: 0,
@@ -576,17 +603,17 @@ mod tests {
         assert_eq!(c.holds_of(&key(1, 0)), Some(1));
         assert_eq!(c.holds_of(&key(3, 0)), Some(0), "not part of the prefix");
         let got = c
-            .take_for_retrieve(lease(1), |m| *m == meta(), 0, 0, 2)
+            .take_for_retrieve(lease(1), &[0; 32], |m| *m == meta(), 0, 0, 2)
             .unwrap();
         assert_eq!(got.len(), 2);
         assert_eq!(c.holds_of(&key(1, 0)), Some(1), "now the retrieve's hold");
         assert_eq!(
-            c.take_for_retrieve(lease(1), |_| true, 0, 0, 1),
+            c.take_for_retrieve(lease(1), &[0; 32], |_| true, 0, 0, 1),
             Err(LeaseError::NotHeld),
             "used once"
         );
         // Freeing the lease does not drop the retrieve's holds.
-        assert!(c.free_locks(lease(1), 0, u32::MAX));
+        assert!(c.free_locks(lease(1), &[0; 32], 0, u32::MAX).is_ok());
         assert_eq!(c.holds_of(&key(1, 0)), Some(1));
         assert_eq!(c.holds_of(&key(1, 1)), Some(0));
         let objs: Vec<u32> = got.iter().map(|g| g.0).collect();
@@ -594,7 +621,7 @@ mod tests {
         assert_eq!(c.holds_of(&key(1, 0)), Some(0));
         assert_eq!(c.stats.leases, 0);
         assert_eq!(
-            c.take_for_retrieve(lease(1), |_| true, 1, 0, 1),
+            c.take_for_retrieve(lease(1), &[0; 32], |_| true, 1, 0, 1),
             Err(LeaseError::NoLease)
         );
     }

@@ -182,6 +182,8 @@ fn hashes(bytes: &[u8]) -> impl Iterator<Item = ChunkHash> + '_ {
 pub struct Caller {
     pub slot: u32,
     pub session: u32,
+    /// The engine the client belongs to.
+    pub engine: [u8; 32],
     pub user_data: u64,
 }
 
@@ -230,6 +232,7 @@ pub fn lookup(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
         Some(g) => {
             let hs: Vec<ChunkHash> = hashes(rest).collect();
             let meta = LeaseMeta {
+                engine: who.engine,
                 model_id: h.model_id,
                 world_size: h.world_size,
                 salt: h.salt,
@@ -423,11 +426,12 @@ pub fn retrieve(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
             && m.fingerprint == inst.fingerprint
     };
     let held = kv.with_cache(shared, |c| {
-        c.take_for_retrieve(h.lease, check, rank, h.first_chunk, h.n_chunks)
+        c.take_for_retrieve(h.lease, &who.engine, check, rank, h.first_chunk, h.n_chunks)
     });
     let objs = match held {
         Ok(o) => o,
         Err(LeaseError::Mismatch) => return Err(Status::InvalidArgument),
+        Err(LeaseError::Foreign) => return Err(Status::ForeignLease),
         Err(LeaseError::NoLease | LeaseError::NotHeld) => return Err(Status::NoLease),
     };
     let id = match new_job(shared, JobKind::Retrieve, who) {
@@ -468,31 +472,39 @@ pub fn retrieve(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
     id_reply(id)
 }
 
-pub fn free_lookup_locks(shared: &Shared, req: &[u8]) -> Outcome {
+/// A lease operation's refusal as a status.
+fn lease_status(e: LeaseError) -> Status {
+    match e {
+        LeaseError::Foreign => Status::ForeignLease,
+        LeaseError::Mismatch => Status::InvalidArgument,
+        LeaseError::NoLease | LeaseError::NotHeld => Status::NoLease,
+    }
+}
+
+pub fn free_lookup_locks(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
     let (h, rest) = split_header::<FreeLocksRequest>(req).ok_or(Status::BadLength)?;
     if !rest.is_empty() {
         return Err(Status::BadLength);
     }
-    if shared
+    shared
         .kv
-        .with_cache(shared, |c| c.free_locks(h.lease, h.first_chunk, h.n_chunks))
-    {
-        Ok(Vec::new())
-    } else {
-        Err(Status::NoLease)
-    }
+        .with_cache(shared, |c| {
+            c.free_locks(h.lease, &who.engine, h.first_chunk, h.n_chunks)
+        })
+        .map(|()| Vec::new())
+        .map_err(lease_status)
 }
 
-pub fn end_session(shared: &Shared, req: &[u8]) -> Outcome {
+pub fn end_session(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
     let (h, rest) = split_header::<EndSessionRequest>(req).ok_or(Status::BadLength)?;
     if !rest.is_empty() {
         return Err(Status::BadLength);
     }
-    if shared.kv.with_cache(shared, |c| c.end_session(h.lease)) {
-        Ok(Vec::new())
-    } else {
-        Err(Status::NoLease)
-    }
+    shared
+        .kv
+        .with_cache(shared, |c| c.end_session(h.lease, &who.engine))
+        .map(|()| Vec::new())
+        .map_err(lease_status)
 }
 
 pub fn clear(shared: &Shared, req: &[u8]) -> Outcome {

@@ -239,7 +239,12 @@ impl ServerConfig {
 }
 
 enum RingEvent {
-    Attach { slot: u32, session: u32 },
+    Attach {
+        slot: u32,
+        session: u32,
+        /// The client's engine key (from its hello).
+        engine: [u8; 32],
+    },
     Detach { slot: u32 },
 }
 

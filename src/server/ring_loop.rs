@@ -27,6 +27,8 @@ const BATCH: usize = 256;
 struct RingClient<'a> {
     slot: u32,
     session: u32,
+    /// The engine the client belongs to (its hello's key).
+    engine: [u8; 32],
     req: Consumer,
     cq: Producer,
     sleeping: &'a AtomicU32,
@@ -42,7 +44,12 @@ struct RingClient<'a> {
     pending_bad: bool,
 }
 
-fn attach<'a>(shared: &'a Shared, slot: u32, session: u32) -> Result<RingClient<'a>, RingError> {
+fn attach<'a>(
+    shared: &'a Shared,
+    slot: u32,
+    session: u32,
+    engine: [u8; 32],
+) -> Result<RingClient<'a>, RingError> {
     let m = &shared.seg.mapping;
     let g = m.info().geometry;
     let sb = m.server_client(slot);
@@ -71,6 +78,7 @@ fn attach<'a>(shared: &'a Shared, slot: u32, session: u32) -> Result<RingClient<
     Ok(RingClient {
         slot,
         session,
+        engine,
         req,
         cq,
         sleeping: &cb.client_sleeping,
@@ -127,6 +135,7 @@ fn execute<'b>(
     let who = kv_ops::Caller {
         slot: c.slot,
         session: c.session,
+        engine: c.engine,
         user_data,
     };
     match op {
@@ -176,8 +185,8 @@ fn execute<'b>(
         Some(Opcode::Lookup) => kv_ops::lookup(shared, who, req).into(),
         Some(Opcode::Store) => kv_ops::store(shared, who, req).into(),
         Some(Opcode::Retrieve) => kv_ops::retrieve(shared, who, req).into(),
-        Some(Opcode::FreeLookupLocks) => kv_ops::free_lookup_locks(shared, req).into(),
-        Some(Opcode::EndSession) => kv_ops::end_session(shared, req).into(),
+        Some(Opcode::FreeLookupLocks) => kv_ops::free_lookup_locks(shared, who, req).into(),
+        Some(Opcode::EndSession) => kv_ops::end_session(shared, who, req).into(),
         Some(Opcode::Clear) => kv_ops::clear(shared, req).into(),
         Some(Opcode::Stats) => kv_ops::stats(shared, req).into(),
         Some(Opcode::GetConfig) => kv_ops::config(shared, req).into(),
@@ -330,7 +339,11 @@ pub(super) fn run(shared: &Shared, policy: WaitPolicy) {
     loop {
         for ev in shared.take_events() {
             match ev {
-                RingEvent::Attach { slot, session } => match attach(shared, slot, session) {
+                RingEvent::Attach {
+                    slot,
+                    session,
+                    engine,
+                } => match attach(shared, slot, session, engine) {
                     Ok(c) => {
                         clients[slot as usize] = Some(c);
                         active.push(slot);
