@@ -11,6 +11,7 @@
 //! the bootstrap socket, so their mappings can never keep the server's
 //! liveness lock held after the server died.
 
+use crate::shm_struct::Load;
 use crate::error::{nix as nix_err, Error, Result};
 use crate::liveness::{self, LockProbe};
 use crate::shm::{
@@ -71,11 +72,11 @@ impl Mapping {
         unsafe { self.map.as_ptr().add(off as usize) as *const crate::sync::AtomicU64 }
     }
 
-    pub fn header(&self) -> &SegmentHeader {
+    pub(crate) fn header(&self) -> &SegmentHeader {
         self.at(0)
     }
 
-    pub fn doorbell(&self) -> &DoorbellPage {
+    pub(crate) fn doorbell(&self) -> &DoorbellPage {
         self.at(self.info.offsets.doorbell_off)
     }
 
@@ -91,16 +92,16 @@ impl Mapping {
             + u64::from(slot) * self.info.offsets.client_block_stride
     }
 
-    pub fn server_client(&self, slot: u32) -> &ServerClientBlock {
+    pub(crate) fn server_client(&self, slot: u32) -> &ServerClientBlock {
         self.at(self.server_client_off(slot))
     }
 
-    pub fn client_block(&self, slot: u32) -> &ClientBlock {
+    pub(crate) fn client_block(&self, slot: u32) -> &ClientBlock {
         self.at(self.client_block_off(slot))
     }
 
     /// The job table: `job_slots` slots at `jobs_off`.
-    pub fn job_slots(&self) -> &[crate::jobs::JobSlot] {
+    pub(crate) fn job_slots(&self) -> &[crate::jobs::JobSlot] {
         let n = self.info.geometry.job_slots as usize;
         let off = self.info.offsets.jobs_off as usize;
         assert!(off + n * std::mem::size_of::<crate::jobs::JobSlot>() <= self.map.len());
@@ -113,7 +114,7 @@ impl Mapping {
     }
 
     /// The op stats region, at `op_stats_off`.
-    pub fn op_stats(&self) -> &OpStats {
+    pub(crate) fn op_stats(&self) -> &OpStats {
         self.at(self.info.offsets.op_stats_off)
     }
 
@@ -250,10 +251,64 @@ fn validate(name: &str, file: &File) -> Result<SegmentInfo> {
     })
 }
 
+/// A read-only mapping of a segment, as its words' values: each struct is
+/// loaded word by word (Acquire) into its plain `…Values` twin, so no
+/// reference to memory mapped `PROT_READ` reaches safe code, and nothing
+/// can store to it (a store there would fault).
+///
+/// ```compile_fail
+/// # fn main() -> kvring::Result<()> {
+/// let seg = kvring::segment::ReadOnlySegment::open("default")?;
+/// let h: &kvring::shm::SegmentHeader = seg.mapping.header(); // private
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone, Copy)]
+pub struct View<'a>(&'a Mapping);
+
+impl<'a> View<'a> {
+    pub fn info(&self) -> &'a SegmentInfo {
+        self.0.info()
+    }
+
+    pub fn header(&self) -> crate::shm::SegmentHeaderValues {
+        self.0.header().load_value(Ordering::Acquire)
+    }
+
+    pub fn doorbell(&self) -> crate::shm::DoorbellPageValues {
+        self.0.doorbell().load_value(Ordering::Acquire)
+    }
+
+    /// Client slot `slot`'s server-written block.
+    pub fn server_client(&self, slot: u32) -> crate::shm::ServerClientBlockValues {
+        self.0.server_client(slot).load_value(Ordering::Acquire)
+    }
+
+    /// Client slot `slot`'s client-written block.
+    pub fn client_block(&self, slot: u32) -> crate::shm::ClientBlockValues {
+        self.0.client_block(slot).load_value(Ordering::Acquire)
+    }
+
+    /// Job slot `index`'s words, each on its own (a consistent read of a job
+    /// is [`View::job_reader`]'s).
+    pub fn job_slot(&self, index: u32) -> crate::jobs::JobSlotValues {
+        self.0.job_slots()[index as usize].load_value(Ordering::Acquire)
+    }
+
+    pub fn op_stats(&self) -> crate::shm::OpStatsValues {
+        self.0.op_stats().load_value(Ordering::Acquire)
+    }
+
+    /// A reader of the job table (seqlock reads; loads only).
+    pub fn job_reader(&self) -> crate::jobs::JobReader<'a> {
+        self.0.job_reader()
+    }
+}
+
 /// A read-only attachment (observers, tests, the inspector): maps the whole
 /// segment PROT_READ through its own read-only description.
 pub struct ReadOnlySegment {
-    pub mapping: Mapping,
+    pub(crate) mapping: Mapping,
     file: File,
 }
 
@@ -281,6 +336,11 @@ impl ReadOnlySegment {
         })
     }
 
+    /// The segment's words as values (the mapping is read-only).
+    pub fn view(&self) -> View<'_> {
+        View(&self.mapping)
+    }
+
     /// Whether the server that owns this segment is alive (its liveness lock
     /// is held). Proof, not a pid guess: the kernel drops the lock at exit.
     pub fn server_alive(&self) -> Result<bool> {
@@ -293,7 +353,7 @@ impl ReadOnlySegment {
 /// The client's view: the whole segment read-only, plus writable mappings of
 /// the doorbell page and of its own client block (and its request ring).
 pub struct ClientSegment {
-    pub mapping: Mapping,
+    pub(crate) mapping: Mapping,
     doorbell_rw: MmapRaw,
     block_rw: MmapRaw,
     file: File,
@@ -333,6 +393,12 @@ impl ClientSegment {
             block_rw,
             file,
         })
+    }
+
+    /// The segment's words as values (this client's writable pages are
+    /// [`ClientSegment::block_rw`] and [`ClientSegment::doorbell_rw`]).
+    pub fn view(&self) -> View<'_> {
+        View(&self.mapping)
     }
 
     /// The doorbell page, writable.

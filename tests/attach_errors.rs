@@ -171,7 +171,7 @@ fn a_stale_segment_of_a_dead_server_is_replaced() {
     let _srv = s.server(&[]);
     let now = ReadOnlySegment::open(&s.name).unwrap();
     assert!(now.server_alive().unwrap());
-    assert!(now.mapping.info().epoch > old_epoch);
+    assert!(now.view().info().epoch > old_epoch);
     // The old mapping still reads the old, dead segment.
-    assert_eq!(ro.mapping.info().epoch, old_epoch);
+    assert_eq!(ro.view().info().epoch, old_epoch);
 }

@@ -15,7 +15,6 @@ use kvring::kv::{
 use kvring::proto::Opcode;
 use kvring::shm::SlotState;
 use kvring::{DelayJob, KvSpec, Lookup, Retrieve, Store};
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 fn layout() -> KvLayout {
@@ -119,7 +118,7 @@ fn killed_clients_are_reclaimed_and_nothing_leaks() {
     good.release_job(job).unwrap();
 
     let ro = kvring::segment::ReadOnlySegment::open(&s.name).unwrap();
-    let h = ro.mapping.header();
+    let h = || ro.view().header();
     let roles = [
         "mid-message",
         "registering",
@@ -140,18 +139,16 @@ fn killed_clients_are_reclaimed_and_nothing_leaks() {
         // Kill at a random moment shortly after it is ready.
         std::thread::sleep(Duration::from_micros(seed % 5000));
         let pid = child.child.id();
-        let slot = (0..ro.mapping.info().geometry.max_clients)
+        let slot = (0..ro.view().info().geometry.max_clients)
             .find(|&sl| {
-                let sb = ro.mapping.server_client(sl);
-                sb.pid.load(Ordering::Relaxed) == pid
-                    && sb.state.load(Ordering::Relaxed) != SlotState::Free as u32
+                let sb = || ro.view().server_client(sl);
+                sb().pid == pid && sb().state != SlotState::Free as u32
             })
             .expect("the child's slot");
         child.kill();
-        let sb = ro.mapping.server_client(slot);
+        let sb = || ro.view().server_client(slot);
         let took = eventually(Duration::from_secs(1), || {
-            sb.state.load(Ordering::Acquire) == SlotState::Free as u32
-                && sb.kv_instances.load(Ordering::Relaxed) == 0
+            sb().state == SlotState::Free as u32 && sb().kv_instances == 0
         })
         .unwrap_or_else(|| panic!("iteration {it} ({role}): slot {slot} not reclaimed within 1 s"));
         slowest = slowest.max(took);
@@ -181,7 +178,7 @@ fn killed_clients_are_reclaimed_and_nothing_leaks() {
     // engine's connection and registrations, and once cleared the pool is
     // empty (an object still being written could not be cleared).
     assert_no_unfinished_jobs(&ro);
-    assert_eq!(h.clients_connected.load(Ordering::Relaxed), 1);
+    assert_eq!(h().clients_connected, 1);
     // The inspector sees the same: one client, every kill reclaimed, no
     // anomaly.
     let snap = kvring::inspect::snapshot(&ro, Default::default());

@@ -10,7 +10,6 @@ use kvring::ring::{FrameHeader, RingError};
 use kvring::segment::ReadOnlySegment;
 use kvring::shm::SlotState;
 use kvring::Error;
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 /// Child roles, run when this binary is re-executed by `Scope::child`.
@@ -173,8 +172,8 @@ fn stale_session_frames_are_never_served() {
         b"mine"
     );
     let ro = ReadOnlySegment::open(&s.name).unwrap();
-    let sb = ro.mapping.server_client(c.slot());
-    assert_eq!(sb.requests_rejected.load(Ordering::Relaxed), 1);
+    let sb = ro.view().server_client(c.slot());
+    assert_eq!(sb.requests_rejected, 1);
     // An unknown opcode gets an error completion, and the ring goes on.
     let bad = FrameHeader {
         opcode: 999,
@@ -209,25 +208,24 @@ fn killed_client_is_reclaimed_within_a_second_and_others_are_unaffected() {
     let line = victim.expect_line("ready");
     let slot: u32 = line.trim_start_matches("ready slot=").parse().unwrap();
     let ro = ReadOnlySegment::open(&s.name).unwrap();
-    let h = ro.mapping.header();
-    assert_eq!(h.clients_connected.load(Ordering::Relaxed), 2);
-    let reclaimed_before = h.clients_reclaimed.load(Ordering::Relaxed);
-    let sb = ro.mapping.server_client(slot);
-    assert_eq!(sb.state.load(Ordering::Relaxed), SlotState::Active as u32);
+    let h = || ro.view().header();
+    assert_eq!(h().clients_connected, 2);
+    let reclaimed_before = h().clients_reclaimed;
+    let sb = || ro.view().server_client(slot);
+    assert_eq!(sb().state, SlotState::Active as u32);
 
     // Keep the other client busy across the kill.
     let killed_at = Instant::now();
     victim.kill();
     let took = eventually(Duration::from_secs(1), || {
-        sb.state.load(Ordering::Acquire) == SlotState::Free as u32
-            && h.clients_reclaimed.load(Ordering::Relaxed) == reclaimed_before + 1
+        sb().state == SlotState::Free as u32 && h().clients_reclaimed == reclaimed_before + 1
     });
     assert!(
         took.is_some(),
         "slot {slot} not reclaimed within 1 s of the kill"
     );
     eprintln!("reclaimed {:?} after the kill", killed_at.elapsed());
-    assert_eq!(h.clients_connected.load(Ordering::Relaxed), 1);
+    assert_eq!(h().clients_connected, 1);
     for i in 0..1000u32 {
         assert_eq!(
             other
@@ -237,7 +235,7 @@ fn killed_client_is_reclaimed_within_a_second_and_others_are_unaffected() {
         );
     }
     // The slot is reused with a new session and a clean ring.
-    let old_session = sb.session.load(Ordering::Relaxed);
+    let old_session = sb().session;
     let mut fresh = s.client();
     assert_eq!(fresh.slot(), slot);
     assert_ne!(fresh.raw().session(), old_session);

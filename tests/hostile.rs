@@ -51,7 +51,7 @@ fn hostile_clients_never_hurt_the_server_or_an_honest_engine() {
         let slot = evil.slot();
         let seg = evil.segment();
         let cb = seg.block_rw();
-        let words = seg.mapping.info().geometry.req_ring_bytes as u64 / 8;
+        let words = seg.view().info().geometry.req_ring_bytes as u64 / 8;
         // Garbage frames: random words, sometimes plausible headers.
         for i in 0..64 {
             let w = match rng.next() % 4 {
@@ -110,10 +110,9 @@ fn hostile_clients_never_hurt_the_server_or_an_honest_engine() {
             b"still here"
         );
         // A hostile client whose ring broke the rules is disconnected.
-        let sb = ro.mapping.server_client(slot);
+        let sb = || ro.view().server_client(slot);
         let gone = eventually(Duration::from_millis(300), || {
-            sb.state.load(Ordering::Acquire) != SlotState::Active as u32
-                || sb.session.load(Ordering::Relaxed) != evil_session
+            sb().state != SlotState::Active as u32 || sb().session != evil_session
         });
         kicked += gone.is_some() as u32;
         drop(evil);
@@ -127,9 +126,9 @@ fn hostile_clients_never_hurt_the_server_or_an_honest_engine() {
     );
     eprintln!("{kicked} of {rounds} hostile clients disconnected");
     assert!(kicked >= rounds / 2, "{kicked}");
-    let h = ro.mapping.header();
+    let h = || ro.view().header();
     let reclaimed = eventually(Duration::from_secs(2), || {
-        h.clients_reclaimed.load(Ordering::Relaxed) >= u64::from(kicked)
+        h().clients_reclaimed >= u64::from(kicked)
     });
     assert!(
         reclaimed.is_some(),
@@ -152,7 +151,7 @@ fn an_odd_lock_word_retires_its_job_slot_instead_of_stalling_the_server() {
         .unwrap();
     let index = job.id().index();
     let ro = kvring::segment::ReadOnlySegment::open(&s.name).unwrap();
-    let info = ro.mapping.info().clone();
+    let info = ro.view().info().clone();
     let fd = nix::sys::mman::shm_open(
         kvring::rundir::shm_name(&s.name).as_str(),
         nix::fcntl::OFlag::O_RDWR,
@@ -201,7 +200,7 @@ fn an_odd_lock_word_retires_its_job_slot_instead_of_stalling_the_server() {
     ));
     // Counted in the header (published every tick) and flagged.
     let deadline = Instant::now() + Duration::from_secs(5);
-    while ro.mapping.header().jobs_retired.load(Ordering::Relaxed) != 1 {
+    while ro.view().header().jobs_retired != 1 {
         assert!(
             Instant::now() < deadline,
             "the retired slot was not counted"

@@ -10,7 +10,6 @@ use kvring::jobs::{FailReason, JobId, JobResult, JobStatus};
 use kvring::proto::Status;
 use kvring::segment::ReadOnlySegment;
 use kvring::{DelayJob, Error};
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 fn delay(pending_ms: u64, running_ms: u64) -> DelayJob {
@@ -131,11 +130,11 @@ fn a_job_goes_pending_running_done_tombstoned_as_seen_from_shared_memory() {
     assert_eq!(st, JobStatus::Failed(FailReason::Requested));
     assert!(t.elapsed() >= Duration::from_millis(50));
     let h = ReadOnlySegment::open(&s.name).unwrap();
-    let hdr = h.mapping.header();
-    assert_eq!(hdr.jobs_submitted.load(Ordering::Relaxed), 2);
-    assert_eq!(hdr.jobs_done.load(Ordering::Relaxed), 1);
-    assert_eq!(hdr.jobs_failed.load(Ordering::Relaxed), 1);
-    assert_eq!(hdr.jobs_released.load(Ordering::Relaxed), 1);
+    let hdr = || h.view().header();
+    assert_eq!(hdr().jobs_submitted, 2);
+    assert_eq!(hdr().jobs_done, 1);
+    assert_eq!(hdr().jobs_failed, 1);
+    assert_eq!(hdr().jobs_released, 1);
 }
 
 #[test]
@@ -163,12 +162,12 @@ fn a_released_job_reads_terminal_10000_times_and_through_1000_reuses_of_its_slot
         "reuse",
     );
     let ro = ReadOnlySegment::open(&s.name).unwrap();
-    let reader = ro.mapping.job_reader();
+    let reader = ro.view().job_reader();
     let mut polls = 0u64;
     let mut expired = 0u64;
-    let hdr = ro.mapping.header();
+    let hdr = || ro.view().header();
     std::fs::write(s.dir.join("go"), b"").unwrap();
-    while hdr.jobs_released.load(Ordering::Relaxed) < 1001 {
+    while hdr().jobs_released < 1001 {
         let st = c.job_status(id).unwrap();
         assert!(st.is_terminal(), "released job read {st:?}");
         let seen = reader.status(id).unwrap();
@@ -179,7 +178,7 @@ fn a_released_job_reads_terminal_10000_times_and_through_1000_reuses_of_its_slot
     child.expect_line("reused 1000");
     assert_eq!(c.job_status(id).unwrap(), JobStatus::Expired);
     assert_eq!(
-        ro.mapping
+        ro.view()
             .job_reader()
             .current_id(0)
             .unwrap()
@@ -220,7 +219,7 @@ fn a_dead_clients_jobs_end_failed_client_gone_within_a_second() {
     assert!(took.is_some(), "jobs not reclaimed within 1 s of the kill");
     eprintln!("jobs reclaimed {:?} after the kill", killed.elapsed());
     let ro = ReadOnlySegment::open(&s.name).unwrap();
-    assert_eq!(ro.mapping.header().jobs_failed.load(Ordering::Relaxed), 2);
+    assert_eq!(ro.view().header().jobs_failed, 2);
     // A non-owner waits through the polling path and gets the same answer.
     let o = observer;
     assert_eq!(

@@ -28,6 +28,8 @@ mod table;
 
 #[cfg(not(loom))]
 pub use reader::{JobInfo, JobReader, ReadError};
+#[cfg(not(loom))]
+pub use slot::JobSlotValues;
 pub use slot::{JobSlot, SlotStatus};
 #[cfg(not(loom))]
 pub use table::{JobTable, NewJob, Released};

@@ -29,7 +29,7 @@ use crate::sync::{fence, AtomicU32, AtomicU64, Ordering};
 shm_struct! {
     /// One job slot (128 bytes, `shm_layout.md` "JobSlot"). Server-written only.
     #[repr(align(128))]
-    pub struct JobSlot {
+    pub struct JobSlot => JobSlotValues {
         /// Seqlock sequence: odd while a writer is inside, bumped by 2 per write.
         [0] pub seq: AtomicU64,
         /// Generation of the current (or last) job in this slot; 0 = never used.

@@ -20,7 +20,7 @@ mod ops;
 #[doc(hidden)]
 pub mod doc;
 
-pub use ops::{OpStat, OpStats, HIST_BUCKETS, OP_STAT_SLOTS};
+pub use ops::{OpStat, OpStatValues, OpStats, OpStatsValues, HIST_BUCKETS, OP_STAT_SLOTS};
 
 /// Page size the layout is built on; every region starts on a page boundary so
 /// that each can be mapped with its own protection.
@@ -35,7 +35,7 @@ pub const LAYOUT_VERSION: u32 = 3;
 
 shm_struct! {
     /// Segment header, at offset 0. Written by the server only.
-    pub struct SegmentHeader {
+    pub struct SegmentHeader => SegmentHeaderValues {
         /// Identity: [`MAGIC`].
         [0] pub magic: AtomicU64,
         /// Identity: [`LAYOUT_VERSION`], stored last (Release) once everything
@@ -147,7 +147,7 @@ wire_enum! {
 shm_struct! {
     /// The doorbell page, at `doorbell_off`. The only page every client maps
     /// writable.
-    pub struct DoorbellPage {
+    pub struct DoorbellPage => DoorbellPageValues {
         /// Futex word the server's ring thread parks on. Clients add 1 and wake
         /// it when they publish work and see `server_sleeping` set; the server
         /// adds 1 itself to wake its own ring thread. Its value means nothing
@@ -164,7 +164,7 @@ shm_struct! {
     /// Server-written state of one client slot, at
     /// `server_clients_off + slot * server_client_stride`. The completion ring's
     /// data follows at +[`PAGE`].
-    pub struct ServerClientBlock {
+    pub struct ServerClientBlock => ServerClientBlockValues {
         /// [`SlotState`] as u32.
         [0] pub state: AtomicU32,
         /// Session tag of the current occupant (bumped at every assignment, never 0
@@ -238,7 +238,7 @@ shm_struct! {
     /// `client_blocks_off + slot * client_block_stride`. The request ring's data
     /// follows at +[`PAGE`]. Its occupant maps this block writable; the server
     /// treats every word in it as untrusted.
-    pub struct ClientBlock {
+    pub struct ClientBlock => ClientBlockValues {
         /// Request ring tail: the client produces requests.
         [0] pub req_tail: CachePadded<AtomicU64>,
         /// Completion ring head: the client consumes completions.

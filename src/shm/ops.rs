@@ -26,7 +26,7 @@ shm_struct! {
     /// operation is its job's submitted -> finished time; of any other, the
     /// server's time from reading the request to writing its completion. PING
     /// latencies are not recorded (it is the client's round trip).
-    pub struct OpStat {
+    pub struct OpStat => OpStatValues {
         /// Requests served (including refused ones).
         [0] pub count: AtomicU64,
         /// Requests answered with an error status, and jobs that failed.
@@ -60,7 +60,7 @@ impl OpStat {
 
 shm_struct! {
     /// The op stats region, at `op_stats_off`. Written by the server only.
-    pub struct OpStats {
+    pub struct OpStats => OpStatsValues {
         /// Per operation, at its dense index.
         [0] pub ops: [OpStat; OP_STAT_SLOTS],
     }

@@ -604,8 +604,8 @@ pub fn prompt_hashes(seed: u32, chunks: usize) -> Vec<ChunkHash> {
 #[allow(dead_code)]
 pub fn assert_no_unfinished_jobs(ro: &kvring::segment::ReadOnlySegment) {
     use kvring::jobs::JobState;
-    let reader = ro.mapping.job_reader();
-    for index in 0..ro.mapping.info().geometry.job_slots {
+    let reader = ro.view().job_reader();
+    for index in 0..ro.view().info().geometry.job_slots {
         if let Ok(Some(snap)) = reader.snapshot(index) {
             let st = JobState::decode(snap.status.state).ok();
             assert!(

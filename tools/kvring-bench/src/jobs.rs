@@ -14,11 +14,7 @@ use std::time::{Duration, Instant};
 
 /// Writes the server made to a job slot (its seqlock advances by 2 each).
 fn slot_writes(c: &kvring::Client, id: JobId) -> u64 {
-    let slots = c.segment().mapping.job_slots();
-    slots[id.index() as usize]
-        .seq
-        .load(std::sync::atomic::Ordering::Relaxed)
-        / 2
+    c.segment().view().job_slot(id.index()).seq / 2
 }
 
 pub fn run(json_out: bool, iters: usize) {

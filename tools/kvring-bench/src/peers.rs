@@ -262,11 +262,11 @@ pub fn kvring_rtt(iters: usize, spin: bool) -> Vec<u64> {
     } else {
         let mut v = Vec::with_capacity(iters);
         for i in 0..(WARMUP / 10 + iters) {
-            let parked = &c.segment().mapping.header().server_sleeping;
+            let view = c.segment().view();
             let t = Instant::now();
             // Acquire pairs with the server's store of its sleeping flag
             // before FUTEX_WAIT (wait.rs, F1).
-            while parked.load(Ordering::Acquire) == 0 {
+            while view.header().server_sleeping == 0 {
                 assert!(t.elapsed() < Duration::from_secs(5), "server never parked");
                 std::hint::spin_loop();
             }
