@@ -263,6 +263,11 @@ fn validate(name: &str, file: &File) -> Result<SegmentInfo> {
 /// # Ok(())
 /// # }
 /// ```
+///
+/// Every word is loaded Acquire: it pairs with the server's Release store
+/// of the words a protocol publishes (`layout_version`, a job slot's `seq`,
+/// ring indices), and costs nothing more than Relaxed on x86-64 for the
+/// counters that have no pairing store.
 #[derive(Clone, Copy)]
 pub struct View<'a>(&'a Mapping);
 

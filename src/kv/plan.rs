@@ -34,7 +34,9 @@ pub struct CopyPlan {
     pub row_bytes: u64,
 }
 
-fn align_of(v: u64) -> u32 {
+/// The largest power of two up to 16 dividing `v` (16 for 0): the widest
+/// word a copy can move at an address or size of `v`.
+pub fn align_of(v: u64) -> u32 {
     if v == 0 {
         16
     } else {

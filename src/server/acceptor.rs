@@ -451,6 +451,7 @@ pub(super) fn run(shared: &Shared, listener: Listener, tick: Duration) {
         // Heartbeat: observers compare it with their own CLOCK_MONOTONIC.
         h.heartbeat_ns
             .store(liveness::monotonic_ns(), Ordering::Relaxed);
+        // A counter observers read on its own: Relaxed, no access pairs.
         h.jobs_retired
             .store(shared.jobs.retired(), Ordering::Relaxed);
         a.poll_once(&listener, tick);

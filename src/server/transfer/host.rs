@@ -21,7 +21,10 @@ impl Backend for HostBackend {
     }
 
     fn executor(&self) -> Result<Box<dyn CopyExecutor>, CopyError> {
-        Ok(Box::new(HostExecutor { done: Vec::new() }))
+        Ok(Box::new(HostExecutor {
+            done: Vec::new(),
+            runs: RunBuffers::default(),
+        }))
     }
 }
 
@@ -44,6 +47,7 @@ impl DeviceOpener for HostBackend {
 
 struct HostExecutor {
     done: Vec<(usize, Result<u64, CopyError>)>,
+    runs: RunBuffers,
 }
 
 impl CopyExecutor for HostExecutor {
@@ -52,7 +56,7 @@ impl CopyExecutor for HostExecutor {
     }
 
     fn submit(&mut self, c: &ChunkCopy<'_>, token: usize) -> Result<(), CopyError> {
-        let r = host_copy(c);
+        let r = host_copy(c, &mut self.runs);
         self.done.push((token, r));
         Ok(())
     }
@@ -65,11 +69,16 @@ impl CopyExecutor for HostExecutor {
 /// Runs gathered before each batch of streaming copies.
 const BATCH: usize = 4096;
 
+/// One executor's buffers of (destination, source) runs, per part, kept
+/// between chunks so a copy allocates nothing once they have grown.
+#[derive(Default)]
+pub(super) struct RunBuffers([Vec<(*mut u8, *const u8)>; 2]);
+
 /// The host copy of one chunk: the registration's runs ([`CopyPlan`]),
 /// four at a time, streaming.
 ///
 /// [`CopyPlan`]: crate::kv::CopyPlan
-pub(super) fn host_copy(c: &ChunkCopy<'_>) -> Result<u64, CopyError> {
+pub(super) fn host_copy(c: &ChunkCopy<'_>, runs: &mut RunBuffers) -> Result<u64, CopyError> {
     let inst = c.inst;
     // Device memory has no host mapping.
     if inst.host.is_empty() {
@@ -77,7 +86,7 @@ pub(super) fn host_copy(c: &ChunkCopy<'_>) -> Result<u64, CopyError> {
     }
     let (l, plan) = (&inst.layout, &inst.plan);
     let g = l.geometry();
-    let mut pieces: [Vec<(*mut u8, *const u8)>; 2] = [Vec::new(), Vec::new()];
+    let pieces = &mut runs.0;
     let mut moved = 0u64;
     let flush = |pieces: &mut [Vec<(*mut u8, *const u8)>; 2]| {
         for (part, p) in pieces.iter_mut().enumerate() {
@@ -113,10 +122,10 @@ pub(super) fn host_copy(c: &ChunkCopy<'_>) -> Result<u64, CopyError> {
             });
         }
         if pieces[0].len() + pieces[1].len() >= BATCH {
-            flush(&mut pieces);
+            flush(pieces);
         }
     }
-    flush(&mut pieces);
+    flush(pieces);
     // The streaming stores land before the job's completion is published
     // (a Release store after this returns).
     nt_copy::fence();

@@ -8,6 +8,7 @@ use super::pool_pin::PoolPin;
 use crate::gpu::kernels::Kernels;
 use crate::gpu::kernels::LayerEntry;
 use crate::gpu::{Context, DeviceBuffer, GpuError, OpenedMemory};
+use crate::kv::plan::align_of;
 use crate::kv::KvLayout;
 use crate::proto::kv::{KvAllocation, MemKind, MemoryPiece, RegisterKv};
 use crate::proto::Status;
@@ -228,14 +229,5 @@ impl DeviceOpener for CudaBackend {
             align,
             _memory: memory,
         }))
-    }
-}
-
-/// The largest power of two up to 16 dividing `v`.
-pub(super) fn align_of(v: u64) -> u32 {
-    if v == 0 {
-        16
-    } else {
-        1 << v.trailing_zeros().min(4)
     }
 }

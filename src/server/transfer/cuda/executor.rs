@@ -9,7 +9,7 @@ use crate::gpu::kernels::KvCopyArgs;
 use crate::device::IpcEventHandle;
 use crate::gpu::{DeviceBuffer, Event, EventKind, PinnedHostBuffer, Stream};
 use crate::server::transfer::backend::{ChunkCopy, CopyError, CopyExecutor, Dir};
-use crate::server::transfer::host::host_copy;
+use crate::server::transfer::host::{host_copy, RunBuffers};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -143,7 +143,7 @@ impl DeviceQueue {
         } else {
             staging
         };
-        let vec = table.align.min(super::backend::align_of(object));
+        let vec = table.align.min(crate::kv::plan::align_of(object));
         let args = KvCopyArgs::new(
             &inst.plan,
             inst.layout.geometry().layers,
@@ -214,6 +214,8 @@ pub(super) struct CudaExecutor {
     client_events: HashMap<[u8; 64], Arc<Event>>,
     /// Copies of engines in host memory, done in `submit`.
     host_done: Vec<(usize, Result<u64, CopyError>)>,
+    /// The host copy's run buffers.
+    runs: RunBuffers,
 }
 
 impl CudaExecutor {
@@ -223,6 +225,7 @@ impl CudaExecutor {
             backend,
             client_events: HashMap::new(),
             host_done: Vec::new(),
+            runs: RunBuffers::default(),
         }
     }
 
@@ -265,7 +268,7 @@ impl CopyExecutor for CudaExecutor {
             .and_then(|d| d.downcast_ref::<DeviceTable>())
         else {
             // An engine in host memory: the host copy, done now.
-            let r = host_copy(c);
+            let r = host_copy(c, &mut self.runs);
             self.host_done.push((token, r));
             return Ok(());
         };
