@@ -17,7 +17,11 @@
 //!   codes, requests, replies and bootstrap messages;
 //! * [`jobs`]: the job table (slots, seqlock, state machine, ids);
 //! * [`segment`]: creating, attaching and replacing the segment;
-//! * [`wait`] and [`futex`]: spin, yield, then a shared futex, with deadlines;
+//!   [`client_memory`]: each client session's own writable object (its
+//!   block and request ring); [`doorbell`]: the eventfds clients wake the
+//!   server with;
+//! * [`wait`] and [`futex`]: spin, yield, then park (a shared futex, or the
+//!   server's doorbells), with deadlines;
 //! * [`liveness`]: locks, pidfds and start times that prove a process alive;
 //! * [`bootstrap`] and [`rundir`]: the Unix socket, credentials and
 //!   descriptor passing; server names and paths;
@@ -43,7 +47,9 @@ pub mod wire;
 not_loom! {
     pub mod bootstrap;
     pub mod client;
+    pub mod client_memory;
     pub mod device;
+    pub mod doorbell;
     pub mod error;
     pub mod futex;
     pub mod inspect;

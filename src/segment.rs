@@ -7,16 +7,21 @@
 //! version with Acquire, so a segment whose version it accepts is complete.
 //!
 //! The server maps the segment through the locked description and never lets
-//! that description leave the process. Clients get a second description over
-//! the bootstrap socket, so their mappings can never keep the server's
-//! liveness lock held after the server died.
+//! that description leave the process. Clients get a second, read-only
+//! description over the bootstrap socket (so their mappings can never keep
+//! the server's liveness lock held after the server died, and cannot be
+//! made writable: `mmap(PROT_WRITE)` and `mprotect` of it fail with
+//! `EACCES`); the only memory a client writes is its own
+//! ([`crate::client_memory`]).
 
 use crate::shm_struct::Load;
 use crate::error::{nix as nix_err, Error, Result};
 use crate::liveness::{self, LockProbe};
+use crate::client_memory::ClientMemory;
+use crate::doorbell::Doorbell;
 use crate::shm::{
-    ClientBlock, DoorbellPage, Geometry, Offsets, OpStats, SegmentHeader, ServerClientBlock,
-    LAYOUT_VERSION, MAGIC, PAGE,
+    ClientBlock, Geometry, Offsets, OpStats, SegmentHeader, ServerClientBlock, LAYOUT_VERSION,
+    MAGIC, PAGE,
 };
 use memmap2::{MmapOptions, MmapRaw};
 use nix::fcntl::OFlag;
@@ -76,28 +81,14 @@ impl Mapping {
         self.at(0)
     }
 
-    pub(crate) fn doorbell(&self) -> &DoorbellPage {
-        self.at(self.info.offsets.doorbell_off)
-    }
-
     pub fn server_client_off(&self, slot: u32) -> u64 {
         assert!(slot < self.info.geometry.max_clients);
         self.info.offsets.server_clients_off
             + u64::from(slot) * self.info.offsets.server_client_stride
     }
 
-    pub fn client_block_off(&self, slot: u32) -> u64 {
-        assert!(slot < self.info.geometry.max_clients);
-        self.info.offsets.client_blocks_off
-            + u64::from(slot) * self.info.offsets.client_block_stride
-    }
-
     pub(crate) fn server_client(&self, slot: u32) -> &ServerClientBlock {
         self.at(self.server_client_off(slot))
-    }
-
-    pub(crate) fn client_block(&self, slot: u32) -> &ClientBlock {
-        self.at(self.client_block_off(slot))
     }
 
     /// The job table: `job_slots` slots at `jobs_off`.
@@ -212,11 +203,9 @@ fn validate(name: &str, file: &File) -> Result<SegmentInfo> {
     geometry.validate().map_err(|e| bad(e.to_string()))?;
     let expected = geometry.offsets();
     let found = Offsets {
-        doorbell_off: header_field_u64(&map, o!(SegmentHeader, doorbell_off)),
         server_clients_off: header_field_u64(&map, o!(SegmentHeader, server_clients_off)),
         server_client_stride: header_field_u64(&map, o!(SegmentHeader, server_client_stride)),
-        client_blocks_off: header_field_u64(&map, o!(SegmentHeader, client_blocks_off)),
-        client_block_stride: header_field_u64(&map, o!(SegmentHeader, client_block_stride)),
+        client_memory_bytes: header_field_u64(&map, o!(SegmentHeader, client_memory_bytes)),
         jobs_off: header_field_u64(&map, o!(SegmentHeader, jobs_off)),
         job_stride: header_field_u64(&map, o!(SegmentHeader, job_stride)),
         op_stats_off: header_field_u64(&map, o!(SegmentHeader, op_stats_off)),
@@ -280,18 +269,25 @@ impl<'a> View<'a> {
         self.0.header().load_value(Ordering::Acquire)
     }
 
-    pub fn doorbell(&self) -> crate::shm::DoorbellPageValues {
-        self.0.doorbell().load_value(Ordering::Acquire)
-    }
-
     /// Client slot `slot`'s server-written block.
     pub fn server_client(&self, slot: u32) -> crate::shm::ServerClientBlockValues {
         self.0.server_client(slot).load_value(Ordering::Acquire)
     }
 
-    /// Client slot `slot`'s client-written block.
-    pub fn client_block(&self, slot: u32) -> crate::shm::ClientBlockValues {
-        self.0.client_block(slot).load_value(Ordering::Acquire)
+    /// The client-written block of the session in slot `slot` now, read
+    /// from that client's own memory object (opened read-only by name); an
+    /// error once the session ended and its object was removed.
+    pub fn client_block(&self, slot: u32) -> Result<crate::shm::ClientBlockValues> {
+        let sb = self.server_client(slot);
+        let info = self.info();
+        let mem = ClientMemory::open_read_only(
+            &info.name,
+            info.epoch,
+            slot,
+            sb.session,
+            info.offsets.client_memory_bytes,
+        )?;
+        Ok(mem.values())
     }
 
     /// Job slot `index`'s words, each on its own (a consistent read of a job
@@ -355,24 +351,27 @@ impl ReadOnlySegment {
     }
 }
 
-/// The client's view: the whole segment read-only, plus writable mappings of
-/// the doorbell page and of its own client block (and its request ring).
+/// The client's view: the whole segment read-only (through a read-only
+/// descriptor: it cannot be remapped writable), its own memory read-write,
+/// and its doorbell.
 pub struct ClientSegment {
     pub(crate) mapping: Mapping,
-    doorbell_rw: MmapRaw,
-    block_rw: MmapRaw,
+    memory: ClientMemory,
+    doorbell: Doorbell,
     file: File,
 }
 
-// SAFETY: shared memory accessed through atomics only.
-unsafe impl Send for ClientSegment {}
-// SAFETY: as above.
-unsafe impl Sync for ClientSegment {}
-
 impl ClientSegment {
-    /// Attaches through a descriptor received from the server.
-    pub fn attach(name: &str, fd: OwnedFd, slot: u32) -> Result<ClientSegment> {
-        let file = File::from(fd);
+    /// Attaches through the descriptors received from the server: the
+    /// segment (read-only), this session's memory and its doorbell.
+    pub(crate) fn attach(
+        name: &str,
+        segment: OwnedFd,
+        memory: OwnedFd,
+        doorbell: OwnedFd,
+        slot: u32,
+    ) -> Result<ClientSegment> {
+        let file = File::from(segment);
         let info = validate(name, &file)?;
         if slot >= info.geometry.max_clients {
             return Err(Error::Protocol(format!("slot {slot} out of range")));
@@ -381,49 +380,34 @@ impl ClientSegment {
             .len(info.segment_bytes as usize)
             .map_raw_read_only(&file)
             .map_err(crate::error::io(format!("mmap {name}")))?;
-        let mapping = Mapping { map: ro, info };
-        let doorbell_rw = MmapOptions::new()
-            .offset(mapping.info.offsets.doorbell_off)
-            .len(PAGE)
-            .map_raw(&file)
-            .map_err(crate::error::io("mmap doorbell page"))?;
-        let block_rw = MmapOptions::new()
-            .offset(mapping.client_block_off(slot))
-            .len(mapping.info.offsets.client_block_stride as usize)
-            .map_raw(&file)
-            .map_err(crate::error::io("mmap client block"))?;
+        let memory = ClientMemory::attach(memory, info.offsets.client_memory_bytes)?;
         Ok(ClientSegment {
-            mapping,
-            doorbell_rw,
-            block_rw,
+            mapping: Mapping { map: ro, info },
+            memory,
+            doorbell: Doorbell::from_fd(doorbell),
             file,
         })
     }
 
-    /// The segment's words as values (this client's writable pages are
-    /// [`ClientSegment::block_rw`] and [`ClientSegment::doorbell_rw`]).
+    /// The segment's words as values (this client's writable memory is
+    /// [`ClientSegment::block_rw`]).
     pub fn view(&self) -> View<'_> {
         View(&self.mapping)
     }
 
-    /// The doorbell page, writable.
-    pub fn doorbell_rw(&self) -> &DoorbellPage {
-        // SAFETY: a page-sized, page-aligned mapping of the doorbell page; the
-        // struct is atomics only.
-        unsafe { &*(self.doorbell_rw.as_ptr() as *const DoorbellPage) }
-    }
-
-    /// This client's block, writable.
+    /// This client's block, writable (in its own memory object).
     pub fn block_rw(&self) -> &ClientBlock {
-        // SAFETY: the mapping starts at this client's block and is at least a
-        // page long; the struct is atomics only.
-        unsafe { &*(self.block_rw.as_ptr() as *const ClientBlock) }
+        self.memory.block()
     }
 
     /// This client's request ring data, writable.
     pub(crate) fn req_data_rw(&self) -> *const crate::sync::AtomicU64 {
-        // SAFETY: the block mapping is PAGE + req_ring_bytes long.
-        unsafe { self.block_rw.as_ptr().add(PAGE) as *const crate::sync::AtomicU64 }
+        self.memory.req_data()
+    }
+
+    /// The doorbell that wakes the server's ring loop for this client.
+    pub fn doorbell(&self) -> &Doorbell {
+        &self.doorbell
     }
 
     /// Stores `word` at word `index` (modulo the ring) of this client's
@@ -434,7 +418,7 @@ impl ClientSegment {
     pub fn scribble_request_ring(&self, index: usize, word: u64) {
         let words = self.mapping.info().geometry.req_ring_bytes as usize / 8;
         // SAFETY: the index is reduced into the ring's `words` words, all
-        // inside this client's writable block mapping.
+        // inside this client's writable memory mapping.
         unsafe {
             (*self.req_data_rw().add(index % words))
                 .store(word, std::sync::atomic::Ordering::Relaxed)
@@ -506,6 +490,8 @@ impl ServerSegment {
             Err(nix::errno::Errno::ENOENT) => {}
             Err(e) => return Err(nix_err(format!("shm_open {shm_name}"))(e)),
         }
+        // The client memory of a dead server of this name.
+        crate::client_memory::sweep(shm_name);
 
         let fd = nix::sys::mman::shm_open(
             shm_name,
@@ -557,11 +543,9 @@ impl ServerSegment {
         h.req_ring_bytes.store(geometry.req_ring_bytes, r);
         h.cq_ring_bytes.store(geometry.cq_ring_bytes, r);
         h.max_frame_bytes.store(geometry.max_frame_bytes, r);
-        h.doorbell_off.store(off.doorbell_off, r);
         h.server_clients_off.store(off.server_clients_off, r);
         h.server_client_stride.store(off.server_client_stride, r);
-        h.client_blocks_off.store(off.client_blocks_off, r);
-        h.client_block_stride.store(off.client_block_stride, r);
+        h.client_memory_bytes.store(off.client_memory_bytes, r);
         h.jobs_off.store(off.jobs_off, r);
         h.job_stride.store(off.job_stride, r);
         h.op_stats_off.store(off.op_stats_off, r);
@@ -569,8 +553,9 @@ impl ServerSegment {
         // Published last. Release pairs with the Acquire load in `validate`.
         h.layout_version.store(LAYOUT_VERSION, Ordering::Release);
 
+        // Read-only: a client can map it, never remap it writable.
         let share_fd =
-            nix::sys::mman::shm_open(shm_name, OFlag::O_RDWR | OFlag::O_CLOEXEC, Mode::empty())
+            nix::sys::mman::shm_open(shm_name, OFlag::O_RDONLY | OFlag::O_CLOEXEC, Mode::empty())
                 .map_err(nix_err("reopen segment for clients"))?;
         Ok(ServerSegment {
             mapping,
@@ -580,14 +565,16 @@ impl ServerSegment {
         })
     }
 
-    /// The description to hand to clients.
+    /// The description to hand to clients (read-only).
     pub fn share_fd(&self) -> &OwnedFd {
         &self.share_fd
     }
 
-    /// Removes the segment's name (the server does this at clean shutdown).
+    /// Removes the segment's name and its clients' memory objects (the
+    /// server does this at clean shutdown).
     pub fn unlink(&self) {
         let _ = nix::sys::mman::shm_unlink(self.shm_name.as_str());
+        crate::client_memory::sweep(&self.shm_name);
     }
 }
 

@@ -1,6 +1,8 @@
 //! Waiting for a peer in another process: spin, then yield, then park on a
-//! shared futex behind a "sleeping" flag. Every wait has a deadline and
-//! re-checks the peer's liveness each time it wakes.
+//! bell behind a "sleeping" count. A client parks on a shared futex word the
+//! server writes; the server parks on its clients' eventfds (a client can
+//! write no word of the server's). Every wait has a deadline and re-checks
+//! the peer's liveness each time it wakes.
 //!
 //! The parking protocol is io_uring's NEED_WAKEUP rule (a Dekker handshake):
 //!
@@ -23,8 +25,10 @@
 //! work then read sleeping": at least one side sees the other's store, so
 //! either the waiter sees the work or the notifier sees the flag. If the
 //! notifier's increment lands between the waiter's load of `d` and its
-//! FUTEX_WAIT, the kernel sees `doorbell != d` and returns at once. When the
-//! waiter is not parked, the notifier pays one fence and one load: no syscall.
+//! FUTEX_WAIT, the kernel sees `doorbell != d` and returns at once (an
+//! eventfd bell keeps a ring readable until the waiter drains it, which does
+//! the same). When the waiter is not parked, the notifier pays one fence and
+//! one load: no syscall.
 
 use crate::futex;
 use std::sync::atomic::{fence, AtomicU32, Ordering};
@@ -66,14 +70,63 @@ impl Default for WaitPolicy {
     }
 }
 
-/// The flag/doorbell pair one side parks on.
-#[derive(Clone, Copy)]
-pub struct Parking<'a> {
+/// What a notifier rings to wake a parked waiter.
+pub trait Ring {
+    /// Wakes every waiter parked on it.
+    fn ring(&self);
+}
+
+/// What a waiter parks on. A ring after [`Bell::arm`] returned must end the
+/// next [`Bell::sleep`] given that call's mark (it may end for no reason).
+pub trait Bell: Ring {
+    /// What the waiter saw when it armed the bell.
+    type Mark: Copy;
+    /// Called before the waiter says it sleeps.
+    fn arm(&self) -> Self::Mark;
+    /// Sleeps at most `slice`, or until rung after the `arm` that gave `mark`.
+    fn sleep(&self, mark: Self::Mark, slice: Duration);
+}
+
+/// A shared futex word: the notifier increments it and wakes its waiters;
+/// the waiter sleeps while it still holds the value it saw when it armed.
+impl Ring for AtomicU32 {
+    fn ring(&self) {
+        wake(self)
+    }
+}
+
+impl Bell for AtomicU32 {
+    type Mark = u32;
+
+    fn arm(&self) -> u32 {
+        // Acquire pairs with the notifier's Release increment in `wake`: a
+        // value read here is at least as new as any wake we could have
+        // missed.
+        self.load(Ordering::Acquire)
+    }
+
+    fn sleep(&self, seen: u32, slice: Duration) {
+        futex::wait(self, seen, slice);
+    }
+}
+
+/// The "sleeping" count and the bell one side parks on. Clients park on a
+/// futex word the server writes (`client_doorbell`); the server parks on the
+/// clients' eventfds (`crate::doorbell`).
+pub struct Parking<'a, B: ?Sized = AtomicU32> {
     /// Written by the waiter only.
     pub sleeping: &'a AtomicU32,
-    /// Futex word: the notifier increments it.
-    pub doorbell: &'a AtomicU32,
+    /// What the notifier rings.
+    pub doorbell: &'a B,
 }
+
+impl<B: ?Sized> Clone for Parking<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<B: ?Sized> Copy for Parking<'_, B> {}
 
 /// Why a wait ended without its condition.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -87,9 +140,9 @@ pub enum WaitEnd<E> {
 /// Waits until `ready` returns `Some`, the deadline passes, or `check_peer`
 /// reports the peer gone. `check_peer` runs after every park slice and at
 /// least every millisecond while spinning or yielding.
-pub fn wait_until<T, E>(
+pub fn wait_until<T, E, B: Bell + ?Sized>(
     policy: &WaitPolicy,
-    parking: Parking<'_>,
+    parking: Parking<'_, B>,
     deadline: Instant,
     mut ready: impl FnMut() -> Option<T>,
     mut check_peer: impl FnMut() -> Result<(), E>,
@@ -133,9 +186,7 @@ pub fn wait_until<T, E>(
             return Err(WaitEnd::Timeout);
         }
         let slice = (deadline - now).min(policy.park_slice);
-        // Acquire pairs with the notifier's Release increment: a value read
-        // here is at least as new as any wake we could have missed.
-        let seen = parking.doorbell.load(Ordering::Acquire);
+        let seen = parking.doorbell.arm();
         // Relaxed: F1 orders it before the re-check below.
         parking.sleeping.fetch_add(1, Ordering::Relaxed);
         // F1 of the handshake above; pairs with the notifier's F2.
@@ -144,7 +195,7 @@ pub fn wait_until<T, E>(
             parking.sleeping.fetch_sub(1, Ordering::Relaxed);
             return Ok(v);
         }
-        futex::wait(parking.doorbell, seen, slice);
+        parking.doorbell.sleep(seen, slice);
         parking.sleeping.fetch_sub(1, Ordering::Relaxed);
         if let Some(v) = ready() {
             return Ok(v);
@@ -156,11 +207,11 @@ pub fn wait_until<T, E>(
 /// The notifier's half: call after publishing work the waiter looks for.
 /// Costs a fence and a load unless the waiter is parked.
 #[inline]
-pub fn notify(parking: Parking<'_>) -> bool {
+pub fn notify<B: Ring + ?Sized>(parking: Parking<'_, B>) -> bool {
     // F2 of the handshake; pairs with the waiter's F1.
     fence(Ordering::SeqCst);
     if parking.sleeping.load(Ordering::Relaxed) != 0 {
-        wake(parking.doorbell);
+        parking.doorbell.ring();
         true
     } else {
         false

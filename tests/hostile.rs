@@ -1,6 +1,6 @@
 //! A hostile client: many clients in turn write random and adversarial
 //! words into everything they can write (ring indices, frame words, their
-//! heartbeat, the doorbell) while an honest engine keeps storing and
+//! heartbeat, their doorbell) while an honest engine keeps storing and
 //! retrieving. The server never dies, disconnects what breaks its ring
 //! rules, and the honest engine's results stay bit-exact.
 
@@ -75,10 +75,9 @@ fn hostile_clients_never_hurt_the_server_or_an_honest_engine() {
         cb.client_sleeping
             .store(rng.next() as u32, Ordering::Relaxed);
         cb.heartbeat_ns.store(rng.next(), Ordering::Relaxed);
-        seg.doorbell_rw()
-            .server_doorbell
-            .fetch_add(rng.next() as u32, Ordering::Relaxed);
-        kvring::wait::wake(&seg.doorbell_rw().server_doorbell);
+        for _ in 0..rng.next() % 4 {
+            seg.doorbell().ring();
+        }
 
         // Meanwhile the honest engine stores and retrieves one chunk and
         // checks every byte.
@@ -219,4 +218,237 @@ fn an_odd_lock_word_retires_its_job_slot_instead_of_stalling_the_server() {
     drop(job);
     // SAFETY: the mapping made above, not used after this.
     unsafe { nix::sys::mman::munmap(base, len.get()) }.unwrap();
+}
+
+/// Whether `fd` (of `len` bytes) can be mapped shared and writable; maps and
+/// unmaps it to find out.
+fn maps_writable(fd: std::os::fd::BorrowedFd<'_>, len: usize) -> Result<(), nix::errno::Errno> {
+    use nix::sys::mman::{mmap, munmap, MapFlags, ProtFlags};
+    let len = std::num::NonZeroUsize::new(len).unwrap();
+    // SAFETY: a fresh mapping, unmapped at once, never read or written.
+    let p = unsafe {
+        mmap(
+            None,
+            len,
+            ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+            MapFlags::MAP_SHARED,
+            fd,
+            0,
+        )
+    }?;
+    // SAFETY: the mapping just made.
+    unsafe { munmap(p, len.get()) }.unwrap();
+    Ok(())
+}
+
+/// What a connected client holds of the segment is read-only, and cannot be
+/// made writable: every descriptor of it (`mmap(PROT_WRITE)` fails with
+/// EACCES) and every mapping (`mprotect(PROT_WRITE)` fails with EACCES).
+/// The only shared memory of this server the client maps writable is its
+/// session's own object.
+#[test]
+fn a_client_holds_the_segment_read_only_and_maps_only_its_own_memory_writable() {
+    use std::os::fd::BorrowedFd;
+    let s = Fixture::new("ro-segment", Duration::from_secs(30), &[]);
+    let mut c = s.client();
+    let (slot, session) = (c.slot(), c.raw().session());
+    assert_eq!(c.ping(b"x", far()).unwrap(), b"x");
+    let seg_path = format!("/dev/shm{}", s.shm_name());
+    let info = kvring::segment::ReadOnlySegment::open(&s.name)
+        .unwrap()
+        .view()
+        .info()
+        .clone();
+
+    let mut descriptors = 0;
+    for e in std::fs::read_dir("/proc/self/fd").unwrap().flatten() {
+        let Ok(target) = std::fs::read_link(e.path()) else {
+            continue;
+        };
+        if target.to_str() != Some(seg_path.as_str()) {
+            continue;
+        }
+        let fd: i32 = e.file_name().to_str().unwrap().parse().unwrap();
+        // SAFETY: a descriptor of this process, open while the client lives.
+        let fd = unsafe { BorrowedFd::borrow_raw(fd) };
+        let flags = nix::fcntl::fcntl(fd, nix::fcntl::FcntlArg::F_GETFL).unwrap();
+        assert_eq!(
+            flags & libc::O_ACCMODE,
+            libc::O_RDONLY,
+            "a descriptor of the segment is writable"
+        );
+        assert_eq!(
+            maps_writable(fd, info.segment_bytes as usize),
+            Err(nix::errno::Errno::EACCES)
+        );
+        descriptors += 1;
+    }
+    assert!(
+        descriptors >= 1,
+        "the client holds no descriptor of the segment"
+    );
+
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    let (mut mappings, mut own) = (0, 0);
+    let own_name = format!("{seg_path}@{}.{slot}.{session}", info.epoch);
+    for line in maps.lines() {
+        let cols: Vec<&str> = line.split_whitespace().collect();
+        let (Some(range), Some(perms), Some(path)) = (cols.first(), cols.get(1), cols.get(5))
+        else {
+            continue;
+        };
+        if !path.starts_with(&seg_path) {
+            continue;
+        }
+        let (a, b) = range.split_once('-').unwrap();
+        let (a, b) = (
+            usize::from_str_radix(a, 16).unwrap(),
+            usize::from_str_radix(b, 16).unwrap(),
+        );
+        if *path == seg_path {
+            assert!(!perms.contains('w'), "segment mapped writable: {line}");
+            // SAFETY: asks the kernel to change a mapping of this process's
+            // client library to writable; it must refuse, so nothing changes.
+            let r = unsafe {
+                nix::sys::mman::mprotect(
+                    std::ptr::NonNull::new(a as *mut libc::c_void).unwrap(),
+                    b - a,
+                    nix::sys::mman::ProtFlags::PROT_READ | nix::sys::mman::ProtFlags::PROT_WRITE,
+                )
+            };
+            assert_eq!(r, Err(nix::errno::Errno::EACCES), "{line}");
+            mappings += 1;
+        } else if perms.contains('w') {
+            assert_eq!(
+                *path, own_name,
+                "a writable mapping of another object: {line}"
+            );
+            own += 1;
+        }
+    }
+    assert!(mappings >= 1, "the segment is not mapped");
+    assert_eq!(
+        own, 1,
+        "the client's own memory is not mapped writable once"
+    );
+    drop(c);
+}
+
+/// A client does the bootstrap by hand, maps writable everything it was
+/// handed that can be, says goodbye, and goes on writing garbage there
+/// while the slot's next occupant works: the next occupant never notices
+/// (its session has memory of its own), and the server serves on.
+#[test]
+fn writes_of_a_slots_previous_occupant_after_its_goodbye_reach_nobody() {
+    use kvring::proto::{BootKind, Goodbye, Hello, Welcome, BOOT_MAGIC, PROTOCOL_VERSION};
+    use nix::sys::mman::{mmap, munmap, MapFlags, ProtFlags};
+    use std::os::fd::AsFd;
+    let s = Fixture::new("late-writer", Duration::from_secs(60), &KV_SERVER_ARGS);
+    let conn = kvring::bootstrap::Conn::connect(&s.dir.join(format!("{}.sock", s.name))).unwrap();
+    let hello = Hello {
+        magic: BOOT_MAGIC,
+        kind: BootKind::Hello as u32,
+        protocol: PROTOCOL_VERSION,
+        layout_version: kvring::shm::LAYOUT_VERSION,
+        _reserved: 0,
+        engine: [0; 32],
+    };
+    conn.send(bytemuck::bytes_of(&hello), &[]).unwrap();
+    let mut buf = [0u8; 64];
+    let (n, fds) = conn.recv(&mut buf, Duration::from_secs(5)).unwrap();
+    let w: Welcome = bytemuck::pod_read_unaligned(&buf[..n]);
+    assert_eq!(w.status, 0);
+    // Everything that maps writable, whole.
+    let mut writable = Vec::new();
+    for fd in &fds {
+        let len = nix::sys::stat::fstat(fd.as_fd()).unwrap().st_size as usize;
+        let Some(nz) = std::num::NonZeroUsize::new(len) else {
+            continue;
+        };
+        // SAFETY: a fresh shared mapping, unmapped at the end of the test.
+        let p = unsafe {
+            mmap(
+                None,
+                nz,
+                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+                MapFlags::MAP_SHARED,
+                fd.as_fd(),
+                0,
+            )
+        };
+        if let Ok(p) = p {
+            writable.push((p.as_ptr() as usize, len));
+        }
+    }
+    assert!(
+        !writable.is_empty(),
+        "not even the client's own memory maps writable"
+    );
+    let goodbye = Goodbye {
+        magic: BOOT_MAGIC,
+        kind: BootKind::Goodbye as u32,
+        _reserved: 0,
+    };
+    conn.send(bytemuck::bytes_of(&goodbye), &[]).unwrap();
+    let ro = kvring::segment::ReadOnlySegment::open(&s.name).unwrap();
+    assert!(
+        eventually(Duration::from_secs(5), || {
+            ro.view().server_client(w.slot).state == SlotState::Free as u32
+        })
+        .is_some(),
+        "the slot was not freed after the goodbye"
+    );
+
+    // The next occupant of the same slot.
+    let mut next = s.client();
+    assert_eq!(next.slot(), w.slot);
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|sc| {
+        let writer = sc.spawn(|| {
+            let mut rng = Rng(0x2545f4914f6cdd1d);
+            let mut rounds = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                for &(base, len) in &writable {
+                    for k in 0..len / 8 {
+                        // SAFETY: inside a writable shared mapping of this
+                        // test, 8-aligned.
+                        unsafe {
+                            (*((base + k * 8) as *const std::sync::atomic::AtomicU64))
+                                .store(rng.next(), Ordering::Relaxed)
+                        };
+                    }
+                }
+                rounds += 1;
+            }
+            rounds
+        });
+        for i in 0..200u32 {
+            let msg = i.to_le_bytes();
+            let deadline = Instant::now() + Duration::from_secs(2);
+            assert_eq!(next.ping(&msg, deadline).unwrap(), msg);
+        }
+        round_trip(
+            &s,
+            &mut next,
+            small_layout(),
+            || kvring::HostKvCache::new(small_layout(), 64).unwrap(),
+            7,
+        );
+        stop.store(true, Ordering::Relaxed);
+        assert!(writer.join().unwrap() > 0);
+    });
+    let sb = ro.view().server_client(w.slot);
+    assert_eq!(sb.state, SlotState::Active as u32);
+    assert_eq!(sb.session, next.raw().session());
+    assert_eq!(sb.requests_rejected, 0);
+    for (base, len) in writable {
+        // SAFETY: the mappings made above, not used after this.
+        unsafe {
+            munmap(
+                std::ptr::NonNull::new(base as *mut libc::c_void).unwrap(),
+                len,
+            )
+        }
+        .unwrap();
+    }
 }

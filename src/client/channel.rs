@@ -275,7 +275,7 @@ impl Client {
             let seg = &self.link.seg;
             wait::notify(Parking {
                 sleeping: &seg.mapping.header().server_sleeping,
-                doorbell: &seg.doorbell_rw().server_doorbell,
+                doorbell: seg.doorbell(),
             });
         }
     }

@@ -143,7 +143,7 @@ pub(super) fn connect(paths: &ServerPaths, opts: &ClientOptions) -> Result<Clien
     let wait = deadline
         .saturating_duration_since(Instant::now())
         .max(Duration::from_millis(500));
-    let (n, mut fds) = conn.recv(&mut buf, wait).map_err(|e| match e.kind() {
+    let (n, fds) = conn.recv(&mut buf, wait).map_err(|e| match e.kind() {
         std::io::ErrorKind::TimedOut => Error::Timeout(wait),
         _ => Error::Io {
             context: "receive welcome".into(),
@@ -166,13 +166,13 @@ pub(super) fn connect(paths: &ServerPaths, opts: &ClientOptions) -> Result<Clien
             None => Error::UnknownStatus(w.status),
         });
     }
-    if fds.len() != 1 {
-        return Err(Error::Protocol(format!(
-            "welcome carried {} descriptors, expected 1",
-            fds.len()
-        )));
-    }
-    let seg = ClientSegment::attach(&paths.shm_name, fds.pop().expect("one fd"), w.slot)?;
+    // The segment (read-only), this session's memory, its doorbell.
+    let Ok([segment, memory, doorbell]) = <[_; 3]>::try_from(fds) else {
+        return Err(Error::Protocol(
+            "welcome did not carry the segment, the client's memory and its doorbell".into(),
+        ));
+    };
+    let seg = ClientSegment::attach(&paths.shm_name, segment, memory, doorbell, w.slot)?;
     let info = seg.mapping.info().clone();
     if info.epoch != w.epoch {
         return Err(Error::Protocol(
@@ -194,6 +194,8 @@ pub(super) fn connect(paths: &ServerPaths, opts: &ClientOptions) -> Result<Clien
         alive_checked_ns: AtomicU64::new(crate::liveness::monotonic_ns()),
         closed: AtomicBool::new(false),
     });
+    // The session's memory is new (zero): say this client is alive.
+    link.touch();
     let g = info.geometry;
     let seg = &link.seg;
     let sb_off = seg.mapping.server_client_off(w.slot);

@@ -97,14 +97,16 @@ pub struct SegmentEntry {
     pub error: Option<String>,
 }
 
-/// Every `/dev/shm/kvring-UID-*` object of this user.
+/// Every `/dev/shm/kvring-UID-NAME` segment of this user (not its clients'
+/// memory objects, `kvring-UID-NAME@…`).
 pub fn list() -> Vec<SegmentEntry> {
     let prefix = format!("kvring-{}-", crate::rundir::euid());
     let mut names: Vec<String> = std::fs::read_dir("/dev/shm")
         .map(|d| {
             d.filter_map(|e| e.ok())
                 .filter_map(|e| e.file_name().into_string().ok())
-                .filter(|n| n.starts_with(&prefix))
+                // Segments only: a client's memory object has '@' in its name.
+                .filter(|n| n.starts_with(&prefix) && !n.contains('@'))
                 .collect()
         })
         .unwrap_or_default();
@@ -215,6 +217,11 @@ pub struct ClientView {
     pub sleeping: bool,
     pub heartbeat_age_ms: Option<f64>,
     pub connected_age_s: f64,
+    /// The session's own memory (its block and request ring) could be read.
+    /// It is removed when the session ends, so a closing or quarantined slot
+    /// has none; without it the client-written words above read as an empty
+    /// ring, zeros and no heartbeat.
+    pub client_memory: bool,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -429,7 +436,18 @@ fn read_clients(seg: &ReadOnlySegment, now: u64) -> Vec<ClientView> {
         if raw_state == SlotState::Free.raw() {
             continue;
         }
-        let cb = m.client_block(slot);
+        let session = sb.session.load(Relaxed);
+        let cb = crate::client_memory::ClientMemory::open_read_only(
+            &m.info().name,
+            m.info().epoch,
+            slot,
+            session,
+            m.info().offsets.client_memory_bytes,
+        )
+        .ok()
+        .map(|mem| mem.values());
+        let req_head = sb.req_head.load(Relaxed);
+        let cq_tail = sb.cq_tail.load(Relaxed);
         let pid = sb.pid.load(Relaxed);
         let start = sb.pid_start_ticks.load(Relaxed);
         let proc_alive = process_start_ticks(pid).is_some_and(|t| start == 0 || t == start);
@@ -440,7 +458,7 @@ fn read_clients(seg: &ReadOnlySegment, now: u64) -> Vec<ClientView> {
                 |v| SlotState::decode(v).ok(),
                 |v| format!("state {v} (unknown)"),
             ),
-            session: sb.session.load(Relaxed),
+            session,
             pid,
             alive: proc_alive,
             kv_instances: sb.kv_instances.load(Relaxed),
@@ -453,19 +471,20 @@ fn read_clients(seg: &ReadOnlySegment, now: u64) -> Vec<ClientView> {
                 |v| format!("reason {v} (unknown)"),
             ),
             request_ring: ring(
-                sb.req_head.load(Relaxed),
-                cb.req_tail.load(Relaxed),
+                req_head,
+                cb.as_ref().map_or(req_head, |c| c.req_tail),
                 u64::from(g.req_ring_bytes),
             ),
             completion_ring: ring(
-                cb.cq_head.load(Relaxed),
-                sb.cq_tail.load(Relaxed),
+                cb.as_ref().map_or(cq_tail, |c| c.cq_head),
+                cq_tail,
                 u64::from(g.cq_ring_bytes),
             ),
-            in_flight: cb.in_flight.load(Relaxed),
-            credits: cb.credits.load(Relaxed),
-            sleeping: cb.client_sleeping.load(Relaxed) != 0,
-            heartbeat_age_ms: age_ms(now, cb.heartbeat_ns.load(Relaxed)),
+            in_flight: cb.as_ref().map_or(0, |c| c.in_flight),
+            credits: cb.as_ref().map_or(0, |c| c.credits),
+            sleeping: cb.as_ref().is_some_and(|c| c.client_sleeping != 0),
+            heartbeat_age_ms: cb.as_ref().and_then(|c| age_ms(now, c.heartbeat_ns)),
+            client_memory: cb.is_some(),
             connected_age_s: unix_ns().saturating_sub(sb.connected_unix_ns.load(Relaxed)) as f64
                 / 1e9,
         });

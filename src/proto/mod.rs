@@ -13,7 +13,7 @@ use bytemuck::{Pod, Zeroable};
 use std::mem::size_of;
 
 /// Protocol version spoken over the bootstrap socket and the rings.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 /// `"KVRBOOT1"`: first word of every bootstrap message.
 pub const BOOT_MAGIC: u64 = u64::from_le_bytes(*b"KVRBOOT1");
 
@@ -303,8 +303,10 @@ const _: () = {
 };
 
 shm_struct! {
-    /// Server -> client, answer to [`Hello`]. On success it carries the segment's
-    /// descriptor (SCM_RIGHTS).
+    /// Server -> client, answer to [`Hello`]. On success it carries three
+    /// descriptors (SCM_RIGHTS): the segment (read-only), the session's own
+    /// memory (`crate::client_memory`, read-write) and its doorbell
+    /// (`crate::doorbell`).
     #[derive(Clone, Copy, Debug, Pod, Zeroable)]
     pub struct Welcome {
         [0] pub magic: u64,

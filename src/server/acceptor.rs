@@ -15,7 +15,10 @@ use crate::liveness::{self, PidFd};
 use crate::proto::kv::{split_header, RegisterKv, RegisterReply, UnregisterKv};
 use crate::proto::{BootKind, Hello, Status, Welcome, BOOT_MAGIC, PROTOCOL_VERSION};
 use crate::shm::{DisconnectReason, SlotState, LAYOUT_VERSION};
+use crate::client_memory::OwnedClientMemory;
+use crate::doorbell::Doorbell;
 use std::os::fd::{AsFd, OwnedFd};
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -112,22 +115,36 @@ impl<'a> Acceptor<'a> {
         };
         let slot = slot as u32;
         let m = &self.shared.seg.mapping;
+        let info = m.info();
         let sb = m.server_client(slot);
-        let cb = m.client_block(slot);
         let r = Ordering::Relaxed;
         // Next session tag; 0 is never used for an occupied slot.
         let session = match sb.session.load(r).wrapping_add(1) {
             0 => 1,
             s => s,
         };
+        // The session's own memory (zero-filled: every index starts at 0)
+        // and its doorbell.
+        let made = OwnedClientMemory::create(
+            &info.name,
+            info.epoch,
+            slot,
+            session,
+            info.offsets.client_memory_bytes,
+        )
+        .and_then(|(mem, fd)| Ok((mem, fd, Doorbell::new()?)));
+        let (memory, memory_fd, doorbell) = match made {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot make a new client's memory");
+                return self.refuse(conn, Status::ServerError);
+            }
+        };
+        let Ok(client_bell) = doorbell.as_fd().try_clone_to_owned() else {
+            return self.refuse(conn, Status::ServerError);
+        };
         // Reset the slot: the ring loop does not touch it (it is detached), and
         // the client learns of it only from the welcome sent below.
-        cb.req_tail.store(0, r);
-        cb.cq_head.store(0, r);
-        cb.client_sleeping.store(0, r);
-        cb.heartbeat_ns.store(liveness::monotonic_ns(), r);
-        cb.in_flight.store(0, r);
-        cb.credits.store(0, r);
         sb.kv_instances.store(0, r);
         sb.req_head.store(0, r);
         sb.cq_tail.store(0, r);
@@ -146,6 +163,10 @@ impl<'a> Acceptor<'a> {
         // occupant's identity above.
         sb.state.store(SlotState::Active as u32, Ordering::Release);
 
+        let memory = Arc::new(memory);
+        *self.shared.client_memory[slot as usize]
+            .write()
+            .expect("client memory table") = Some(memory.clone());
         let w = self.welcome(Status::Ok, slot, session);
         let share = self.shared.seg.share_fd();
         let pidfd = PidFd::open(cred.pid).ok();
@@ -153,24 +174,25 @@ impl<'a> Acceptor<'a> {
             slot,
             session,
             engine: h.engine,
+            memory,
+            doorbell,
         });
         let h = m.header();
         h.clients_accepted.fetch_add(1, r);
         h.clients_connected.fetch_add(1, r);
-        if conn.send(bytemuck::bytes_of(&w), &[share.as_fd()]).is_err() {
-            self.slots[slot as usize] = Phase::Active {
-                conn,
-                pidfd,
-                fds: Vec::new(),
-            };
-            self.detach(slot, DisconnectReason::SocketClosed);
-            return;
-        }
+        // The segment read-only, the session's memory read-write, the
+        // client's end of its doorbell.
+        let fds = [share.as_fd(), memory_fd.as_fd(), client_bell.as_fd()];
+        let sent = conn.send(bytemuck::bytes_of(&w), &fds);
+        drop((memory_fd, client_bell));
         self.slots[slot as usize] = Phase::Active {
             conn,
             pidfd,
             fds: Vec::new(),
         };
+        if sent.is_err() {
+            self.detach(slot, DisconnectReason::SocketClosed);
+        }
     }
 
     /// Ends a slot's session: closes the connection and asks the ring loop to
@@ -219,6 +241,12 @@ impl<'a> Acceptor<'a> {
         kv.with_cache(self.shared, |c| {
             c.drop_leases(Some(slot), std::time::Instant::now())
         });
+        // The session's memory goes (its name now, its mapping with the
+        // last holder); a process still writing to it reaches nobody.
+        self.shared.client_memory[slot as usize]
+            .write()
+            .expect("client memory table")
+            .take();
         h.clients_connected.fetch_sub(1, Ordering::Relaxed);
         h.clients_reclaimed.fetch_add(1, Ordering::Relaxed);
         let exited = pidfd.as_ref().is_none_or(|p| p.exited());

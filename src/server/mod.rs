@@ -6,8 +6,9 @@
 //!   listening socket, every client connection and every quarantined client's
 //!   pidfd; it assigns and reclaims slots and keeps the heartbeat;
 //! * the **ring loop** (`ring_loop.rs`, thread `kvring-rings`) serves every
-//!   active client's request ring; it never blocks on anything but its own
-//!   doorbell, with a timeout.
+//!   active client's request ring; it never blocks on anything but the
+//!   doorbells (an eventfd per client and its own, in one epoll set), with
+//!   a timeout.
 //!
 //! They talk through `Shared`: slot attach/detach events one way, kicks (a
 //! client broke its ring) and detach acknowledgements the other. Copies run
@@ -27,6 +28,8 @@ mod transfer;
 
 pub use transfer::{Backend, BackendKind, HostBackend};
 
+use crate::client_memory::OwnedClientMemory;
+use crate::doorbell::Doorbell;
 use crate::error::{Error, Result};
 use crate::jobs::{FailReason, JobId, JobTable};
 use crate::proto::Opcode;
@@ -37,7 +40,7 @@ use crate::wait::{Parking, WaitPolicy};
 use std::fs::File;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -244,6 +247,10 @@ enum RingEvent {
         session: u32,
         /// The client's engine key (from its hello).
         engine: [u8; 32],
+        /// The session's memory (its block and request ring).
+        memory: Arc<OwnedClientMemory>,
+        /// The server's end of the client's doorbell.
+        doorbell: Doorbell,
     },
     Detach { slot: u32 },
 }
@@ -268,6 +275,12 @@ pub(crate) struct Shared {
     kicks: Mutex<Vec<(u32, DisconnectReason)>>,
     /// Ring loop -> acceptor: detached slots.
     detached: Mutex<Vec<u32>>,
+    /// The ring loop's own doorbell: the other threads wake it with this.
+    ring_bell: Doorbell,
+    /// Each slot's session memory while it is attached (the acceptor sets
+    /// and clears it; `wake_client` reads its `client_sleeping`). The last
+    /// holder to let go removes the object's name.
+    client_memory: Vec<RwLock<Option<Arc<OwnedClientMemory>>>>,
 }
 
 impl Shared {
@@ -287,15 +300,21 @@ impl Shared {
     }
 
     fn wake_ring_loop(&self) {
-        crate::wait::wake(&self.seg.mapping.doorbell().server_doorbell);
+        self.ring_bell.ring();
     }
 
     /// Wakes client `slot` if it is parked (a job of its ended).
     fn wake_client(&self, slot: u32) {
-        let m = &self.seg.mapping;
+        let memory = self.client_memory[slot as usize]
+            .read()
+            .expect("client memory table");
+        let Some(memory) = memory.as_ref() else {
+            // Detached: nobody of this session waits any more.
+            return;
+        };
         crate::wait::notify(Parking {
-            sleeping: &m.client_block(slot).client_sleeping,
-            doorbell: &m.server_client(slot).client_doorbell,
+            sleeping: &memory.memory().block().client_sleeping,
+            doorbell: &*self.seg.mapping.server_client(slot).client_doorbell,
         });
     }
 
@@ -527,6 +546,10 @@ pub fn start(cfg: ServerConfig) -> Result<ServerHandle> {
         events_pending: AtomicBool::new(false),
         kicks: Mutex::new(Vec::new()),
         detached: Mutex::new(Vec::new()),
+        ring_bell: Doorbell::new()?,
+        client_memory: (0..cfg.geometry.max_clients)
+            .map(|_| RwLock::new(None))
+            .collect(),
     });
     shared
         .seg
@@ -536,12 +559,14 @@ pub fn start(cfg: ServerConfig) -> Result<ServerHandle> {
         .store(ServerState::Running as u32, Ordering::Relaxed);
     let mut threads = Vec::new();
     {
+        let doorbells =
+            crate::doorbell::Doorbells::new(&shared.ring_bell, cfg.geometry.max_clients)?;
         let shared = shared.clone();
         let wait = cfg.ring_wait;
         threads.push(
             std::thread::Builder::new()
                 .name("kvring-rings".into())
-                .spawn(move || ring_loop::run(&shared, wait))
+                .spawn(move || ring_loop::run(&shared, doorbells, wait))
                 .map_err(crate::error::io("spawn ring loop"))?,
         );
     }

@@ -10,6 +10,9 @@
 use super::delay::DelayJobs;
 use super::kv_ops;
 use super::{RingEvent, Shared};
+use crate::client_memory::OwnedClientMemory;
+use crate::doorbell::Doorbells;
+use std::sync::Arc;
 use crate::jobs::{JobId, JobKind, NewJob, Released};
 use crate::liveness::monotonic_ns;
 use crate::proto::{DelayJobRequest, Opcode, Status};
@@ -31,7 +34,9 @@ struct RingClient<'a> {
     engine: [u8; 32],
     req: Consumer,
     cq: Producer,
-    sleeping: &'a AtomicU32,
+    /// The session's memory: its block and request ring (read-only here).
+    /// `req` points into it; declared after it, so dropped after it.
+    memory: Arc<OwnedClientMemory>,
     doorbell: &'a AtomicU32,
     broken: bool,
     /// Completion bytes the next request needs but the ring lacked.
@@ -44,23 +49,23 @@ struct RingClient<'a> {
     pending_bad: bool,
 }
 
-fn attach<'a>(
-    shared: &'a Shared,
+fn attach(
+    shared: &Shared,
     slot: u32,
     session: u32,
     engine: [u8; 32],
-) -> Result<RingClient<'a>, RingError> {
+    memory: Arc<OwnedClientMemory>,
+) -> Result<RingClient<'_>, RingError> {
     let m = &shared.seg.mapping;
     let g = m.info().geometry;
     let sb = m.server_client(slot);
-    let cb = m.client_block(slot);
+    let cb = memory.memory().block();
     let sc_off = m.server_client_off(slot);
-    let cb_off = m.client_block_off(slot);
     let page = crate::shm::PAGE as u64;
     let req = RingPtrs {
         head: &*sb.req_head,
         tail: &*cb.req_tail,
-        data: m.words(cb_off + page, u64::from(g.req_ring_bytes)),
+        data: memory.memory().req_data(),
         capacity: g.req_ring_bytes as usize,
         max_frame: g.max_frame_bytes as usize,
     };
@@ -71,9 +76,14 @@ fn attach<'a>(
         capacity: g.cq_ring_bytes as usize,
         max_frame: g.max_frame_bytes as usize,
     };
-    // SAFETY: both rings lie inside the server's mapping, which lives as long
-    // as `shared`; this loop is the only consumer of the request ring and the
-    // only producer of the completion ring of this slot.
+    // SAFETY: the server-written halves lie in the server's mapping, which
+    // lives as long as `shared`; the client-written halves (the request
+    // ring's tail and data, the completion ring's head) lie in the session's
+    // memory, which `memory` keeps mapped and the RingClient keeps (it is
+    // declared after the rings, so dropped after them). This loop is the
+    // only consumer of the request ring and the only producer of the
+    // completion ring of this slot, and only loads from the client's memory
+    // (mapped read-only).
     let (req, cq) = unsafe { (Consumer::new(req)?, Producer::new(cq)?) };
     Ok(RingClient {
         slot,
@@ -81,7 +91,7 @@ fn attach<'a>(
         engine,
         req,
         cq,
-        sleeping: &cb.client_sleeping,
+        memory,
         doorbell: &sb.client_doorbell,
         broken: false,
         stalled_on: None,
@@ -308,7 +318,7 @@ fn serve(
         c.req.release();
         if c.cq.publish() {
             wait::notify(Parking {
-                sleeping: c.sleeping,
+                sleeping: &c.memory.memory().block().client_sleeping,
                 doorbell: c.doorbell,
             });
         }
@@ -324,7 +334,7 @@ fn serve(
     Ok(served + rejected)
 }
 
-pub(super) fn run(shared: &Shared, policy: WaitPolicy) {
+pub(super) fn run(shared: &Shared, mut doorbells: Doorbells, policy: WaitPolicy) {
     let m = &shared.seg.mapping;
     let g = m.info().geometry;
     let mut clients: Vec<Option<RingClient<'_>>> = (0..g.max_clients).map(|_| None).collect();
@@ -332,10 +342,6 @@ pub(super) fn run(shared: &Shared, policy: WaitPolicy) {
     let mut buf = vec![0u64; g.max_frame_bytes as usize / 8];
     let mut delays = DelayJobs::default();
     let header = m.header();
-    let parking = Parking {
-        sleeping: &header.server_sleeping,
-        doorbell: &m.doorbell().server_doorbell,
-    };
     loop {
         for ev in shared.take_events() {
             match ev {
@@ -343,18 +349,21 @@ pub(super) fn run(shared: &Shared, policy: WaitPolicy) {
                     slot,
                     session,
                     engine,
-                } => match attach(shared, slot, session, engine) {
-                    Ok(c) => {
+                    memory,
+                    doorbell,
+                } => match attach(shared, slot, session, engine, memory) {
+                    Ok(c) if doorbells.add(slot, doorbell).is_ok() => {
                         clients[slot as usize] = Some(c);
                         active.push(slot);
                     }
-                    Err(_) => shared
+                    _ => shared
                         .kicks
                         .lock()
                         .expect("kicks")
                         .push((slot, DisconnectReason::RingCorrupt)),
                 },
                 RingEvent::Detach { slot } => {
+                    doorbells.remove(slot);
                     clients[slot as usize] = None;
                     active.retain(|&s| s != slot);
                     shared.detached.lock().expect("detached").push(slot);
@@ -398,6 +407,10 @@ pub(super) fn run(shared: &Shared, policy: WaitPolicy) {
             deadline = deadline.min(due);
         }
 
+        let parking = Parking {
+            sleeping: &header.server_sleeping,
+            doorbell: &doorbells,
+        };
         let _ = wait::wait_until(
             &policy,
             parking,

@@ -24,7 +24,6 @@ pub fn field_tables() -> Vec<(&'static str, Vec<FieldRow>)> {
     use crate::ring::FrameHeader;
     vec![
         rows::<SegmentHeader>(),
-        rows::<DoorbellPage>(),
         rows::<ServerClientBlock>(),
         rows::<ClientBlock>(),
         rows::<OpStats>(),

@@ -1,6 +1,7 @@
 //! The segment's byte layout (the ABI of the shared-memory segment, not to be
 //! confused with [`crate::kv::layout`], an engine's KV-cache layout): the
-//! header, the doorbell page, the client blocks and the region table here;
+//! header, the server-written client blocks, each client's own memory (its
+//! [`ClientBlock`], in an object of its own) and the region table here;
 //! the op stats region in [`OpStats`]; the rows `tests/layout_doc.rs`
 //! compares with `shm_layout.md` in `doc`. Each struct is declared once with
 //! `shm_struct!`, which asserts every field's offset at compile time.
@@ -31,7 +32,7 @@ pub const LINE: usize = 128;
 /// `"KVRINGSG"` as a little-endian u64.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"KVRINGSG");
 /// Version of this layout. Any change to a table in `shm_layout.md` bumps it.
-pub const LAYOUT_VERSION: u32 = 3;
+pub const LAYOUT_VERSION: u32 = 4;
 
 shm_struct! {
     /// Segment header, at offset 0. Written by the server only.
@@ -68,27 +69,25 @@ shm_struct! {
         /// Identity: largest frame (header + padded payload) in either ring.
         [72] pub max_frame_bytes: AtomicU32,
         [76] pub _reserved0: AtomicU32,
-        /// Identity: offset of the doorbell page.
-        [80] pub doorbell_off: AtomicU64,
         /// Identity: offset of the first server-written client block.
-        [88] pub server_clients_off: AtomicU64,
+        [80] pub server_clients_off: AtomicU64,
         /// Identity: stride of server-written client blocks.
-        [96] pub server_client_stride: AtomicU64,
-        /// Identity: offset of the first client-written client block.
-        [104] pub client_blocks_off: AtomicU64,
-        /// Identity: stride of client-written client blocks.
-        [112] pub client_block_stride: AtomicU64,
+        [88] pub server_client_stride: AtomicU64,
+        /// Identity: bytes of each client's own memory object (its
+        /// [`ClientBlock`] page and its request ring's data).
+        [96] pub client_memory_bytes: AtomicU64,
         /// Identity: offset of the job table.
-        [120] pub jobs_off: AtomicU64,
+        [104] pub jobs_off: AtomicU64,
         /// Identity: bytes per job slot.
-        [128] pub job_stride: AtomicU64,
+        [112] pub job_stride: AtomicU64,
         /// Identity: offset of the operation stats region ([`OpStats`]).
-        [136] pub op_stats_off: AtomicU64,
-        [144] pub _reserved1: [AtomicU64; 14],
+        [120] pub op_stats_off: AtomicU64,
+        [128] pub _reserved1: [AtomicU64; 16],
         /// Live: CLOCK_MONOTONIC ns of the server's last heartbeat.
         [256] pub heartbeat_ns: CachePadded<AtomicU64>,
-        /// Live: the server's ring thread is (about to be) parked on the server
-        /// doorbell. Read by clients after publishing a request.
+        /// Live: the server's ring thread is (about to be) parked on the
+        /// clients' doorbells (each client's eventfd). Read by clients after
+        /// publishing a request: nonzero asks them to ring theirs.
         [384] pub server_sleeping: CachePadded<AtomicU32>,
         /// Live: [`ServerState`] as u32.
         [512] pub server_state: AtomicU32,
@@ -145,22 +144,6 @@ wire_enum! {
 }
 
 shm_struct! {
-    /// The doorbell page, at `doorbell_off`. The only page every client maps
-    /// writable.
-    pub struct DoorbellPage => DoorbellPageValues {
-        /// Futex word the server's ring thread parks on. Clients add 1 and wake
-        /// it when they publish work and see `server_sleeping` set; the server
-        /// adds 1 itself to wake its own ring thread. Its value means nothing
-        /// else, so a client scribbling on it causes at most a spurious wakeup.
-        [0] pub server_doorbell: AtomicU32,
-    }
-}
-
-const _: () = {
-    assert!(size_of::<DoorbellPage>() <= PAGE);
-};
-
-shm_struct! {
     /// Server-written state of one client slot, at
     /// `server_clients_off + slot * server_client_stride`. The completion ring's
     /// data follows at +[`PAGE`].
@@ -212,7 +195,9 @@ wire_enum! {
         /// The client left or died; its resources are being reclaimed.
         Closing = 2 => "closing",
         /// The connection ended but the process is still alive: the slot is kept
-        /// out of use until it exits, so its late writes can reach nobody.
+        /// out of use until it exits (its writes reach only its own memory
+        /// object, which nobody reads any more; the quarantine keeps a late
+        /// reader of the slot's completion ring from seeing a stranger's).
         Quarantined = 3 => "quarantined",
     }
 }
@@ -234,10 +219,12 @@ wire_enum! {
 }
 
 shm_struct! {
-    /// Client-written state of one client slot, at
-    /// `client_blocks_off + slot * client_block_stride`. The request ring's data
-    /// follows at +[`PAGE`]. Its occupant maps this block writable; the server
-    /// treats every word in it as untrusted.
+    /// Client-written state of one client, at offset 0 of the client's own
+    /// memory object (`crate::client_memory`), created for its session and
+    /// removed when the session ends. The request ring's data follows at
+    /// +[`PAGE`]. Its occupant maps the object writable (it is the only memory
+    /// a client can write); the server maps it read-only and treats every word
+    /// in it as untrusted.
     pub struct ClientBlock => ClientBlockValues {
         /// Request ring tail: the client produces requests.
         [0] pub req_tail: CachePadded<AtomicU64>,
@@ -293,11 +280,10 @@ impl Default for Geometry {
 /// Offsets computed from a [`Geometry`]: what the header's table must say.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Offsets {
-    pub doorbell_off: u64,
     pub server_clients_off: u64,
     pub server_client_stride: u64,
-    pub client_blocks_off: u64,
-    pub client_block_stride: u64,
+    /// Bytes of each client's own memory object (not part of the segment).
+    pub client_memory_bytes: u64,
     pub jobs_off: u64,
     pub job_stride: u64,
     pub op_stats_off: u64,
@@ -345,21 +331,17 @@ impl Geometry {
     pub fn offsets(&self) -> Offsets {
         let page = PAGE as u64;
         let n = u64::from(self.max_clients);
-        let doorbell_off = page;
-        let server_clients_off = 2 * page;
+        let server_clients_off = page;
         let server_client_stride = page + u64::from(self.cq_ring_bytes);
-        let client_blocks_off = server_clients_off + n * server_client_stride;
-        let client_block_stride = page + u64::from(self.req_ring_bytes);
-        let jobs_off = client_blocks_off + n * client_block_stride;
+        let client_memory_bytes = page + u64::from(self.req_ring_bytes);
+        let jobs_off = server_clients_off + n * server_client_stride;
         let job_stride = JOB_STRIDE as u64;
         let op_stats_off = round_up(jobs_off + u64::from(self.job_slots) * job_stride, page);
         let segment_bytes = op_stats_off + round_up(size_of::<OpStats>() as u64, page);
         Offsets {
-            doorbell_off,
             server_clients_off,
             server_client_stride,
-            client_blocks_off,
-            client_block_stride,
+            client_memory_bytes,
             jobs_off,
             job_stride,
             op_stats_off,
