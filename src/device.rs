@@ -72,9 +72,10 @@ impl fmt::Display for DeviceUuid {
 }
 
 /// A CUDA IPC event handle (`cuIpcGetEventHandle`): 64 opaque bytes that
-/// another process opens to wait on the event. A STORE or RETRIEVE built
-/// with `.after(handle)` waits (on the device) for the engine's event; the
-/// server's job events arrive as handles too. Debug prints hex.
+/// another process opens to query or wait on the event. A STORE or
+/// RETRIEVE built with `.after(handle)` is copied once the server sees the
+/// engine's event complete (it polls it from the host); the server's job
+/// events arrive as handles too. Debug prints hex.
 ///
 /// # Examples
 ///

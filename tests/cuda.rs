@@ -481,3 +481,188 @@ fn two_engine_processes_on_two_gpus_store_and_retrieve_concurrently() {
         st.retrieved_chunks
     );
 }
+
+/// Waits (at most `limit`) for the file `dir/name` another process of the
+/// test creates.
+fn await_file(dir: &std::path::Path, name: &str, limit: Duration) {
+    let p = dir.join(name);
+    let t = Instant::now();
+    while !p.exists() {
+        assert!(t.elapsed() < limit, "{} never appeared", p.display());
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// Latency figures of `kind` operations: "KIND n N p50 P p99 Q max M fail F".
+fn latency_line(kind: &str, mut ms: Vec<f64>, failures: usize) -> String {
+    ms.sort_by(|a, b| a.total_cmp(b));
+    let at = |q: f64| {
+        ms.get(((ms.len() as f64 - 1.0) * q).round() as usize)
+            .copied()
+    };
+    format!(
+        "{kind} n {} p50 {:.3} p99 {:.3} max {:.3} fail {failures}",
+        ms.len(),
+        at(0.5).unwrap_or(f64::NAN),
+        at(0.99).unwrap_or(f64::NAN),
+        ms.last().copied().unwrap_or(f64::NAN),
+    )
+}
+
+/// The engine that is not stuck: stores and retrieves 2-chunk prompts, each
+/// job waited for at most 2 s, alone for 1.5 s ("alone ..."), then, once the
+/// parent says so, for 2.5 s while other engines are stuck ("during ...").
+fn steady_engine_main(name: &str, dir: &std::path::Path) {
+    let mut c = Client::builder(name).runtime_dir(dir).connect().unwrap();
+    let l = kv_layout(LayoutPreset::Lbnhc, 2, 64, 128);
+    let cache = CudaKvCache::new(l.clone(), CHUNK, 0, Export::Ipc).unwrap();
+    cache.fill(0x11).unwrap();
+    let inst = c.register_cuda(&spec("steady"), &cache).unwrap();
+    let b: Vec<u32> = (0..2 * inst.blocks_per_chunk()).collect();
+    let mut seed = 1000u32;
+    let mut run = |secs: f64| {
+        let (mut ms, mut failures) = (Vec::new(), 0usize);
+        let t = Instant::now();
+        while t.elapsed().as_secs_f64() < secs {
+            seed += 1;
+            let hashes = chunk_hashes(&prompt(seed, 2 * CHUNK as usize), CHUNK);
+            let op = Instant::now();
+            let deadline = op + Duration::from_secs(2);
+            let ok = c
+                .store(Store::new(&inst, &hashes, &b))
+                .and_then(|j| j.wait(deadline))
+                .is_ok_and(|st| matches!(st, JobStatus::Done(_)))
+                && c.lookup(Lookup::new(model_id("steady"), 1, &hashes))
+                    .and_then(|lease| c.retrieve(Retrieve::new(&inst, &lease, &b)))
+                    .and_then(|j| j.wait(deadline))
+                    .is_ok_and(|st| matches!(st, JobStatus::Done(_)));
+            if ok {
+                ms.push(op.elapsed().as_secs_f64() * 1e3);
+            } else {
+                failures += 1;
+            }
+        }
+        (ms, failures)
+    };
+    let (ms, f) = run(1.5);
+    tell_parent(&latency_line("alone", ms, f));
+    await_file(dir, "go", Duration::from_secs(60));
+    let (ms, f) = run(2.5);
+    tell_parent(&latency_line("during", ms, f));
+}
+
+/// `n` engines (a client and a GPU cache each) whose streams wait on a word
+/// before recording the event their 4-chunk store comes after. With
+/// `release_after`, the words are set once that file appears and every job
+/// must end Done; without, they are never set and every job must fail
+/// `EngineEventTimeout`. Says "submitted", then how the jobs ended.
+fn blocked_engines_main(name: &str, dir: &std::path::Path, n: usize, release_after: Option<&str>) {
+    let l = kv_layout(LayoutPreset::Lbnhc, 2, 64, 128);
+    // Every cache is made and filled before any stream blocks: four blocked
+    // streams stall all of a process's GPU work (measured on the H200).
+    let mut ready = Vec::new();
+    for _ in 0..n {
+        let mut c = Client::builder(name).runtime_dir(dir).connect().unwrap();
+        let cache = CudaKvCache::new(l.clone(), CHUNK, 0, Export::Ipc).unwrap();
+        cache.fill(0x22).unwrap();
+        let inst = c.register_cuda(&spec("blocked"), &cache).unwrap();
+        ready.push((c, cache, inst));
+    }
+    let mut engines = Vec::new();
+    for (i, (mut c, cache, inst)) in ready.into_iter().enumerate() {
+        let stream = EngineStream::new(&cache).unwrap();
+        let word = stream.host_word().unwrap();
+        stream.wait_word(&word, 1).unwrap();
+        let ev = IpcEvent::new(&cache).unwrap();
+        ev.record(&stream).unwrap();
+        let seed = 5000 + i as u32 + if release_after.is_some() { 100 } else { 0 };
+        let hashes = chunk_hashes(&prompt(seed, 4 * CHUNK as usize), CHUNK);
+        let b: Vec<u32> = (0..4 * inst.blocks_per_chunk()).collect();
+        let job = c
+            .store(Store::new(&inst, &hashes, &b).after(ev.handle()))
+            .unwrap();
+        engines.push((c, cache, inst, stream, word, ev, job));
+    }
+    let submitted = Instant::now();
+    tell_parent("submitted");
+    if let Some(file) = release_after {
+        await_file(dir, file, Duration::from_secs(60));
+        for e in &engines {
+            e.4.set(1);
+        }
+    }
+    let mut ends = Vec::new();
+    for e in &engines {
+        let st = e.6.wait(Instant::now() + Duration::from_secs(60)).unwrap();
+        ends.push((st, submitted.elapsed().as_secs_f64()));
+    }
+    let all = |want: &dyn Fn(&JobStatus) -> bool| ends.iter().all(|(st, _)| want(st));
+    let last = ends.iter().map(|e| e.1).fold(0.0, f64::max);
+    let verdict = if release_after.is_some() {
+        all(&|st| matches!(st, JobStatus::Done(_)))
+    } else {
+        all(&|st| {
+            matches!(
+                st,
+                JobStatus::Failed(kvring::jobs::FailReason::EngineEventTimeout)
+            )
+        })
+    };
+    tell_parent(&format!(
+        "ended {} last after {last:.2} s: {:?}",
+        if verdict { "as expected" } else { "WRONG" },
+        ends.iter().map(|e| &e.0).collect::<Vec<_>>()
+    ));
+}
+
+/// Engines whose streams never reach the events their stores come after
+/// hold up no other engine: the server polls engine events from the host
+/// and queues a job's copies only once its event completed, so no copy
+/// stream of the server waits on the device for another process. Seven
+/// engines (one process) stay stuck: their jobs fail `EngineEventTimeout`
+/// at the server's deadline (4 s here). One engine (another process) is
+/// released after 1 s: its job completes. A third process stores and
+/// retrieves meanwhile, every job within 2 s, its latencies printed next to
+/// those it had alone.
+#[test]
+#[ignore = "needs an NVIDIA GPU (run with --include-ignored on a GPU machine)"]
+fn engines_stuck_before_their_events_stall_no_other_engine() {
+    const T: &str = "engines_stuck_before_their_events_stall_no_other_engine";
+    if let Some((role, name, dir)) = child_role() {
+        match role.as_str() {
+            "steady" => steady_engine_main(&name, &dir),
+            "stuck" => blocked_engines_main(&name, &dir, 7, None),
+            "released" => blocked_engines_main(&name, &dir, 1, Some("release")),
+            other => panic!("unknown role {other}"),
+        }
+        return;
+    }
+    require_gpu();
+    let mut args = CUDA_ARGS.to_vec();
+    args.extend(["--engine-event-timeout", "4"]);
+    let s = Fixture::new("cuda-stuck", Duration::from_secs(180), &args);
+    let mut steady = s.child(T, "steady");
+    let alone = steady.expect_line("alone");
+    let mut stuck = s.child(T, "stuck");
+    let mut released = s.child(T, "released");
+    stuck.expect_line("submitted");
+    released.expect_line("submitted");
+    std::fs::write(s.dir.join("go"), b"").unwrap();
+    std::thread::sleep(Duration::from_secs(1));
+    std::fs::write(s.dir.join("release"), b"").unwrap();
+    let during = steady.expect_line("during");
+    let r = released.expect_line("ended");
+    let k = stuck.expect_line("ended");
+    eprintln!(
+        "steady engine: {alone}\nsteady engine: {during}\nreleased engine: {r}\nstuck engines: {k}"
+    );
+    assert!(alone.ends_with("fail 0"), "{alone}");
+    assert!(
+        during.ends_with("fail 0"),
+        "the steady engine was held up: {during}"
+    );
+    assert!(r.contains("as expected"), "the released engine's job: {r}");
+    assert!(k.contains("as expected"), "the stuck engines' jobs: {k}");
+    let mut c = s.client();
+    assert_eq!(c.stats().unwrap().leases, 0);
+}

@@ -10,6 +10,7 @@
 use super::kv::Memory;
 use crate::device::{DeviceUuid, IpcEventHandle};
 use crate::gpu::{Context, DeviceBuffer, Event, EventKind, ExportedVmm, Stream};
+pub use crate::gpu::HostWord;
 use crate::kv::pattern::{KvMemory, Run};
 use crate::kv::KvLayout;
 use crate::proto::kv::MemoryPiece;
@@ -218,14 +219,39 @@ impl KvMemory for CudaKvCache {
 /// A stream of the engine's own, for asynchronous work the server must be
 /// ordered after (through an [`IpcEvent`]).
 pub struct EngineStream {
+    /// Declared first: drained (on drop) before the gates are freed.
     stream: Stream,
+    /// Words this stream waits (or waited) on: kept allocated as long as
+    /// the stream, and set to `u32::MAX` before it drains on drop, so no
+    /// wait outlives them and dropping never hangs on one.
+    gates: std::sync::Mutex<Vec<Arc<HostWord>>>,
 }
 
 impl EngineStream {
     pub fn new(cache: &CudaKvCache) -> crate::Result<EngineStream> {
         Ok(EngineStream {
             stream: Stream::new(&cache.ctx)?,
+            gates: Default::default(),
         })
+    }
+
+    /// A new word (holding 0) for [`EngineStream::wait_word`], in this
+    /// stream's context.
+    pub fn host_word(&self) -> crate::Result<Arc<HostWord>> {
+        Ok(Arc::new(HostWord::new(self.stream.context())?))
+    }
+
+    /// Makes later work on this stream wait (on the device) until `word`
+    /// holds at least `at_least`: a gate this process opens with
+    /// [`HostWord::set`]. (An engine that holds back its own writes, or a
+    /// test that plays an engine whose stream is stuck.)
+    pub fn wait_word(&self, word: &Arc<HostWord>, at_least: u32) -> crate::Result<()> {
+        let mut gates = self.gates.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: the word is kept (in `gates`) until the stream has
+        // drained on drop, after it was set past every wait.
+        unsafe { self.stream.wait_word(word, at_least) }?;
+        gates.push(word.clone());
+        Ok(())
     }
 
     /// Queues setting every byte of `cache` to `byte`.
@@ -264,6 +290,15 @@ impl EngineStream {
                 .copy_dtod_async(dst.base, src.base, src.size as usize)
         }?;
         Ok(())
+    }
+}
+
+impl Drop for EngineStream {
+    fn drop(&mut self) {
+        // Open every gate first: the stream drains when it is destroyed.
+        for w in self.gates.get_mut().unwrap_or_else(|e| e.into_inner()).iter() {
+            w.set(u32::MAX);
+        }
     }
 }
 

@@ -379,8 +379,11 @@ impl<'a> Store<'a> {
         self
     }
 
-    /// The copies wait (on the device) for the CUDA IPC event the engine
-    /// recorded after writing the blocks.
+    /// The copies come after the CUDA IPC event the engine recorded after
+    /// writing the blocks: the server polls it from the host and queues them
+    /// once it completed (no server stream waits on it); past the server's
+    /// engine-event timeout (default 60 s) the job fails
+    /// `EngineEventTimeout` and copies nothing.
     pub fn after(mut self, event: IpcEventHandle) -> Self {
         self.after = Some(event);
         self
@@ -484,8 +487,9 @@ impl<'a> Retrieve<'a> {
         self
     }
 
-    /// The copies wait (on the device) for the CUDA IPC event the engine
-    /// recorded once it stopped using the blocks.
+    /// The copies come after the CUDA IPC event the engine recorded once it
+    /// stopped using the blocks (polled by the server from the host, as for
+    /// [`Store::after`]).
     pub fn after(mut self, event: IpcEventHandle) -> Self {
         self.after = Some(event);
         self

@@ -14,6 +14,8 @@
 //! * [`Event`] and [`IpcEventHandle`](crate::IpcEventHandle): events, interprocess ones included;
 //! * [`DeviceBuffer`], [`PinnedHostBuffer`], [`HostRegistration`],
 //!   [`ExportedVmm`]: memory the process allocates or pins;
+//! * [`HostWord`]: a pinned host word a stream waits on and the host sets
+//!   (a device-side wait its holder can always release);
 //! * [`OpenedMemory`]: another process's device memory
 //!   opened here (legacy IPC handle, or a VMM allocation imported from a
 //!   POSIX fd), closed when the last tensor using it goes;
@@ -29,6 +31,7 @@ pub mod kernels;
 mod memory;
 mod module;
 mod stream;
+mod word;
 
 pub use context::{device_uuid, probe, Context, DeviceInfo};
 pub use cudarc::driver::sys::CUresult;
@@ -36,6 +39,7 @@ pub use event::{Event, EventKind};
 pub use memory::{DeviceBuffer, ExportedVmm, HostRegistration, OpenedMemory, PinnedHostBuffer};
 pub use module::{Function, LaunchConfig, Module};
 pub use stream::Stream;
+pub use word::HostWord;
 
 use cudarc::driver::sys;
 

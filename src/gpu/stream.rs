@@ -1,6 +1,6 @@
 //! Streams and the asynchronous copies queued on them.
 
-use super::{check, sys, Context, CudaError, Event};
+use super::{check, sys, Context, CudaError, Event, HostWord};
 use std::ffi::c_void;
 use std::sync::Arc;
 
@@ -66,6 +66,30 @@ impl Stream {
         check(
             unsafe { sys::cuStreamWaitEvent(self.stream, event.raw(), 0) },
             "cuStreamWaitEvent",
+        )
+    }
+
+    /// Makes later work on this stream wait (on the device) until `word`
+    /// holds at least `at_least` (`cuStreamWaitValue32`, GEQ). Whoever
+    /// holds the word can always end the wait by setting it from the host.
+    ///
+    /// # Safety
+    /// `word` must stay allocated until the stream has passed the wait (set
+    /// it, then synchronize, before dropping it).
+    pub unsafe fn wait_word(&self, word: &HostWord, at_least: u32) -> Result<(), CudaError> {
+        self.ctx.bind()?;
+        check(
+            // SAFETY: a live stream; the word's device address stays valid
+            // while the wait is pending (the caller's contract).
+            unsafe {
+                sys::cuStreamWaitValue32_v2(
+                    self.stream,
+                    word.device_ptr(),
+                    at_least,
+                    sys::CUstreamWaitValue_flags_enum::CU_STREAM_WAIT_VALUE_GEQ as u32,
+                )
+            },
+            "cuStreamWaitValue32",
         )
     }
 

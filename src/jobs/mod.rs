@@ -153,6 +153,10 @@ wire_enum! {
         Requested = 3 => "requested",
         /// A copy between an engine's cache and the pool failed.
         CopyFailed = 4 => "copy_failed",
+        /// The engine's event (the STORE's or RETRIEVE's `after`) did not
+        /// complete within the server's engine-event timeout: nothing was
+        /// copied.
+        EngineEventTimeout = 5 => "engine_event_timeout",
     }
 }
 
@@ -163,6 +167,9 @@ impl std::fmt::Display for FailReason {
             FailReason::ServerShutdown => write!(f, "server shut down"),
             FailReason::Requested => write!(f, "failure requested"),
             FailReason::CopyFailed => write!(f, "copy failed"),
+            FailReason::EngineEventTimeout => {
+                write!(f, "the engine's event did not complete in time")
+            }
             FailReason::Other(c) => write!(f, "failure code {c}"),
         }
     }

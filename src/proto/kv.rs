@@ -29,7 +29,9 @@ shm_struct! {
         [4] pub n_chunks: u32,
         [8] pub salt: u64,
         /// Bit 0: `event` holds a CUDA IPC event the engine recorded after
-        /// writing the blocks; the server's copies wait for it on the device.
+        /// writing the blocks; the server queues the copies once it sees
+        /// the event complete (polled from the host), or fails the job
+        /// `EngineEventTimeout` at its deadline.
         [16] pub flags: u32,
         [20] pub _reserved: u32,
         [24] pub event: [u8; 64],

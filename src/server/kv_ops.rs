@@ -6,7 +6,7 @@
 use super::cache::{Cache, LeaseError, LeaseMeta, ObjectKey};
 use super::pool::PoolMemory;
 use super::registry::{Registration, Registry};
-use super::transfer::{BackendKind, Copier, Dir, JobRun, Task};
+use super::transfer::{BackendKind, Copier, Dir, EngineEvent, JobRun, Task};
 use super::Shared;
 use crate::jobs::{JobId, JobKind, JobResult, NewJob};
 use crate::kv::ChunkHash;
@@ -27,6 +27,8 @@ pub struct KvState {
     pub backend_note: String,
     pub chunk_tokens: u32,
     pub lease_ttl: Duration,
+    /// How long a job waits for its engine's event.
+    pub engine_event_timeout: Duration,
     pub max_request_bytes: u32,
     pub copy_threads: u32,
     pub registry: Mutex<Registry>,
@@ -87,6 +89,7 @@ impl KvState {
             backend_note,
             chunk_tokens: cfg.chunk_tokens,
             lease_ttl: cfg.lease_ttl,
+            engine_event_timeout: cfg.engine_event_timeout,
             max_request_bytes: cfg.max_request_bytes,
             copy_threads: cfg
                 .copy_threads
@@ -378,7 +381,7 @@ pub fn store(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
         value,
         aux,
         plan.write.len() as u32,
-        event,
+        event.map(|h| EngineEvent::new(h, kv.engine_event_timeout)),
         publish,
     );
     let tasks = plan
@@ -455,7 +458,7 @@ pub fn retrieve(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
         u64::from(h.n_chunks),
         0,
         objs.len() as u32,
-        event,
+        event.map(|h| EngineEvent::new(h, kv.engine_event_timeout)),
         publish,
     );
     for (i, &(_, off)) in objs.iter().enumerate() {

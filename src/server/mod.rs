@@ -126,6 +126,10 @@ pub struct KvConfig {
     /// name one with [`simulated_device_uuid`]), scheduled as a CUDA server
     /// schedules its GPUs; 0: none.
     pub simulated_devices: u32,
+    /// How long a STORE or RETRIEVE ordered after an engine's event waits
+    /// for it (polled from the host; no stream of the server waits on it)
+    /// before it fails `EngineEventTimeout` without copying anything.
+    pub engine_event_timeout: Duration,
     /// Pool usage (fraction) past which eviction starts ...
     pub high_watermark: f64,
     /// ... and down to which it evicts.
@@ -145,6 +149,7 @@ impl Default for KvConfig {
             cuda_zero_copy_ctas: 0,
             cuda_depth: None,
             simulated_devices: 0,
+            engine_event_timeout: Duration::from_secs(60),
             high_watermark: 0.9,
             low_watermark: 0.8,
         }

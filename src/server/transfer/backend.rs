@@ -24,8 +24,6 @@ pub struct ChunkCopy<'a> {
     pub skip_blocks: u32,
     pub object: *mut u8,
     pub dir: Dir,
-    /// The inference engine's CUDA IPC event the copy must wait for.
-    pub event: Option<[u8; 64]>,
     /// Publish a job event once every chunk of the job is queued.
     pub publish: Option<Publish<'a>>,
 }
@@ -77,6 +75,9 @@ pub enum ChunkOutcome {
     /// Not copied because the job had already ended (failed, or its owner
     /// is gone): nothing to report.
     Skipped,
+    /// Not copied: the engine's event did not complete before the job's
+    /// deadline.
+    EventTimeout,
 }
 
 impl From<Result<u64, CopyError>> for ChunkOutcome {
@@ -119,6 +120,17 @@ pub trait CopyExecutor {
     /// registration and the pool object stay valid until then (the worker
     /// holds the task).
     fn submit(&mut self, c: &ChunkCopy<'_>, token: usize) -> Result<(), CopyError>;
+    /// Whether the inference engine's event `handle` (on the device of
+    /// `inst`) has completed, asked from the host without waiting; a copy
+    /// ordered after it is submitted only once it has. Backends with no
+    /// device events have none to wait for.
+    fn engine_event_ready(
+        &mut self,
+        _inst: &Registration,
+        _handle: &[u8; 64],
+    ) -> Result<bool, CopyError> {
+        Ok(true)
+    }
     /// Appends finished copies (token, bytes moved or why not) to `out`;
     /// with `wait`, returns only once at least one finished (or none is in
     /// flight).

@@ -3,8 +3,45 @@
 use super::backend::Dir;
 use crate::jobs::JobId;
 use crate::server::registry::Registration;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// The inference engine's CUDA IPC event a job's copies come after. The
+/// workers poll it from the host (`CopyExecutor::engine_event_ready`) and
+/// queue a chunk's copy only once it has completed: no stream of the server
+/// ever waits on the device for it, so an engine whose stream never reaches
+/// its event (or that died first) holds up nobody else.
+pub struct EngineEvent {
+    pub handle: [u8; 64],
+    /// Past this, the job fails `EngineEventTimeout` without copying.
+    pub deadline: Instant,
+    /// Some worker saw it complete: the others need not ask the driver.
+    seen: AtomicBool,
+}
+
+impl EngineEvent {
+    pub fn new(handle: [u8; 64], timeout: Duration) -> EngineEvent {
+        EngineEvent {
+            handle,
+            deadline: Instant::now() + timeout,
+            seen: AtomicBool::new(false),
+        }
+    }
+
+    /// Whether a worker saw it complete.
+    pub fn seen(&self) -> bool {
+        // Acquire pairs with the Release store in `mark_seen`: a worker that
+        // reads true skips the driver's query, and the event's completion
+        // (the engine's writes) happened before that store.
+        self.seen.load(Ordering::Acquire)
+    }
+
+    pub fn mark_seen(&self) {
+        // Release pairs with the Acquire load in `seen`.
+        self.seen.store(true, Ordering::Release);
+    }
+}
 
 /// A STORE or RETRIEVE job in flight.
 pub struct JobRun {
@@ -18,14 +55,16 @@ pub struct JobRun {
     /// retrieve: chunk count; bytes are added as the copies finish).
     pub value: u64,
     pub aux: u64,
-    /// The inference engine's CUDA IPC event every chunk copy waits for.
-    pub event: Option<[u8; 64]>,
+    /// The inference engine's event every chunk copy comes after.
+    pub event: Option<EngineEvent>,
     /// Chunks still to be queued before the job event is published (None:
     /// no job event asked for).
     pub publish_left: Option<AtomicU32>,
     pub(super) remaining: AtomicU32,
     pub(super) started: AtomicBool,
     pub(super) failed: AtomicBool,
+    /// Failed because its engine event did not complete in time.
+    pub(super) event_timed_out: AtomicBool,
     pub(super) bytes: AtomicU64,
 }
 
@@ -40,7 +79,7 @@ impl JobRun {
         value: u64,
         aux: u64,
         tasks: u32,
-        event: Option<[u8; 64]>,
+        event: Option<EngineEvent>,
         publish: bool,
     ) -> Arc<JobRun> {
         Arc::new(JobRun {
@@ -56,6 +95,7 @@ impl JobRun {
             remaining: AtomicU32::new(tasks),
             started: AtomicBool::new(false),
             failed: AtomicBool::new(false),
+            event_timed_out: AtomicBool::new(false),
             bytes: AtomicU64::new(0),
         })
     }

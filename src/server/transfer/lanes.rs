@@ -46,26 +46,35 @@ impl Lane {
         self.q.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The next task, round robin over clients; `None` once stopped, or
-    /// (without `block`) when none is queued now. With `block`, sleeps until
-    /// a task is queued or the lane stops.
-    pub(super) fn pop(&self, block: bool) -> Option<Task> {
+    /// The next task, round robin over clients, sleeping at most `wait` for
+    /// one (`None`: not at all). `Err(true)` once stopped, `Err(false)` when
+    /// none came.
+    pub(super) fn pop_within(&self, wait: Option<Duration>) -> Result<Task, bool> {
+        let until = wait.and_then(|w| std::time::Instant::now().checked_add(w));
         let mut q = self.lock();
         loop {
             if q.stop {
-                return None;
+                return Err(true);
             }
             if let Some(t) = q.pop_round_robin() {
-                return Some(t);
+                return Ok(t);
             }
-            if !block {
-                return None;
+            if wait.is_none() {
+                return Err(false);
             }
-            // Idle: sleep until work or stop (the timeout only bounds how
-            // long a missed notification could delay shutdown).
+            // Sleep until work, stop or the end of `wait` (a 100 ms slice
+            // bounds how long a missed notification could delay shutdown).
+            let mut slice = Duration::from_millis(100);
+            if let Some(until) = until {
+                let left = until.saturating_duration_since(std::time::Instant::now());
+                if left.is_zero() {
+                    return Err(false);
+                }
+                slice = slice.min(left);
+            }
             q = self
                 .cv
-                .wait_timeout(q, Duration::from_millis(100))
+                .wait_timeout(q, slice)
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
         }

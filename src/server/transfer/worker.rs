@@ -1,7 +1,9 @@
 //! The copy worker loop, and how a job's chunks add up to its end.
 
-use super::backend::{ChunkCopy, ChunkOutcome, Dir, Publish};
+use super::backend::{ChunkCopy, ChunkOutcome, CopyError, CopyExecutor, Dir, Publish};
 use super::job::{JobRun, Task};
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
 use crate::jobs::{FailReason, JobResult};
 use crate::liveness::monotonic_ns;
 use crate::server::Shared;
@@ -22,6 +24,10 @@ fn chunk_done(shared: &Shared, job: &JobRun, outcome: ChunkOutcome) {
         ChunkOutcome::Skipped => {
             job.failed.store(true, Ordering::Relaxed);
         }
+        ChunkOutcome::EventTimeout => {
+            job.event_timed_out.store(true, Ordering::Relaxed);
+            job.failed.store(true, Ordering::Relaxed);
+        }
     }
     // AcqRel: each worker's Release publishes its chunk's counters above;
     // the last one's Acquire sees every worker's, so `finish` reads them all.
@@ -30,8 +36,49 @@ fn chunk_done(shared: &Shared, job: &JobRun, outcome: ChunkOutcome) {
     }
 }
 
+/// Where `task` stands with the engine event its job comes after, asked
+/// from the host (no stream of the server waits on the device for another
+/// process): ready (or none), not yet, or past the job's deadline.
+fn event_state(
+    executor: &mut dyn CopyExecutor,
+    task: &Task,
+    now: Instant,
+) -> Result<EventState, CopyError> {
+    let Some(ev) = &task.job.event else {
+        return Ok(EventState::Ready);
+    };
+    if ev.seen() {
+        return Ok(EventState::Ready);
+    }
+    if executor.engine_event_ready(&task.job.inst, &ev.handle)? {
+        ev.mark_seen();
+        return Ok(EventState::Ready);
+    }
+    if now >= ev.deadline {
+        return Ok(EventState::TimedOut);
+    }
+    Ok(EventState::NotYet)
+}
+
+enum EventState {
+    Ready,
+    NotYet,
+    TimedOut,
+}
+
+/// How soon a worker with nothing in flight asks again for the events its
+/// held-back tasks wait for (a query costs about 32 ns): at first after
+/// `EVENT_POLL_MIN`, then twice as long each time none completed, up to
+/// `EVENT_POLL_MAX` (an engine stuck for long costs a worker about 1,000
+/// wake-ups a second).
+const EVENT_POLL_MIN: Duration = Duration::from_micros(20);
+const EVENT_POLL_MAX: Duration = Duration::from_millis(1);
+
 /// A copy worker of lane `lane`: keeps its executor's pipeline full with
 /// tasks taken round robin, and settles each chunk as its copy finishes.
+/// A task whose job comes after an engine's event that has not completed
+/// waits in the worker's `held` list, asked about again every round, while
+/// the worker serves every other task; past the job's deadline it fails.
 pub fn run(shared: &Shared, lane: usize) {
     let copier = &shared.kv.copier;
     let queue = copier.lane(lane);
@@ -47,6 +94,9 @@ pub fn run(shared: &Shared, lane: usize) {
     let mut inflight: Vec<Option<Task>> = (0..depth).map(|_| None).collect();
     let mut busy = 0usize;
     let mut done = Vec::new();
+    // Held back for their engine's event, oldest first.
+    let mut held: VecDeque<Task> = VecDeque::new();
+    let mut event_poll = EVENT_POLL_MIN;
     loop {
         // Settle what finished (here or in the blocking poll below).
         executor.poll(false, &mut done);
@@ -56,62 +106,115 @@ pub fn run(shared: &Shared, lane: usize) {
                 chunk_done(shared, &t.job, r.into());
             }
         }
-        if busy < depth {
-            // With nothing in flight, sleep for work; else take only what
-            // is queued now.
-            let Some(task) = queue.pop(busy == 0) else {
-                if busy == 0 {
-                    break; // stopped
-                }
-                executor.poll(true, &mut done);
-                continue;
-            };
-            let job = task.job.clone();
-            // Relaxed: only decides which worker marks the job running;
-            // the table's seqlock orders the state itself.
-            if !job.started.swap(true, Ordering::Relaxed) {
-                let _ = shared.jobs.start(job.id, monotonic_ns());
-            }
-            // A job that ended meanwhile (its client died, the server
-            // shuts down) copies nothing more: a dead engine's memory is
-            // neither read into the pool nor written.
-            if job.failed.load(Ordering::Relaxed) || !shared.jobs.is_live(job.id) {
-                chunk_done(shared, &job, ChunkOutcome::Skipped);
-                continue;
-            }
-            let token = inflight
-                .iter()
-                .position(Option::is_none)
-                .expect("a free slot");
-            let job_id = job.id;
-            let publish_progress = |v: u64| {
-                let _ = shared.jobs.progress(job_id, v);
-            };
-            let c = ChunkCopy {
-                publish: job.publish_left.as_ref().map(|left| Publish {
-                    owner_slot: job.owner,
-                    chunks_left: left,
-                    publish_progress: &publish_progress,
-                }),
-                inst: &job.inst,
-                chunk_tokens,
-                blocks: &task.blocks,
-                skip_blocks: task.skip_blocks,
-                object: shared.kv.pool.at(task.pool_off),
-                dir: job.dir,
-                event: job.event,
-            };
-            match executor.submit(&c, token) {
-                Ok(()) => {
-                    inflight[token] = Some(task);
-                    busy += 1;
-                }
-                Err(e) => chunk_done(shared, &job, ChunkOutcome::Failed(e)),
-            }
-        } else {
+        if busy >= depth {
             executor.poll(true, &mut done);
+            continue;
+        }
+        // A held task whose event completed goes first; one past its
+        // deadline, or of a job that ended meanwhile, is settled here.
+        let mut next = None;
+        let now = Instant::now();
+        for _ in 0..held.len() {
+            let t = held.pop_front().expect("held task");
+            if t.job.failed.load(Ordering::Relaxed) || !shared.jobs.is_live(t.job.id) {
+                chunk_done(shared, &t.job, ChunkOutcome::Skipped);
+                continue;
+            }
+            match event_state(executor.as_mut(), &t, now) {
+                Ok(EventState::Ready) if next.is_none() => {
+                    event_poll = EVENT_POLL_MIN;
+                    next = Some(t);
+                }
+                Ok(EventState::Ready | EventState::NotYet) => held.push_back(t),
+                Ok(EventState::TimedOut) => chunk_done(shared, &t.job, ChunkOutcome::EventTimeout),
+                Err(e) => chunk_done(shared, &t.job, ChunkOutcome::Failed(e)),
+            }
+        }
+        let task = match next {
+            Some(t) => t,
+            // With nothing in flight or held, sleep for work; with tasks
+            // held, only until their events are asked about again; else
+            // take only what is queued now.
+            None => match queue.pop_within(match (busy, held.is_empty()) {
+                (0, true) => Some(Duration::MAX),
+                (0, false) => {
+                    let wait = event_poll;
+                    event_poll = (event_poll * 2).min(EVENT_POLL_MAX);
+                    Some(wait)
+                }
+                _ => None,
+            }) {
+                Ok(t) => t,
+                Err(true) if busy == 0 => break, // stopped
+                Err(_) => {
+                    if busy > 0 {
+                        executor.poll(true, &mut done);
+                    }
+                    continue;
+                }
+            },
+        };
+        let job = task.job.clone();
+        // A job that ended meanwhile (its client died, the server
+        // shuts down) copies nothing more: a dead engine's memory is
+        // neither read into the pool nor written.
+        if job.failed.load(Ordering::Relaxed) || !shared.jobs.is_live(job.id) {
+            chunk_done(shared, &job, ChunkOutcome::Skipped);
+            continue;
+        }
+        match event_state(executor.as_mut(), &task, Instant::now()) {
+            Ok(EventState::Ready) => {}
+            Ok(EventState::NotYet) => {
+                held.push_back(task);
+                continue;
+            }
+            Ok(EventState::TimedOut) => {
+                chunk_done(shared, &job, ChunkOutcome::EventTimeout);
+                continue;
+            }
+            Err(e) => {
+                chunk_done(shared, &job, ChunkOutcome::Failed(e));
+                continue;
+            }
+        }
+        // Relaxed: only decides which worker marks the job running (once
+        // its engine's event completed); the table's seqlock orders the
+        // state itself.
+        if !job.started.swap(true, Ordering::Relaxed) {
+            let _ = shared.jobs.start(job.id, monotonic_ns());
+        }
+        let token = inflight
+            .iter()
+            .position(Option::is_none)
+            .expect("a free slot");
+        let job_id = job.id;
+        let publish_progress = |v: u64| {
+            let _ = shared.jobs.progress(job_id, v);
+        };
+        let c = ChunkCopy {
+            publish: job.publish_left.as_ref().map(|left| Publish {
+                owner_slot: job.owner,
+                chunks_left: left,
+                publish_progress: &publish_progress,
+            }),
+            inst: &job.inst,
+            chunk_tokens,
+            blocks: &task.blocks,
+            skip_blocks: task.skip_blocks,
+            object: shared.kv.pool.at(task.pool_off),
+            dir: job.dir,
+        };
+        match executor.submit(&c, token) {
+            Ok(()) => {
+                inflight[token] = Some(task);
+                busy += 1;
+            }
+            Err(e) => chunk_done(shared, &job, ChunkOutcome::Failed(e)),
         }
     }
+    // Held tasks of a stopping server go as its queued ones do: their jobs
+    // are failed (ServerShutdown) by the shutdown that follows.
+    drop(held);
 }
 
 /// The last task of `job` is done: settle the cache, then publish.
@@ -138,10 +241,13 @@ fn finish(shared: &Shared, job: &JobRun) {
             };
             shared.jobs.finish(job.id, r, now).map(|()| true)
         } else {
-            shared
-                .jobs
-                .fail(job.id, FailReason::CopyFailed, now)
-                .map(|()| false)
+            // Relaxed: as `failed` above.
+            let reason = if job.event_timed_out.load(Ordering::Relaxed) {
+                FailReason::EngineEventTimeout
+            } else {
+                FailReason::CopyFailed
+            };
+            shared.jobs.fail(job.id, reason, now).map(|()| false)
         }
     };
     // A store commits only if every chunk was copied; otherwise (a copy

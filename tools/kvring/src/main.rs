@@ -94,6 +94,13 @@ enum Cmd {
         /// Seconds a lookup's read leases last unless retrieved or freed.
         #[arg(long, env = "KVRING_LEASE_TTL_S", default_value_t = 300)]
         lease_ttl_s: u64,
+        /// Seconds a STORE or RETRIEVE ordered after an engine's event waits
+        /// for it (polled from the host: no stream of the server ever waits
+        /// on the device for an engine) before it fails
+        /// `engine_event_timeout` without copying anything. Fractions
+        /// allowed.
+        #[arg(long, default_value_t = 60.0, value_parser = parse_seconds)]
+        engine_event_timeout: f64,
         /// Copy backend: `cuda` (engines' KV caches in GPU memory; fails at
         /// start, saying why, without a usable GPU), `host` (host memory
         /// only), or `auto` (CUDA when the driver and a GPU are there).
@@ -173,6 +180,16 @@ enum Cmd {
 
 /// Parses a byte count: a number with an optional K/M/G (powers of 1000)
 /// or KiB/MiB/GiB (powers of 1024) suffix.
+/// A positive, finite number of seconds.
+fn parse_seconds(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 && v <= 1e9 => Ok(v),
+        _ => Err(format!(
+            "{s:?} is not a number of seconds (positive, at most 1e9)"
+        )),
+    }
+}
+
 fn parse_bytes(s: &str) -> Result<u64, String> {
     let s = s.trim();
     let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
@@ -257,6 +274,7 @@ fn run(cli: Cli) -> kvring::Result<()> {
             copy_threads,
             max_request_bytes,
             lease_ttl_s,
+            engine_event_timeout,
             evict_at_percent,
             evict_to_percent,
             backend,
@@ -285,6 +303,7 @@ fn run(cli: Cli) -> kvring::Result<()> {
                 ))
             })?;
             cfg.kv.lease_ttl = Duration::from_secs(lease_ttl_s);
+            cfg.kv.engine_event_timeout = Duration::from_secs_f64(engine_event_timeout);
             cfg.kv.high_watermark = f64::from(evict_at_percent) / 100.0;
             cfg.kv.low_watermark = f64::from(evict_to_percent) / 100.0;
             cfg.kv.backend = backend;

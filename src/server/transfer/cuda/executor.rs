@@ -8,6 +8,7 @@ use super::COPY_DEADLINE;
 use crate::gpu::kernels::KvCopyArgs;
 use crate::device::IpcEventHandle;
 use crate::gpu::{DeviceBuffer, Event, EventKind, PinnedHostBuffer, Stream};
+use crate::server::registry::Registration;
 use crate::server::transfer::backend::{ChunkCopy, CopyError, CopyExecutor, Dir};
 use crate::server::transfer::host::{host_copy, RunBuffers};
 use std::collections::HashMap;
@@ -119,15 +120,16 @@ impl DeviceQueue {
         Ok(k)
     }
 
-    /// Enqueue copy: on the stream, [wait for the engine's event], the
-    /// block ids to the device, the kernel and the transfer (or the
-    /// zero-copy kernel), then the slot's event.
+    /// Enqueue copy: on the stream, the block ids to the device, the
+    /// kernel and the transfer (or the zero-copy kernel), then the slot's
+    /// event. The stream never waits on anything another process records:
+    /// a copy after an engine's event is enqueued only once the worker saw
+    /// that event complete (`engine_event_ready`).
     fn enqueue_copy(
         &mut self,
         k: usize,
         c: &ChunkCopy<'_>,
         table: &DeviceTable,
-        client_ready: Option<&Event>,
         obj_bytes: u64,
         zero_copy_ctas: u32,
     ) -> Result<(), CopyError> {
@@ -152,9 +154,6 @@ impl DeviceQueue {
             c.dir == Dir::FromPool,
             vec,
         );
-        if let Some(ev) = client_ready {
-            stream.wait_event(ev)?;
-        }
         // SAFETY: `ids_host` holds the `n` ids staged for this slot and is
         // not touched again until the slot's event completes; `ids_dev`
         // holds `MAX_CHUNK_BLOCKS` >= n ids.
@@ -274,10 +273,6 @@ impl CopyExecutor for CudaExecutor {
         };
         let obj_bytes = c.inst.layout.object_bytes(c.chunk_tokens);
         self.backend.pinned_pool_offset(c.object, obj_bytes)?;
-        let client_ready = match c.event {
-            Some(h) => Some(self.client_ready_event(&table.device, &h)?),
-            None => None,
-        };
         let gate = match &c.publish {
             Some(p) => Some(self.backend.events_of(p.owner_slot, &table.device)?),
             None => None,
@@ -285,14 +280,7 @@ impl CopyExecutor for CudaExecutor {
         let zero_copy_ctas = self.backend.zero_copy_ctas;
         let queue = self.device_queue(&table.device)?;
         let k = queue.stage(c, obj_bytes, zero_copy_ctas > 0)?;
-        queue.enqueue_copy(
-            k,
-            c,
-            table,
-            client_ready.as_deref(),
-            obj_bytes,
-            zero_copy_ctas,
-        )?;
+        queue.enqueue_copy(k, c, table, obj_bytes, zero_copy_ctas)?;
         // Publish gate: the job event after the job's last chunk.
         if let (Some(p), Some(je)) = (&c.publish, gate) {
             je.publish_after(&queue.slots[k].event, p)?;
@@ -307,6 +295,24 @@ impl CopyExecutor for CudaExecutor {
             started: Instant::now(),
         };
         Ok(())
+    }
+
+    fn engine_event_ready(
+        &mut self,
+        inst: &Registration,
+        handle: &[u8; 64],
+    ) -> Result<bool, CopyError> {
+        let Some(table) = inst
+            .device
+            .as_ref()
+            .and_then(|d| d.downcast_ref::<DeviceTable>())
+        else {
+            // An engine in host memory has no device event to order after.
+            return Ok(true);
+        };
+        let ev = self.client_ready_event(&table.device, handle)?;
+        // `cuEventQuery`: a host-side look, about 32 ns; never a device wait.
+        Ok(ev.query()?)
     }
 
     fn poll(&mut self, wait: bool, out: &mut Vec<(usize, Result<u64, CopyError>)>) {
