@@ -666,3 +666,93 @@ fn engines_stuck_before_their_events_stall_no_other_engine() {
     let mut c = s.client();
     assert_eq!(c.stats().unwrap().leases, 0);
 }
+
+/// An engine process that registers a 768 MiB cache, stores a chunk, says
+/// "ready", then idles (`idle`) or stores and retrieves in a loop (`busy`)
+/// until it is killed.
+fn doomed_engine_main(role: &str, name: &str, dir: &std::path::Path) {
+    let mut c = Client::builder(name).runtime_dir(dir).connect().unwrap();
+    let l = kv_layout(LayoutPreset::Lbnhc, 2, 16384, 128);
+    let cache = CudaKvCache::new(l, CHUNK, 0, Export::Ipc).unwrap();
+    cache.fill(0x33).unwrap();
+    let inst = c.register_cuda(&spec(role), &cache).unwrap();
+    let b: Vec<u32> = (0..8 * inst.blocks_per_chunk()).collect();
+    let mut seed = if role == "busy" { 7000 } else { 8000 };
+    let mut round = |c: &mut Client| {
+        seed += 1;
+        let hashes = chunk_hashes(&prompt(seed, 8 * CHUNK as usize), CHUNK);
+        done30(c.store(Store::new(&inst, &hashes, &b)).unwrap());
+        let lease = c.lookup(Lookup::new(model_id(role), 1, &hashes)).unwrap();
+        done30(c.retrieve(Retrieve::new(&inst, &lease, &b)).unwrap());
+    };
+    round(&mut c);
+    tell_parent("ready");
+    loop {
+        if role == "busy" {
+            round(&mut c);
+        } else {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+/// The server's imports keep an engine's GPU memory allocated after the
+/// engine dies; reclaiming the client closes them. Two engines register a
+/// 768 MiB cache each, one idle and one copying, and are SIGKILLed: within
+/// a few seconds the device's free memory is back where it was before they
+/// started, and the next engine is served.
+#[test]
+#[ignore = "needs an NVIDIA GPU (run with --include-ignored on a GPU machine)"]
+fn a_killed_engines_gpu_memory_is_given_back() {
+    const T: &str = "a_killed_engines_gpu_memory_is_given_back";
+    if let Some((role, name, dir)) = child_role() {
+        doomed_engine_main(&role, &name, &dir);
+        return;
+    }
+    require_gpu();
+    let s = Fixture::new("cuda-give-back", Duration::from_secs(180), &CUDA_ARGS);
+    let ctx = kvring::gpu::Context::by_ordinal(0).unwrap();
+    // The server's own buffers exist after a first copy of this shape.
+    let mut c = s.client();
+    let l = kv_layout(LayoutPreset::Lbnhc, 2, 16384, 128);
+    let cache = CudaKvCache::new(l.clone(), CHUNK, 0, Export::Ipc).unwrap();
+    cache.fill(0x44).unwrap();
+    let inst = c.register_cuda(&spec("next"), &cache).unwrap();
+    let b: Vec<u32> = (0..8 * inst.blocks_per_chunk()).collect();
+    let hashes = chunk_hashes(&prompt(9000, 8 * CHUNK as usize), CHUNK);
+    done30(c.store(Store::new(&inst, &hashes, &b)).unwrap());
+    let (baseline, total) = ctx.memory_info().unwrap();
+    let mut doomed: Vec<ChildProc> = ["idle", "busy"].iter().map(|r| s.child(T, r)).collect();
+    for d in &mut doomed {
+        d.expect_line("ready");
+    }
+    let (with_them, _) = ctx.memory_info().unwrap();
+    let cache_bytes = cache.bytes();
+    assert!(
+        baseline.saturating_sub(with_them) >= 2 * cache_bytes,
+        "two engines' caches are not on the device: free {with_them} of {total}, before {baseline}"
+    );
+    let killed = Instant::now();
+    for d in &mut doomed {
+        d.kill();
+    }
+    let back = eventually(Duration::from_secs(10), || {
+        ctx.memory_info().unwrap().0 + (64 << 20) >= baseline
+    });
+    let (after, _) = ctx.memory_info().unwrap();
+    eprintln!(
+        "free before {} MiB, with two engines {} MiB, {:?} after the kill {} MiB",
+        baseline >> 20,
+        with_them >> 20,
+        killed.elapsed(),
+        after >> 20
+    );
+    assert!(
+        back.is_some(),
+        "the killed engines' memory was not given back: free {after}, before {baseline}"
+    );
+    // The next engine is served.
+    let lease = c.lookup(Lookup::new(model_id("next"), 1, &hashes)).unwrap();
+    assert_eq!(lease.hits(), 8);
+    done30(c.retrieve(Retrieve::new(&inst, &lease, &b)).unwrap());
+}

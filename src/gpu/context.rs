@@ -135,6 +135,19 @@ impl Context {
         check(unsafe { sys::cuCtxSetCurrent(self.ctx) }, "cuCtxSetCurrent")
     }
 
+    /// The device's free and total memory in bytes (`cuMemGetInfo`: every
+    /// process's allocations count).
+    pub fn memory_info(&self) -> Result<(u64, u64), CudaError> {
+        self.bind()?;
+        let (mut free, mut total) = (0usize, 0usize);
+        check(
+            // SAFETY: two valid out-pointers.
+            unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) },
+            "cuMemGetInfo",
+        )?;
+        Ok((free as u64, total as u64))
+    }
+
     /// Binds this context and waits for all its work.
     pub fn synchronize(&self) -> Result<(), CudaError> {
         self.bind()?;

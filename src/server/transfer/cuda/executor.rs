@@ -17,6 +17,8 @@ use std::time::{Duration, Instant};
 
 /// Most block ids one chunk may carry (the slots' id buffers).
 const MAX_CHUNK_BLOCKS: usize = 4096;
+/// Most engine events a worker keeps open.
+const MAX_OPEN_EVENTS: usize = 1024;
 
 /// Where a staging slot stands.
 enum SlotState {
@@ -247,6 +249,13 @@ impl CudaExecutor {
     ) -> Result<Arc<Event>, CopyError> {
         if let Some(e) = self.client_events.get(h) {
             return Ok(e.clone());
+        }
+        // Engines come and go, each with events of its own: past a bound
+        // the cache starts over (an engine's events are opened again at
+        // their next use, a few microseconds), so the events of engines
+        // long gone are not kept open for the server's life.
+        if self.client_events.len() >= MAX_OPEN_EVENTS {
+            self.client_events.clear();
         }
         let ev = Arc::new(Event::open_ipc(&dev.ctx, &IpcEventHandle::from_bytes(*h))?);
         self.client_events.insert(*h, ev.clone());
