@@ -1,35 +1,30 @@
 //! One client's own memory: the only memory a client can write.
 //!
-//! A POSIX shm object per client session, `/kvring-UID-NAME@EPOCH.SLOT.SESSION`
-//! (`@` never occurs in a server name, so a server's objects share a
-//! prefix no other server's name has), mode 0600, created by the server at
-//! the hello and holding the session's [`ClientBlock`] (one page) and its
-//! request ring's data. The client maps it writable through the descriptor
-//! it receives; the server maps it read-only and treats every word in it as
-//! untrusted; the inspector opens it read-only by name. The segment itself
-//! reaches a client only as a read-only descriptor.
+//! A memfd per client session, created by the server at the hello and
+//! sealed against resizing (`F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL`)
+//! before the client sees it, so no client can truncate it under the
+//! server's mapping (a load from a truncated shared mapping is a SIGBUS).
+//! It holds the session's [`ClientBlock`] (one page) and its request ring's
+//! data. The client maps it writable through the descriptor it receives;
+//! the server maps it read-only and treats every word in it as untrusted;
+//! an observer opens the server's descriptor of it read-only through
+//! `/proc/SERVER_PID/fd/N` (`ServerClientBlock::memory_fd`), while the
+//! server lives. The segment itself reaches a client only as a read-only
+//! descriptor.
 //!
-//! A new session gets a new object, so whatever the previous occupant of a
+//! A new session gets a new memfd, so whatever the previous occupant of a
 //! slot still writes to its own (after a goodbye, or while its process
-//! lingers) reaches memory nobody reads. The server removes the name when
-//! the session's slot is reclaimed (and, at start, every name a dead server
-//! of the same name left).
+//! lingers) reaches memory nobody reads. The server closes its descriptor
+//! when the session's slot is reclaimed; nothing is left in the file system
+//! when a server dies.
 
 use crate::error::{nix as nix_err, Error, Result};
 use crate::shm::{ClientBlock, ClientBlockValues, PAGE};
 use crate::shm_struct::Load;
 use memmap2::{MmapOptions, MmapRaw};
-use nix::fcntl::OFlag;
-use nix::sys::stat::Mode;
 use std::fs::File;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::Ordering;
-
-/// Name of the memory object of session `session` in slot `slot` of the
-/// server whose segment is `segment` (with its leading '/') and epoch `epoch`.
-pub fn name(segment: &str, epoch: u64, slot: u32, session: u32) -> String {
-    format!("{segment}@{epoch}.{slot}.{session}")
-}
 
 /// A mapping of one client's memory: writable in its client, read-only in
 /// the server and observers.
@@ -41,6 +36,10 @@ pub struct ClientMemory {
 unsafe impl Send for ClientMemory {}
 // SAFETY: as above.
 unsafe impl Sync for ClientMemory {}
+
+/// Seals a session's memory carries: it can never be resized, nor the seals
+/// removed.
+const SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
 
 impl ClientMemory {
     /// Maps `file` (of `bytes` bytes, owned by this user) read-only or
@@ -84,29 +83,30 @@ impl ClientMemory {
         Self::map("client memory", &File::from(fd), bytes, true)
     }
 
-    /// An observer's side: opens session `session` of slot `slot` by name,
-    /// read-only.
-    pub fn open_read_only(
-        segment: &str,
-        epoch: u64,
-        slot: u32,
-        session: u32,
-        bytes: u64,
-    ) -> Result<ClientMemory> {
-        let name = name(segment, epoch, slot, session);
-        let fd =
-            nix::sys::mman::shm_open(name.as_str(), OFlag::O_RDONLY | OFlag::O_CLOEXEC, Mode::empty())
-                .map_err(nix_err(format!("shm_open {name}")))?;
-        Self::map(&name, &File::from(fd), bytes, false)
+    /// An observer's side: opens descriptor `fd` of the live server `pid`
+    /// (its `ServerClientBlock::memory_fd` of a slot) read-only. Only a
+    /// sealed memfd of exactly `bytes` bytes is mapped, so nobody can
+    /// truncate it under the observer.
+    pub fn open_read_only(pid: u32, fd: u32, bytes: u64) -> Result<ClientMemory> {
+        let path = format!("/proc/{pid}/fd/{fd}");
+        let file = File::open(&path).map_err(crate::error::io(format!("open {path}")))?;
+        // SAFETY: F_GET_SEALS on a descriptor this function owns.
+        let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
+        if seals < 0 || seals & SEALS != SEALS {
+            return Err(Error::Protocol(format!(
+                "{path} is not a sealed client memory object"
+            )));
+        }
+        Self::map(&path, &file, bytes, false)
     }
 
     /// The client block. Internal: over a read-only mapping it may only be
     /// loaded from.
     pub(crate) fn block(&self) -> &ClientBlock {
         // SAFETY: the mapping is at least a page long (its size was checked
-        // against `PAGE + req_ring_bytes`) and page-aligned; `ClientBlock` is
-        // a repr(C) struct of atomics, valid for any bits and sound to
-        // share.
+        // against `PAGE + req_ring_bytes`, and the object cannot be resized)
+        // and page-aligned; `ClientBlock` is a repr(C) struct of atomics,
+        // valid for any bits and sound to share.
         unsafe { &*(self.map.as_ptr() as *const ClientBlock) }
     }
 
@@ -125,76 +125,55 @@ impl ClientMemory {
     }
 }
 
-/// The server's record of one client's memory: its read-only mapping and the
-/// object's name, removed when the record is dropped (the session ended).
+/// The server's record of one client's memory: its read-only mapping and
+/// its descriptor (kept open for observers), closed when the record is
+/// dropped (the session ended).
 pub(crate) struct OwnedClientMemory {
     mem: ClientMemory,
-    name: String,
+    fd: OwnedFd,
 }
 
 impl OwnedClientMemory {
-    /// Creates the object of a new session, zero-filled, and returns the
-    /// server's record of it and the read-write descriptor for the client.
-    pub fn create(
-        segment: &str,
-        epoch: u64,
-        slot: u32,
-        session: u32,
-        bytes: u64,
-    ) -> Result<(OwnedClientMemory, OwnedFd)> {
-        let name = name(segment, epoch, slot, session);
-        // A leftover of the same name can only be a dead process's: this
-        // server's names are unique (epoch, slot, session), and it removes
-        // each before it could come again.
-        let _ = nix::sys::mman::shm_unlink(name.as_str());
-        let fd = nix::sys::mman::shm_open(
-            name.as_str(),
-            OFlag::O_RDWR | OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_CLOEXEC,
-            Mode::S_IRUSR | Mode::S_IWUSR,
+    /// Creates the memory of a new session, zero-filled and sealed, and
+    /// returns the server's record of it and the read-write descriptor for
+    /// the client.
+    pub fn create(name: &str, bytes: u64) -> Result<(OwnedClientMemory, OwnedFd)> {
+        use nix::sys::memfd::{memfd_create, MFdFlags};
+        let cname = std::ffi::CString::new(name)
+            .map_err(|_| Error::InvalidArgument(format!("memfd name {name:?}")))?;
+        let fd = memfd_create(
+            cname.as_c_str(),
+            MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING,
         )
-        .map_err(nix_err(format!("shm_open(O_EXCL) {name}")))?;
-        let made = (|| {
-            nix::unistd::ftruncate(&fd, bytes as i64).map_err(nix_err("ftruncate client memory"))?;
-            let file = File::from(fd.try_clone().map_err(crate::error::io("dup client memory"))?);
-            ClientMemory::map(&name, &file, bytes, false)
-        })();
-        match made {
-            Ok(mem) => Ok((OwnedClientMemory { mem, name }, fd)),
-            Err(e) => {
-                let _ = nix::sys::mman::shm_unlink(name.as_str());
-                Err(e)
-            }
+        .map_err(nix_err("memfd_create"))?;
+        nix::unistd::ftruncate(&fd, bytes as i64).map_err(nix_err("ftruncate client memory"))?;
+        // SAFETY: F_ADD_SEALS on a descriptor this function owns; it only
+        // adds seals.
+        if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, SEALS) } < 0 {
+            return Err(Error::Io {
+                context: "seal client memory".into(),
+                source: std::io::Error::last_os_error(),
+            });
         }
+        let client = fd.try_clone().map_err(crate::error::io("dup client memory"))?;
+        let file = File::from(fd);
+        let mem = ClientMemory::map(name, &file, bytes, false)?;
+        Ok((
+            OwnedClientMemory {
+                mem,
+                fd: OwnedFd::from(file),
+            },
+            client,
+        ))
     }
 
     pub fn memory(&self) -> &ClientMemory {
         &self.mem
     }
-}
 
-impl Drop for OwnedClientMemory {
-    fn drop(&mut self) {
-        let _ = nix::sys::mman::shm_unlink(self.name.as_str());
-    }
-}
-
-/// Removes every client memory object of server segment `segment` (any
-/// epoch): what a server of this name left when it died. Servers do it at
-/// start (holding the name's start-up lock, so no live server owns any of
-/// them) and at clean shutdown; so can whoever removes a dead server's
-/// segment by hand.
-pub fn sweep(segment: &str) {
-    let prefix = format!("{}@", segment.trim_start_matches('/'));
-    let Ok(dir) = std::fs::read_dir("/dev/shm") else {
-        return;
-    };
-    for e in dir.flatten() {
-        let Ok(file) = e.file_name().into_string() else {
-            continue;
-        };
-        if file.starts_with(&prefix) {
-            let _ = nix::sys::mman::shm_unlink(format!("/{file}").as_str());
-        }
+    /// The server's descriptor number (observers open it through `/proc`).
+    pub fn raw_fd(&self) -> u32 {
+        self.fd.as_raw_fd() as u32
     }
 }
 
@@ -202,49 +181,54 @@ pub fn sweep(segment: &str) {
 mod tests {
     use super::*;
 
-    fn segment_name(tag: &str) -> String {
-        format!("/kvring-{}-cm-{tag}-{}", crate::rundir::euid(), std::process::id())
-    }
-
     #[test]
-    fn the_server_maps_it_read_only_and_removes_its_name() {
-        let seg = segment_name("own");
+    fn the_server_maps_it_read_only_and_nobody_can_resize_it() {
         let bytes = (PAGE + 4096) as u64;
-        let (own, fd) = OwnedClientMemory::create(&seg, 7, 3, 1, bytes).unwrap();
+        let (own, fd) = OwnedClientMemory::create("kvring-test-memory", bytes).unwrap();
+        let probe = fd.try_clone().unwrap();
         let client = ClientMemory::attach(fd, bytes).unwrap();
         client.block().req_tail.store(88, Ordering::Release);
         assert_eq!(own.memory().values().req_tail, 88);
-        let observer = ClientMemory::open_read_only(&seg, 7, 3, 1, bytes).unwrap();
+        let observer =
+            ClientMemory::open_read_only(std::process::id(), own.raw_fd(), bytes).unwrap();
         assert_eq!(observer.values().req_tail, 88);
+        // The client's descriptor can write the words but never resize.
+        assert_eq!(
+            nix::unistd::ftruncate(&probe, 0),
+            Err(nix::errno::Errno::EPERM)
+        );
+        assert_eq!(
+            nix::unistd::ftruncate(&probe, 2 * bytes as i64),
+            Err(nix::errno::Errno::EPERM)
+        );
+        // SAFETY: F_ADD_SEALS on a descriptor this test owns.
+        let r = unsafe { libc::fcntl(probe.as_raw_fd(), libc::F_ADD_SEALS, 0) };
+        assert_eq!(r, -1, "the seals can be changed");
         drop(own);
-        assert!(ClientMemory::open_read_only(&seg, 7, 3, 1, bytes).is_err());
-        // The client's mapping outlives the name.
         client.block().req_tail.store(96, Ordering::Release);
         assert_eq!(observer.values().req_tail, 96);
     }
 
     #[test]
-    fn a_sweep_removes_one_servers_objects_and_no_other() {
-        let a = segment_name("a");
-        let ab = format!("{a}b");
-        let bytes = (PAGE + 4096) as u64;
-        let (x, _) = OwnedClientMemory::create(&a, 1, 0, 1, bytes).unwrap();
-        let (y, _) = OwnedClientMemory::create(&ab, 1, 0, 1, bytes).unwrap();
-        std::mem::forget(x);
-        sweep(&a);
-        assert!(ClientMemory::open_read_only(&a, 1, 0, 1, bytes).is_err());
-        assert!(ClientMemory::open_read_only(&ab, 1, 0, 1, bytes).is_ok());
-        drop(y);
-    }
-
-    #[test]
     fn a_descriptor_of_the_wrong_size_is_refused() {
-        let seg = segment_name("size");
-        let (own, fd) = OwnedClientMemory::create(&seg, 1, 0, 1, 8192).unwrap();
+        let (_own, fd) = OwnedClientMemory::create("kvring-test-size", 8192).unwrap();
         assert!(matches!(
             ClientMemory::attach(fd, 12288),
             Err(Error::Truncated { .. })
         ));
-        drop(own);
+    }
+
+    #[test]
+    fn an_observer_maps_only_sealed_memory() {
+        let plain = nix::sys::memfd::memfd_create(
+            c"kvring-test-plain",
+            nix::sys::memfd::MFdFlags::MFD_CLOEXEC,
+        )
+        .unwrap();
+        nix::unistd::ftruncate(&plain, 8192).unwrap();
+        assert!(
+            ClientMemory::open_read_only(std::process::id(), plain.as_raw_fd() as u32, 8192)
+                .is_err()
+        );
     }
 }

@@ -1,54 +1,52 @@
 //! How a client wakes the server's ring loop: a doorbell of its own.
 //!
-//! Each client session has a [`Doorbell`], an eventfd the server creates at
-//! the hello and hands to the client next to its memory; the client rings it
-//! (writes 1) after publishing a request when the ring loop says it sleeps.
-//! The ring loop waits on all of them at once through [`Doorbells`], an
-//! epoll set the server alone holds. A doorbell is not shared memory: a
-//! client that writes garbage to its own eventfd, or drains it, only wakes
-//! the loop for nothing or delays its own requests, never another
-//! client's, and no client can write a word the server parks on.
+//! Each client session has a doorbell, a pipe the server creates at the
+//! hello: the client gets the writing end ([`Doorbell`]) and rings it (one
+//! byte) after publishing a request when the ring loop says it sleeps; the
+//! server keeps the reading end ([`DoorbellReceiver`]). The ring loop waits
+//! on every receiver at once through [`Doorbells`], an epoll set the server
+//! alone holds. A doorbell is not shared memory, and the client holds
+//! nothing of the reading end: whatever it writes only wakes the loop for
+//! nothing, and it can neither drain the pipe nor make the server's reads
+//! block (those are flags of the server's own open file description).
 
 use crate::error::{nix as nix_err, Result};
 use crate::wait::{Bell, Ring};
+use nix::fcntl::OFlag;
 use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
-use nix::sys::eventfd::{EfdFlags, EventFd};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::time::Duration;
 
-/// One eventfd: rung by its client (or by the server itself), waited on by
-/// the ring loop.
+/// The ringing end of a doorbell.
 #[derive(Debug)]
 pub struct Doorbell {
     fd: OwnedFd,
 }
 
+/// The server's end of a doorbell: readable once rung, until drained.
+#[derive(Debug)]
+pub struct DoorbellReceiver {
+    fd: OwnedFd,
+}
+
 impl Doorbell {
-    /// A new doorbell (non-blocking, close-on-exec).
-    pub fn new() -> Result<Doorbell> {
-        let bell = EventFd::from_value_and_flags(0, EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK)
-            .map_err(nix_err("eventfd"))?;
-        Ok(Doorbell {
-            fd: OwnedFd::from(bell),
-        })
+    /// A new doorbell: its ringing end and its receiver (both non-blocking,
+    /// close-on-exec).
+    pub fn pair() -> Result<(Doorbell, DoorbellReceiver)> {
+        let (rx, tx) = nix::unistd::pipe2(OFlag::O_NONBLOCK | OFlag::O_CLOEXEC)
+            .map_err(nix_err("pipe2"))?;
+        Ok((Doorbell { fd: tx }, DoorbellReceiver { fd: rx }))
     }
 
-    /// The doorbell a client received from the server. The server created
-    /// it non-blocking, a property of the open description both share.
+    /// The ringing end a client received from the server.
     pub(crate) fn from_fd(fd: OwnedFd) -> Doorbell {
         Doorbell { fd }
     }
 
-    /// Rings it: one `write` of 1. A full counter (`EAGAIN`) is already
-    /// readable, so the ring is not lost.
+    /// Rings it: one byte. A full pipe (`EAGAIN`) is readable already, so
+    /// the ring is not lost.
     pub fn ring(&self) {
-        let _ = nix::unistd::write(&self.fd, &1u64.to_ne_bytes());
-    }
-
-    /// Resets the counter (one `read`; nothing to read is fine).
-    fn drain(&self) {
-        let mut buf = [0u8; 8];
-        let _ = nix::unistd::read(&self.fd, &mut buf);
+        let _ = nix::unistd::write(&self.fd, &[1u8]);
     }
 }
 
@@ -65,14 +63,32 @@ impl Ring for Doorbell {
     }
 }
 
+impl DoorbellReceiver {
+    /// Reads everything rung so far (never blocks: the server's end is
+    /// non-blocking and nobody else holds it).
+    fn drain(&self) {
+        let mut buf = [0u8; 256];
+        while let Ok(n) = nix::unistd::read(&self.fd, &mut buf) {
+            if n < buf.len() {
+                break;
+            }
+        }
+    }
+}
+
+impl AsFd for DoorbellReceiver {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+}
+
 /// The set of doorbells the ring loop waits on: the server's own (rung by
-/// its other threads) and one per attached client, which the set owns from
-/// the client's attach to its detach. Only the ring loop uses it.
+/// its other threads) and one per attached client, whose receivers the set
+/// owns from the client's attach to its detach. Only the ring loop uses it.
 pub struct Doorbells {
     epoll: Epoll,
-    /// A second descriptor of the server's own doorbell, to drain it.
-    own: Doorbell,
-    clients: Vec<Option<Doorbell>>,
+    own: DoorbellReceiver,
+    clients: Vec<Option<DoorbellReceiver>>,
 }
 
 /// Token of the server's own doorbell in the epoll set (clients use their
@@ -80,15 +96,10 @@ pub struct Doorbells {
 const OWN: u64 = u64::MAX;
 
 impl Doorbells {
-    /// A set holding `own` and room for `max_clients` clients.
-    pub fn new(own: &Doorbell, max_clients: u32) -> Result<Doorbells> {
+    /// A set holding the server's own receiver `own` and room for
+    /// `max_clients` clients.
+    pub fn new(own: DoorbellReceiver, max_clients: u32) -> Result<Doorbells> {
         let epoll = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC).map_err(nix_err("epoll_create"))?;
-        let own = Doorbell {
-            fd: own
-                .fd
-                .try_clone()
-                .map_err(crate::error::io("dup the server's doorbell"))?,
-        };
         epoll
             .add(&own, EpollEvent::new(EpollFlags::EPOLLIN, OWN))
             .map_err(nix_err("epoll_ctl add"))?;
@@ -99,8 +110,8 @@ impl Doorbells {
         })
     }
 
-    /// Adds client `slot`'s doorbell (replacing, and closing, an earlier one).
-    pub fn add(&mut self, slot: u32, bell: Doorbell) -> Result<()> {
+    /// Adds client `slot`'s receiver (replacing, and closing, an earlier one).
+    pub fn add(&mut self, slot: u32, bell: DoorbellReceiver) -> Result<()> {
         self.remove(slot);
         self.epoll
             .add(&bell, EpollEvent::new(EpollFlags::EPOLLIN, u64::from(slot)))
@@ -109,7 +120,7 @@ impl Doorbells {
         Ok(())
     }
 
-    /// Removes and closes client `slot`'s doorbell.
+    /// Removes and closes client `slot`'s receiver.
     pub fn remove(&mut self, slot: u32) {
         if let Some(bell) = self.clients[slot as usize].take() {
             let _ = self.epoll.delete(&bell);
@@ -124,7 +135,8 @@ impl Doorbells {
 /// a wait reported, after it returned, and then re-checks every ring
 /// (`wait::wait_until`). A ring that lands between the wake and the drain is
 /// eaten, but the work it announced was published before it and is seen by
-/// that re-check.
+/// that re-check. A client that closes its end makes its receiver report
+/// hang-up: the receiver leaves the epoll set at once.
 impl Bell for Doorbells {
     type Mark = ();
 
@@ -144,14 +156,14 @@ impl Bell for Doorbells {
                 self.own.drain();
             } else if let Some(Some(bell)) = self.clients.get(e.data() as usize) {
                 bell.drain();
+                if e.events().intersects(EpollFlags::EPOLLHUP | EpollFlags::EPOLLERR) {
+                    // The client closed its end: it cannot ring any more, and
+                    // a hung-up pipe would wake this loop without end. Its
+                    // ring is still served, on any other wake and at least
+                    // every park slice, until its slot is detached.
+                    let _ = self.epoll.delete(bell);
+                }
             }
         }
-    }
-
-}
-
-impl Ring for Doorbells {
-    fn ring(&self) {
-        self.own.ring()
     }
 }

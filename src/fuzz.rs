@@ -285,9 +285,7 @@ fn request_target() -> &'static Mutex<RequestTarget> {
 /// process `pid`.
 fn remove_target(pid: u32) {
     let name = format!("fuzz-{pid}");
-    let shm = crate::rundir::shm_name(&name);
-    let _ = nix::sys::mman::shm_unlink(shm.as_str());
-    crate::client_memory::sweep(&shm);
+    let _ = nix::sys::mman::shm_unlink(crate::rundir::shm_name(&name).as_str());
     let _ = std::fs::remove_dir_all(std::env::temp_dir().join(format!("kvring-fuzz-{pid}")));
 }
 

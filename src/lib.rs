@@ -18,7 +18,7 @@
 //! * [`jobs`]: the job table (slots, seqlock, state machine, ids);
 //! * [`segment`]: creating, attaching and replacing the segment;
 //!   [`client_memory`]: each client session's own writable object (its
-//!   block and request ring); [`doorbell`]: the eventfds clients wake the
+//!   block and request ring); [`doorbell`]: the pipes clients wake the
 //!   server with;
 //! * [`wait`] and [`futex`]: spin, yield, then park (a shared futex, or the
 //!   server's doorbells), with deadlines;

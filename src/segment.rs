@@ -275,16 +275,15 @@ impl<'a> View<'a> {
     }
 
     /// The client-written block of the session in slot `slot` now, read
-    /// from that client's own memory object (opened read-only by name); an
-    /// error once the session ended and its object was removed.
+    /// from that client's own memory (the server's descriptor of it, opened
+    /// read-only through `/proc`); an error once the session ended or the
+    /// server died.
     pub fn client_block(&self, slot: u32) -> Result<crate::shm::ClientBlockValues> {
         let sb = self.server_client(slot);
         let info = self.info();
         let mem = ClientMemory::open_read_only(
-            &info.name,
-            info.epoch,
-            slot,
-            sb.session,
+            info.server_pid,
+            sb.memory_fd,
             info.offsets.client_memory_bytes,
         )?;
         Ok(mem.values())
@@ -490,8 +489,6 @@ impl ServerSegment {
             Err(nix::errno::Errno::ENOENT) => {}
             Err(e) => return Err(nix_err(format!("shm_open {shm_name}"))(e)),
         }
-        // The client memory of a dead server of this name.
-        crate::client_memory::sweep(shm_name);
 
         let fd = nix::sys::mman::shm_open(
             shm_name,
@@ -570,11 +567,9 @@ impl ServerSegment {
         &self.share_fd
     }
 
-    /// Removes the segment's name and its clients' memory objects (the
-    /// server does this at clean shutdown).
+    /// Removes the segment's name (the server does this at clean shutdown).
     pub fn unlink(&self) {
         let _ = nix::sys::mman::shm_unlink(self.shm_name.as_str());
-        crate::client_memory::sweep(&self.shm_name);
     }
 }
 

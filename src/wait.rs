@@ -1,6 +1,6 @@
 //! Waiting for a peer in another process: spin, then yield, then park on a
 //! bell behind a "sleeping" count. A client parks on a shared futex word the
-//! server writes; the server parks on its clients' eventfds (a client can
+//! server writes; the server parks on its clients' doorbell pipes (a client can
 //! write no word of the server's). Every wait has a deadline and re-checks
 //! the peer's liveness each time it wakes.
 //!
@@ -25,8 +25,8 @@
 //! work then read sleeping": at least one side sees the other's store, so
 //! either the waiter sees the work or the notifier sees the flag. If the
 //! notifier's increment lands between the waiter's load of `d` and its
-//! FUTEX_WAIT, the kernel sees `doorbell != d` and returns at once (an
-//! eventfd bell keeps a ring readable until the waiter drains it, which does
+//! FUTEX_WAIT, the kernel sees `doorbell != d` and returns at once (a
+//! pipe bell keeps a ring readable until the waiter drains it, which does
 //! the same). When the waiter is not parked, the notifier pays one fence and
 //! one load: no syscall.
 
@@ -78,7 +78,7 @@ pub trait Ring {
 
 /// What a waiter parks on. A ring after [`Bell::arm`] returned must end the
 /// next [`Bell::sleep`] given that call's mark (it may end for no reason).
-pub trait Bell: Ring {
+pub trait Bell {
     /// What the waiter saw when it armed the bell.
     type Mark: Copy;
     /// Called before the waiter says it sleeps.
@@ -112,7 +112,7 @@ impl Bell for AtomicU32 {
 
 /// The "sleeping" count and the bell one side parks on. Clients park on a
 /// futex word the server writes (`client_doorbell`); the server parks on the
-/// clients' eventfds (`crate::doorbell`).
+/// clients' doorbell pipes (`crate::doorbell`).
 pub struct Parking<'a, B: ?Sized = AtomicU32> {
     /// Written by the waiter only.
     pub sleeping: &'a AtomicU32,

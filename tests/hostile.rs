@@ -245,7 +245,7 @@ fn maps_writable(fd: std::os::fd::BorrowedFd<'_>, len: usize) -> Result<(), nix:
 /// made writable: every descriptor of it (`mmap(PROT_WRITE)` fails with
 /// EACCES) and every mapping (`mprotect(PROT_WRITE)` fails with EACCES).
 /// The only shared memory of this server the client maps writable is its
-/// session's own object.
+/// session's own memfd, which it cannot resize.
 #[test]
 fn a_client_holds_the_segment_read_only_and_maps_only_its_own_memory_writable() {
     use std::os::fd::BorrowedFd;
@@ -288,15 +288,44 @@ fn a_client_holds_the_segment_read_only_and_maps_only_its_own_memory_writable() 
         "the client holds no descriptor of the segment"
     );
 
+    // The session's memory: a memfd named after the segment, slot and
+    // session, sealed: this process can write its words, never resize it
+    // (a truncation would fault the server reading it).
+    let own_name = format!(
+        "/memfd:{}.{slot}.{session}",
+        s.shm_name().trim_start_matches('/')
+    );
+    let mut memfds = 0;
+    for e in std::fs::read_dir("/proc/self/fd").unwrap().flatten() {
+        let Ok(target) = std::fs::read_link(e.path()) else {
+            continue;
+        };
+        if !target.to_str().unwrap_or("").starts_with(&own_name) {
+            continue;
+        }
+        let fd: i32 = e.file_name().to_str().unwrap().parse().unwrap();
+        // SAFETY: a descriptor of this process, open while the client lives.
+        let fd = unsafe { BorrowedFd::borrow_raw(fd) };
+        assert_eq!(
+            nix::unistd::ftruncate(fd, 0),
+            Err(nix::errno::Errno::EPERM),
+            "the client's memory can be shrunk"
+        );
+        memfds += 1;
+    }
+    assert!(memfds <= 1, "{memfds} descriptors of the client's memory");
     let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
     let (mut mappings, mut own) = (0, 0);
-    let own_name = format!("{seg_path}@{}.{slot}.{session}", info.epoch);
     for line in maps.lines() {
         let cols: Vec<&str> = line.split_whitespace().collect();
         let (Some(range), Some(perms), Some(path)) = (cols.first(), cols.get(1), cols.get(5))
         else {
             continue;
         };
+        if path.starts_with(&own_name) {
+            own += u32::from(perms.contains('w'));
+            continue;
+        }
         if !path.starts_with(&seg_path) {
             continue;
         }
@@ -318,12 +347,11 @@ fn a_client_holds_the_segment_read_only_and_maps_only_its_own_memory_writable() 
             };
             assert_eq!(r, Err(nix::errno::Errno::EACCES), "{line}");
             mappings += 1;
-        } else if perms.contains('w') {
-            assert_eq!(
-                *path, own_name,
+        } else {
+            assert!(
+                !perms.contains('w'),
                 "a writable mapping of another object: {line}"
             );
-            own += 1;
         }
     }
     assert!(mappings >= 1, "the segment is not mapped");
@@ -378,6 +406,13 @@ fn writes_of_a_slots_previous_occupant_after_its_goodbye_reach_nobody() {
         };
         if let Ok(p) = p {
             writable.push((p.as_ptr() as usize, len));
+            // What a client can write it cannot resize: a truncation would
+            // fault the server's next load from it.
+            assert_eq!(
+                nix::unistd::ftruncate(fd, 0),
+                Err(nix::errno::Errno::EPERM),
+                "a client can shrink memory the server maps"
+            );
         }
     }
     assert!(

@@ -169,6 +169,9 @@ fn json_reflects_the_state_live_wedged_and_post_mortem() {
         .find(|c| c["slot"] == a.slot())
         .unwrap()
         .clone();
+    // Client-written words come from the client's own memory, read through
+    // the (stopped) server's descriptor of it.
+    assert_eq!(ca["client_memory"], true);
     assert_eq!(ca["request_ring"]["used"], 3 * 32);
     assert_eq!(ca["in_flight"], 3);
     let k = kinds(&v);
@@ -187,6 +190,10 @@ fn json_reflects_the_state_live_wedged_and_post_mortem() {
     assert_eq!(v["server"]["alive"], false);
     assert!(kinds(&v).contains(&"server_dead".to_string()));
     assert_eq!(v["jobs"]["by_state"]["running"], 1, "the table as it was");
+    // The clients' own memory went with the server's descriptors of it.
+    for c in v["clients"].as_array().unwrap() {
+        assert_eq!(c["client_memory"], false, "{c}");
+    }
     let l = inspect_json(&["list", "--json"]);
     let entry = l["segments"]
         .as_array()

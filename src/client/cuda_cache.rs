@@ -250,7 +250,9 @@ impl EngineStream {
         // SAFETY: the word is kept (in `gates`) until the stream has
         // drained on drop, after it was set past every wait.
         unsafe { self.stream.wait_word(word, at_least) }?;
-        gates.push(word.clone());
+        if !gates.iter().any(|g| Arc::ptr_eq(g, word)) {
+            gates.push(word.clone());
+        }
         Ok(())
     }
 
@@ -302,9 +304,11 @@ impl Drop for EngineStream {
     }
 }
 
-/// An interprocess event: the engine records it after its writes, sends
-/// its handle with a STORE (or RETRIEVE), and the server's copies wait for it
-/// on the device.
+/// An interprocess event: the engine records it after its writes and sends
+/// its handle with a STORE (or RETRIEVE); the server queues the job's copies
+/// once it sees the event complete (it polls it from the host). Do not
+/// record it again before that job has left `Pending`: a query sees only the
+/// event's last record (keep a few events and use them in turn).
 pub struct IpcEvent {
     event: Event,
     handle: IpcEventHandle,

@@ -383,7 +383,9 @@ impl<'a> Store<'a> {
     /// writing the blocks: the server polls it from the host and queues them
     /// once it completed (no server stream waits on it); past the server's
     /// engine-event timeout (default 60 s) the job fails
-    /// `EngineEventTimeout` and copies nothing.
+    /// `EngineEventTimeout` (chunks not copied by then never are). The
+    /// server sees only the event's last record: do not record it again
+    /// before this job has left `Pending`.
     pub fn after(mut self, event: IpcEventHandle) -> Self {
         self.after = Some(event);
         self

@@ -217,10 +217,11 @@ pub struct ClientView {
     pub sleeping: bool,
     pub heartbeat_age_ms: Option<f64>,
     pub connected_age_s: f64,
-    /// The session's own memory (its block and request ring) could be read.
-    /// It is removed when the session ends, so a closing or quarantined slot
-    /// has none; without it the client-written words above read as an empty
-    /// ring, zeros and no heartbeat.
+    /// The session's own memory (its block and request ring) could be read:
+    /// through the server's descriptor, so only while the server lives and
+    /// the session lasts (a closing or quarantined slot, or a dead server's,
+    /// has none); without it the client-written words above read as an
+    /// empty ring, zeros and no heartbeat.
     pub client_memory: bool,
 }
 
@@ -437,15 +438,17 @@ fn read_clients(seg: &ReadOnlySegment, now: u64) -> Vec<ClientView> {
             continue;
         }
         let session = sb.session.load(Relaxed);
+        // Through the server's descriptor, while it lives (and only if the
+        // descriptor is still this session's: the occupant's identity is
+        // read again after the mapping).
         let cb = crate::client_memory::ClientMemory::open_read_only(
-            &m.info().name,
-            m.info().epoch,
-            slot,
-            session,
+            m.info().server_pid,
+            sb.memory_fd.load(Relaxed),
             m.info().offsets.client_memory_bytes,
         )
         .ok()
-        .map(|mem| mem.values());
+        .map(|mem| mem.values())
+        .filter(|_| sb.session.load(Acquire) == session && seg.server_alive().unwrap_or(false));
         let req_head = sb.req_head.load(Relaxed);
         let cq_tail = sb.cq_tail.load(Relaxed);
         let pid = sb.pid.load(Relaxed);

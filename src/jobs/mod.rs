@@ -154,8 +154,8 @@ wire_enum! {
         /// A copy between an engine's cache and the pool failed.
         CopyFailed = 4 => "copy_failed",
         /// The engine's event (the STORE's or RETRIEVE's `after`) did not
-        /// complete within the server's engine-event timeout: nothing was
-        /// copied.
+        /// complete within the server's engine-event timeout (chunks not
+        /// copied by then never are).
         EngineEventTimeout = 5 => "engine_event_timeout",
     }
 }

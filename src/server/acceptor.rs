@@ -126,22 +126,16 @@ impl<'a> Acceptor<'a> {
         // The session's own memory (zero-filled: every index starts at 0)
         // and its doorbell.
         let made = OwnedClientMemory::create(
-            &info.name,
-            info.epoch,
-            slot,
-            session,
+            &format!("{}.{slot}.{session}", info.name.trim_start_matches('/')),
             info.offsets.client_memory_bytes,
         )
-        .and_then(|(mem, fd)| Ok((mem, fd, Doorbell::new()?)));
-        let (memory, memory_fd, doorbell) = match made {
+        .and_then(|(mem, fd)| Ok((mem, fd, Doorbell::pair()?)));
+        let (memory, memory_fd, (client_bell, doorbell)) = match made {
             Ok(m) => m,
             Err(e) => {
                 tracing::warn!(error = %e, "cannot make a new client's memory");
                 return self.refuse(conn, Status::ServerError);
             }
-        };
-        let Ok(client_bell) = doorbell.as_fd().try_clone_to_owned() else {
-            return self.refuse(conn, Status::ServerError);
         };
         // Reset the slot: the ring loop does not touch it (it is detached), and
         // the client learns of it only from the welcome sent below.
@@ -157,6 +151,7 @@ impl<'a> Acceptor<'a> {
         sb.pid_start_ticks
             .store(liveness::process_start_ticks(cred.pid).unwrap_or(0), r);
         sb.connected_unix_ns.store(liveness::unix_ns(), r);
+        sb.memory_fd.store(memory.raw_fd(), r);
         sb.session.store(session, r);
         // Release pairs with the inspector's Acquire load of `state`
         // (`inspect::read_clients`): an observer that sees Active sees the
@@ -181,7 +176,7 @@ impl<'a> Acceptor<'a> {
         h.clients_accepted.fetch_add(1, r);
         h.clients_connected.fetch_add(1, r);
         // The segment read-only, the session's memory read-write, the
-        // client's end of its doorbell.
+        // ringing end of its doorbell.
         let fds = [share.as_fd(), memory_fd.as_fd(), client_bell.as_fd()];
         let sent = conn.send(bytemuck::bytes_of(&w), &fds);
         drop((memory_fd, client_bell));

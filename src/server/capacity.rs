@@ -46,7 +46,7 @@ pub fn check(segment_bytes: u64, pool_bytes: u64) -> Result<()> {
         let need = pool_bytes.saturating_add(segment_bytes);
         if need > avail {
             return Err(Error::Config(format!(
-                "the pool and segment need {} but only {} of memory is available (MemAvailable): a smaller --pool-bytes, or --allow-oversize",
+                "the pool, segment and client memory need {} but only {} of memory is available (MemAvailable): a smaller --pool-bytes, fewer clients, or --allow-oversize",
                 gib(need),
                 gib(avail)
             )));

@@ -7,7 +7,7 @@
 //!   pidfd; it assigns and reclaims slots and keeps the heartbeat;
 //! * the **ring loop** (`ring_loop.rs`, thread `kvring-rings`) serves every
 //!   active client's request ring; it never blocks on anything but the
-//!   doorbells (an eventfd per client and its own, in one epoll set), with
+//!   doorbells (a pipe per client and its own, in one epoll set), with
 //!   a timeout.
 //!
 //! They talk through `Shared`: slot attach/detach events one way, kicks (a
@@ -128,7 +128,8 @@ pub struct KvConfig {
     pub simulated_devices: u32,
     /// How long a STORE or RETRIEVE ordered after an engine's event waits
     /// for it (polled from the host; no stream of the server waits on it)
-    /// before it fails `EngineEventTimeout` without copying anything.
+    /// before it fails `EngineEventTimeout` (chunks not copied by then never
+    /// are).
     pub engine_event_timeout: Duration,
     /// Pool usage (fraction) past which eviction starts ...
     pub high_watermark: f64,
@@ -255,7 +256,7 @@ enum RingEvent {
         /// The session's memory (its block and request ring).
         memory: Arc<OwnedClientMemory>,
         /// The server's end of the client's doorbell.
-        doorbell: Doorbell,
+        doorbell: crate::doorbell::DoorbellReceiver,
     },
     Detach { slot: u32 },
 }
@@ -500,7 +501,10 @@ pub fn start(cfg: ServerConfig) -> Result<ServerHandle> {
         .validate()
         .map_err(|e| Error::Config(e.to_string()))?;
     if !cfg.allow_oversize {
-        capacity::check(cfg.geometry.offsets().segment_bytes, cfg.kv.pool_bytes)?;
+        let off = cfg.geometry.offsets();
+        // Each client's memory is a memfd: memory, not /dev/shm space.
+        let clients = u64::from(cfg.geometry.max_clients) * off.client_memory_bytes;
+        capacity::check(off.segment_bytes, cfg.kv.pool_bytes.saturating_add(clients))?;
     }
     let mut undo = StartUndo::default();
     if !paths.dir.exists() {
@@ -541,6 +545,8 @@ pub fn start(cfg: ServerConfig) -> Result<ServerHandle> {
     let listener = crate::bootstrap::Listener::bind(&paths.socket)
         .map_err(crate::error::io(format!("bind {}", paths.socket.display())))?;
     undo.socket = Some(paths.socket.clone());
+    let (ring_bell, ring_bell_rx) = Doorbell::pair()?;
+    let doorbells = crate::doorbell::Doorbells::new(ring_bell_rx, cfg.geometry.max_clients)?;
     let shared = Arc::new(Shared {
         jobs,
         kv,
@@ -551,7 +557,7 @@ pub fn start(cfg: ServerConfig) -> Result<ServerHandle> {
         events_pending: AtomicBool::new(false),
         kicks: Mutex::new(Vec::new()),
         detached: Mutex::new(Vec::new()),
-        ring_bell: Doorbell::new()?,
+        ring_bell,
         client_memory: (0..cfg.geometry.max_clients)
             .map(|_| RwLock::new(None))
             .collect(),
@@ -564,8 +570,6 @@ pub fn start(cfg: ServerConfig) -> Result<ServerHandle> {
         .store(ServerState::Running as u32, Ordering::Relaxed);
     let mut threads = Vec::new();
     {
-        let doorbells =
-            crate::doorbell::Doorbells::new(&shared.ring_bell, cfg.geometry.max_clients)?;
         let shared = shared.clone();
         let wait = cfg.ring_wait;
         threads.push(

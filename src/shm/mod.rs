@@ -86,7 +86,7 @@ shm_struct! {
         /// Live: CLOCK_MONOTONIC ns of the server's last heartbeat.
         [256] pub heartbeat_ns: CachePadded<AtomicU64>,
         /// Live: the server's ring thread is (about to be) parked on the
-        /// clients' doorbells (each client's eventfd). Read by clients after
+        /// clients' doorbells (each client's pipe). Read by clients after
         /// publishing a request: nonzero asks them to ring theirs.
         [384] pub server_sleeping: CachePadded<AtomicU32>,
         /// Live: [`ServerState`] as u32.
@@ -171,6 +171,10 @@ shm_struct! {
         [52] pub kv_instances: AtomicU32,
         /// Completions posted.
         [56] pub completions_posted: AtomicU64,
+        /// The server's descriptor of the occupant's memory (a sealed
+        /// memfd): observers map it read-only through
+        /// `/proc/SERVER_PID/fd/N` while the server lives.
+        [64] pub memory_fd: AtomicU32,
         /// Request ring head: the server consumes requests.
         [128] pub req_head: CachePadded<AtomicU64>,
         /// Completion ring tail: the server produces completions.
@@ -220,8 +224,8 @@ wire_enum! {
 
 shm_struct! {
     /// Client-written state of one client, at offset 0 of the client's own
-    /// memory object (`crate::client_memory`), created for its session and
-    /// removed when the session ends. The request ring's data follows at
+    /// memory (`crate::client_memory`: a sealed memfd), created for its
+    /// session and closed when the session ends. The request ring's data follows at
     /// +[`PAGE`]. Its occupant maps the object writable (it is the only memory
     /// a client can write); the server maps it read-only and treats every word
     /// in it as untrusted.

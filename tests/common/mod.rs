@@ -155,8 +155,6 @@ impl Scope {
 impl Drop for Scope {
     fn drop(&mut self) {
         let _ = nix::sys::mman::shm_unlink(self.shm_name().as_str());
-        // The client memory a killed server left.
-        kvring::client_memory::sweep(&self.shm_name());
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }

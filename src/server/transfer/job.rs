@@ -14,8 +14,9 @@ use std::time::{Duration, Instant};
 /// its event (or that died first) holds up nobody else.
 pub struct EngineEvent {
     pub handle: [u8; 64],
-    /// Past this, the job fails `EngineEventTimeout` without copying.
-    pub deadline: Instant,
+    /// Past this, the job fails `EngineEventTimeout` (chunks not yet
+    /// copied are not; `None`: a timeout too large to count, never).
+    pub deadline: Option<Instant>,
     /// Some worker saw it complete: the others need not ask the driver.
     seen: AtomicBool,
 }
@@ -24,7 +25,7 @@ impl EngineEvent {
     pub fn new(handle: [u8; 64], timeout: Duration) -> EngineEvent {
         EngineEvent {
             handle,
-            deadline: Instant::now() + timeout,
+            deadline: Instant::now().checked_add(timeout),
             seen: AtomicBool::new(false),
         }
     }

@@ -54,7 +54,7 @@ fn event_state(
         ev.mark_seen();
         return Ok(EventState::Ready);
     }
-    if now >= ev.deadline {
+    if ev.deadline.is_some_and(|d| now >= d) {
         return Ok(EventState::TimedOut);
     }
     Ok(EventState::NotYet)

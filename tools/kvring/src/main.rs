@@ -97,7 +97,7 @@ enum Cmd {
         /// Seconds a STORE or RETRIEVE ordered after an engine's event waits
         /// for it (polled from the host: no stream of the server ever waits
         /// on the device for an engine) before it fails
-        /// `engine_event_timeout` without copying anything. Fractions
+        /// `engine_event_timeout` (chunks not copied by then never are). Fractions
         /// allowed.
         #[arg(long, default_value_t = 60.0, value_parser = parse_seconds)]
         engine_event_timeout: f64,
@@ -178,8 +178,6 @@ enum Cmd {
     },
 }
 
-/// Parses a byte count: a number with an optional K/M/G (powers of 1000)
-/// or KiB/MiB/GiB (powers of 1024) suffix.
 /// A positive, finite number of seconds.
 fn parse_seconds(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
@@ -190,6 +188,8 @@ fn parse_seconds(s: &str) -> Result<f64, String> {
     }
 }
 
+/// Parses a byte count: a number with an optional K/M/G (powers of 1000)
+/// or KiB/MiB/GiB (powers of 1024) suffix.
 fn parse_bytes(s: &str) -> Result<u64, String> {
     let s = s.trim();
     let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
