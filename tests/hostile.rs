@@ -487,3 +487,75 @@ fn writes_of_a_slots_previous_occupant_after_its_goodbye_reach_nobody() {
         .unwrap();
     }
 }
+
+/// CPU time (user + system) process `pid` has used, in seconds.
+fn cpu_seconds(pid: i32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // Fields 14 and 15 of the line; `rest` starts at field 3.
+    let ticks: u64 = f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap();
+    // SAFETY: sysconf has no memory-safety preconditions.
+    ticks as f64 / unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64
+}
+
+/// A client's doorbell is the writing end of a pipe whose reading end only
+/// the server holds: the client cannot drain it nor make the server's reads
+/// block (it can change only its own end's flags), and a client that closes
+/// its end (while keeping its connection) does not make the ring loop spin
+/// on the hung-up pipe. An honest client is served throughout.
+#[test]
+fn a_client_cannot_stall_or_spin_the_ring_loop_through_its_doorbell() {
+    use kvring::proto::{BootKind, Hello, Welcome, BOOT_MAGIC, PROTOCOL_VERSION};
+    use std::os::fd::AsFd;
+    let s = Fixture::new("doorbell", Duration::from_secs(60), &[]);
+    let conn = kvring::bootstrap::Conn::connect(&s.dir.join(format!("{}.sock", s.name))).unwrap();
+    let hello = Hello {
+        magic: BOOT_MAGIC,
+        kind: BootKind::Hello as u32,
+        protocol: PROTOCOL_VERSION,
+        layout_version: kvring::shm::LAYOUT_VERSION,
+        _reserved: 0,
+        engine: [0; 32],
+    };
+    conn.send(bytemuck::bytes_of(&hello), &[]).unwrap();
+    let mut buf = [0u8; 64];
+    let (n, mut fds) = conn.recv(&mut buf, Duration::from_secs(5)).unwrap();
+    let w: Welcome = bytemuck::pod_read_unaligned(&buf[..n]);
+    assert_eq!((w.status, fds.len()), (0, 3));
+    let bell = fds.pop().unwrap();
+    // Blocking, as far as this end goes; it reads nothing (a write end).
+    nix::fcntl::fcntl(
+        bell.as_fd(),
+        nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::empty()),
+    )
+    .unwrap();
+    let mut one = [0u8; 1];
+    assert!(
+        nix::unistd::read(&bell, &mut one).is_err(),
+        "the client can drain its doorbell"
+    );
+    for _ in 0..100 {
+        nix::unistd::write(&bell, &[7u8]).unwrap();
+    }
+    let mut honest = s.client();
+    assert_eq!(honest.ping(b"a", far()).unwrap(), b"a");
+    // Hang up the doorbell, keep the connection: the loop must not spin.
+    drop(bell);
+    std::thread::sleep(Duration::from_millis(100));
+    let before = cpu_seconds(s.srv.pid());
+    let t = Instant::now();
+    for i in 0..10u8 {
+        let deadline = Instant::now() + Duration::from_secs(2);
+        assert_eq!(honest.ping(&[i], deadline).unwrap(), [i]);
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let used = cpu_seconds(s.srv.pid()) - before;
+    let wall = t.elapsed().as_secs_f64();
+    eprintln!("server CPU {used:.3} s in {wall:.3} s with a hung-up doorbell");
+    assert!(
+        used < 0.5 * wall,
+        "the server spun: {used:.3} s of CPU in {wall:.3} s"
+    );
+    drop(conn);
+}
