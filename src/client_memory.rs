@@ -26,6 +26,12 @@ use std::fs::File;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::Ordering;
 
+/// Name of the memory of session `session` in slot `slot` of the server
+/// whose segment is `segment` (with its leading '/'): `kvring-UID-NAME.SLOT.SESSION`.
+pub fn name(segment: &str, slot: u32, session: u32) -> String {
+    format!("{}.{slot}.{session}", segment.trim_start_matches('/'))
+}
+
 /// A mapping of one client's memory: writable in its client, read-only in
 /// the server and observers.
 pub struct ClientMemory {
@@ -84,12 +90,35 @@ impl ClientMemory {
     }
 
     /// An observer's side: opens descriptor `fd` of the live server `pid`
-    /// (its `ServerClientBlock::memory_fd` of a slot) read-only. Only a
-    /// sealed memfd of exactly `bytes` bytes is mapped, so nobody can
-    /// truncate it under the observer.
-    pub fn open_read_only(pid: u32, fd: u32, bytes: u64) -> Result<ClientMemory> {
+    /// (its `ServerClientBlock::memory_fd` of a slot) read-only, if it is the
+    /// memfd named `name` (see [`name`]): the descriptor number may have been
+    /// reused since the observer read it. It is first opened as a path only
+    /// (opening a FIFO or a device through `/proc` would block or run its
+    /// driver), its name checked, then reopened read-only; only a sealed
+    /// memfd of exactly `bytes` bytes is mapped, so nobody can truncate it
+    /// under the observer.
+    pub fn open_read_only(pid: u32, fd: u32, name: &str, bytes: u64) -> Result<ClientMemory> {
+        use nix::fcntl::{open, readlink, OFlag};
+        use nix::sys::stat::Mode;
         let path = format!("/proc/{pid}/fd/{fd}");
-        let file = File::open(&path).map_err(crate::error::io(format!("open {path}")))?;
+        let handle = open(path.as_str(), OFlag::O_PATH | OFlag::O_CLOEXEC, Mode::empty())
+            .map_err(nix_err(format!("open {path}")))?;
+        let own = format!("/proc/self/fd/{}", handle.as_raw_fd());
+        let target = readlink(own.as_str()).map_err(nix_err(format!("readlink {path}")))?;
+        let want = format!("/memfd:{name}");
+        let target = target.to_string_lossy();
+        if target != want && target != format!("{want} (deleted)") {
+            return Err(Error::Protocol(format!(
+                "{path} is {target}, not the client memory {want}"
+            )));
+        }
+        let fd = open(
+            own.as_str(),
+            OFlag::O_RDONLY | OFlag::O_NONBLOCK | OFlag::O_NOCTTY | OFlag::O_CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(nix_err(format!("reopen {path}")))?;
+        let file = File::from(fd);
         // SAFETY: F_GET_SEALS on a descriptor this function owns.
         let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
         if seals < 0 || seals & SEALS != SEALS {
@@ -189,8 +218,21 @@ mod tests {
         let client = ClientMemory::attach(fd, bytes).unwrap();
         client.block().req_tail.store(88, Ordering::Release);
         assert_eq!(own.memory().values().req_tail, 88);
-        let observer =
-            ClientMemory::open_read_only(std::process::id(), own.raw_fd(), bytes).unwrap();
+        let observer = ClientMemory::open_read_only(
+            std::process::id(),
+            own.raw_fd(),
+            "kvring-test-memory",
+            bytes,
+        )
+        .unwrap();
+        // Another name at that descriptor is refused.
+        assert!(ClientMemory::open_read_only(
+            std::process::id(),
+            own.raw_fd(),
+            "kvring-test-other",
+            bytes
+        )
+        .is_err());
         assert_eq!(observer.values().req_tail, 88);
         // The client's descriptor can write the words but never resize.
         assert_eq!(
@@ -226,9 +268,23 @@ mod tests {
         )
         .unwrap();
         nix::unistd::ftruncate(&plain, 8192).unwrap();
-        assert!(
-            ClientMemory::open_read_only(std::process::id(), plain.as_raw_fd() as u32, 8192)
-                .is_err()
-        );
+        assert!(ClientMemory::open_read_only(
+            std::process::id(),
+            plain.as_raw_fd() as u32,
+            "kvring-test-plain",
+            8192
+        )
+        .is_err());
+        // A pipe's reading end with no writer: refused by name, and never
+        // opened for reading (that would block).
+        let (rx, tx) = nix::unistd::pipe().unwrap();
+        drop(tx);
+        assert!(ClientMemory::open_read_only(
+            std::process::id(),
+            rx.as_raw_fd() as u32,
+            "kvring-test-plain",
+            8192
+        )
+        .is_err());
     }
 }

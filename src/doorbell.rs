@@ -64,13 +64,16 @@ impl Ring for Doorbell {
 }
 
 impl DoorbellReceiver {
-    /// Reads everything rung so far (never blocks: the server's end is
-    /// non-blocking and nobody else holds it).
+    /// Reads what was rung, at most 16 KiB per call (never blocks: the
+    /// server's end is non-blocking and nobody else holds it). A client
+    /// that writes faster than that cannot keep the loop here: what is left
+    /// stays readable and wakes the next wait, which also serves the rings.
     fn drain(&self) {
-        let mut buf = [0u8; 256];
-        while let Ok(n) = nix::unistd::read(&self.fd, &mut buf) {
-            if n < buf.len() {
-                break;
+        let mut buf = [0u8; 4096];
+        for _ in 0..4 {
+            match nix::unistd::read(&self.fd, &mut buf) {
+                Ok(n) if n == buf.len() => continue,
+                _ => break,
             }
         }
     }

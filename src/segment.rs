@@ -284,9 +284,18 @@ impl<'a> View<'a> {
         let mem = ClientMemory::open_read_only(
             info.server_pid,
             sb.memory_fd,
+            &crate::client_memory::name(&info.name, slot, sb.session),
             info.offsets.client_memory_bytes,
         )?;
-        Ok(mem.values())
+        let values = mem.values();
+        // Still that session (its memory could have been closed and the
+        // descriptor number reused meanwhile, by the same name only if the
+        // session were the same).
+        let now = self.server_client(slot);
+        if now.session != sb.session || now.state != crate::shm::SlotState::Active as u32 {
+            return Err(Error::Protocol(format!("slot {slot}'s session ended")));
+        }
+        Ok(values)
     }
 
     /// Job slot `index`'s words, each on its own (a consistent read of a job

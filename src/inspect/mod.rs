@@ -97,16 +97,14 @@ pub struct SegmentEntry {
     pub error: Option<String>,
 }
 
-/// Every `/dev/shm/kvring-UID-NAME` segment of this user (not its clients'
-/// memory objects, `kvring-UID-NAME@…`).
+/// Every `/dev/shm/kvring-UID-NAME` segment of this user.
 pub fn list() -> Vec<SegmentEntry> {
     let prefix = format!("kvring-{}-", crate::rundir::euid());
     let mut names: Vec<String> = std::fs::read_dir("/dev/shm")
         .map(|d| {
             d.filter_map(|e| e.ok())
                 .filter_map(|e| e.file_name().into_string().ok())
-                // Segments only: a client's memory object has '@' in its name.
-                .filter(|n| n.starts_with(&prefix) && !n.contains('@'))
+                .filter(|n| n.starts_with(&prefix))
                 .collect()
         })
         .unwrap_or_default();
@@ -444,11 +442,17 @@ fn read_clients(seg: &ReadOnlySegment, now: u64) -> Vec<ClientView> {
         let cb = crate::client_memory::ClientMemory::open_read_only(
             m.info().server_pid,
             sb.memory_fd.load(Relaxed),
+            &crate::client_memory::name(&m.info().name, slot, session),
             m.info().offsets.client_memory_bytes,
         )
         .ok()
         .map(|mem| mem.values())
-        .filter(|_| sb.session.load(Acquire) == session && seg.server_alive().unwrap_or(false));
+        .filter(|_| {
+            // Acquire pairs with the acceptor's Release store of `state`.
+            sb.state.load(Acquire) == SlotState::Active.raw()
+                && sb.session.load(Relaxed) == session
+                && seg.server_alive().unwrap_or(false)
+        });
         let req_head = sb.req_head.load(Relaxed);
         let cq_tail = sb.cq_tail.load(Relaxed);
         let pid = sb.pid.load(Relaxed);

@@ -126,7 +126,7 @@ impl<'a> Acceptor<'a> {
         // The session's own memory (zero-filled: every index starts at 0)
         // and its doorbell.
         let made = OwnedClientMemory::create(
-            &format!("{}.{slot}.{session}", info.name.trim_start_matches('/')),
+            &crate::client_memory::name(&info.name, slot, session),
             info.offsets.client_memory_bytes,
         )
         .and_then(|(mem, fd)| Ok((mem, fd, Doorbell::pair()?)));
@@ -236,8 +236,8 @@ impl<'a> Acceptor<'a> {
         kv.with_cache(self.shared, |c| {
             c.drop_leases(Some(slot), std::time::Instant::now())
         });
-        // The session's memory goes (its name now, its mapping with the
-        // last holder); a process still writing to it reaches nobody.
+        // The session's memory goes (closed and unmapped with its last
+        // holder); a process still writing to it reaches nobody.
         self.shared.client_memory[slot as usize]
             .write()
             .expect("client memory table")

@@ -285,7 +285,7 @@ pub(crate) struct Shared {
     ring_bell: Doorbell,
     /// Each slot's session memory while it is attached (the acceptor sets
     /// and clears it; `wake_client` reads its `client_sleeping`). The last
-    /// holder to let go removes the object's name.
+    /// holder to let go closes and unmaps it.
     client_memory: Vec<RwLock<Option<Arc<OwnedClientMemory>>>>,
 }
 

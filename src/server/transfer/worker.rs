@@ -2,7 +2,8 @@
 
 use super::backend::{ChunkCopy, ChunkOutcome, CopyError, CopyExecutor, Dir, Publish};
 use super::job::{JobRun, Task};
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use crate::jobs::{FailReason, JobResult};
 use crate::liveness::monotonic_ns;
@@ -60,25 +61,27 @@ fn event_state(
     Ok(EventState::NotYet)
 }
 
+#[derive(Clone, Copy)]
 enum EventState {
     Ready,
     NotYet,
     TimedOut,
 }
 
-/// How soon a worker with nothing in flight asks again for the events its
-/// held-back tasks wait for (a query costs about 32 ns): at first after
-/// `EVENT_POLL_MIN`, then twice as long each time none completed, up to
-/// `EVENT_POLL_MAX` (an engine stuck for long costs a worker about 1,000
-/// wake-ups a second).
+/// How soon a worker asks again for the events its held-back tasks wait
+/// for (a query costs about 32 ns; one per job, not per chunk): at first
+/// after `EVENT_POLL_MIN`, then twice as long each time none completed, up
+/// to `EVENT_POLL_MAX` (an engine stuck for long costs a worker about 1,000
+/// scans a second, whatever else it copies meanwhile).
 const EVENT_POLL_MIN: Duration = Duration::from_micros(20);
 const EVENT_POLL_MAX: Duration = Duration::from_millis(1);
 
 /// A copy worker of lane `lane`: keeps its executor's pipeline full with
 /// tasks taken round robin, and settles each chunk as its copy finishes.
 /// A task whose job comes after an engine's event that has not completed
-/// waits in the worker's `held` list, asked about again every round, while
-/// the worker serves every other task; past the job's deadline it fails.
+/// waits in the worker's `held` list, asked about again on a backoff (once
+/// per job), while the worker serves every other task; past the job's
+/// deadline it fails.
 pub fn run(shared: &Shared, lane: usize) {
     let copier = &shared.kv.copier;
     let queue = copier.lane(lane);
@@ -94,9 +97,14 @@ pub fn run(shared: &Shared, lane: usize) {
     let mut inflight: Vec<Option<Task>> = (0..depth).map(|_| None).collect();
     let mut busy = 0usize;
     let mut done = Vec::new();
-    // Held back for their engine's event, oldest first.
+    // Held back for their engine's event, oldest first; and those whose
+    // event was seen, to be copied before anything new is taken.
     let mut held: VecDeque<Task> = VecDeque::new();
+    let mut ready: VecDeque<Task> = VecDeque::new();
     let mut event_poll = EVENT_POLL_MIN;
+    let mut next_scan = Instant::now();
+    // One answer per job per scan.
+    let mut asked: HashMap<*const JobRun, EventState> = HashMap::new();
     loop {
         // Settle what finished (here or in the blocking poll below).
         executor.poll(false, &mut done);
@@ -110,44 +118,66 @@ pub fn run(shared: &Shared, lane: usize) {
             executor.poll(true, &mut done);
             continue;
         }
-        // A held task whose event completed goes first; one past its
+        // Ask about the held tasks' events, on the backoff's schedule: a
+        // task whose event completed moves to `ready`; one past its
         // deadline, or of a job that ended meanwhile, is settled here.
-        let mut next = None;
         let now = Instant::now();
-        for _ in 0..held.len() {
-            let t = held.pop_front().expect("held task");
-            if t.job.failed.load(Ordering::Relaxed) || !shared.jobs.is_live(t.job.id) {
-                chunk_done(shared, &t.job, ChunkOutcome::Skipped);
-                continue;
-            }
-            match event_state(executor.as_mut(), &t, now) {
-                Ok(EventState::Ready) if next.is_none() => {
-                    event_poll = EVENT_POLL_MIN;
-                    next = Some(t);
+        if !held.is_empty() && now >= next_scan {
+            asked.clear();
+            let mut moved = false;
+            for _ in 0..held.len() {
+                let t = held.pop_front().expect("held task");
+                if t.job.failed.load(Ordering::Relaxed) || !shared.jobs.is_live(t.job.id) {
+                    chunk_done(shared, &t.job, ChunkOutcome::Skipped);
+                    continue;
                 }
-                Ok(EventState::Ready | EventState::NotYet) => held.push_back(t),
-                Ok(EventState::TimedOut) => chunk_done(shared, &t.job, ChunkOutcome::EventTimeout),
-                Err(e) => chunk_done(shared, &t.job, ChunkOutcome::Failed(e)),
+                let key = Arc::as_ptr(&t.job);
+                let state = match asked.get(&key) {
+                    Some(&st) => Ok(st),
+                    None => event_state(executor.as_mut(), &t, now),
+                };
+                match state {
+                    Ok(st) => {
+                        asked.insert(key, st);
+                        match st {
+                            EventState::Ready => {
+                                moved = true;
+                                ready.push_back(t);
+                            }
+                            EventState::NotYet => held.push_back(t),
+                            EventState::TimedOut => {
+                                chunk_done(shared, &t.job, ChunkOutcome::EventTimeout)
+                            }
+                        }
+                    }
+                    // The job fails; its other held tasks are skipped at the
+                    // next scan (`failed` is set).
+                    Err(e) => chunk_done(shared, &t.job, ChunkOutcome::Failed(e)),
+                }
             }
+            event_poll = if moved {
+                EVENT_POLL_MIN
+            } else {
+                (event_poll * 2).min(EVENT_POLL_MAX)
+            };
+            next_scan = now + event_poll;
         }
-        let task = match next {
+        let task = match ready.pop_front() {
             Some(t) => t,
             // With nothing in flight or held, sleep for work; with tasks
             // held, only until their events are asked about again; else
             // take only what is queued now.
             None => match queue.pop_within(match (busy, held.is_empty()) {
                 (0, true) => Some(Duration::MAX),
-                (0, false) => {
-                    let wait = event_poll;
-                    event_poll = (event_poll * 2).min(EVENT_POLL_MAX);
-                    Some(wait)
-                }
+                (0, false) => Some(next_scan.saturating_duration_since(Instant::now())),
                 _ => None,
             }) {
                 Ok(t) => t,
                 Err(true) if busy == 0 => break, // stopped
                 Err(_) => {
                     if busy > 0 {
+                        // Until a copy finishes (a chunk takes about
+                        // 0.1-1 ms); held tasks are asked about after.
                         executor.poll(true, &mut done);
                     }
                     continue;
@@ -165,6 +195,10 @@ pub fn run(shared: &Shared, lane: usize) {
         match event_state(executor.as_mut(), &task, Instant::now()) {
             Ok(EventState::Ready) => {}
             Ok(EventState::NotYet) => {
+                if held.is_empty() {
+                    event_poll = EVENT_POLL_MIN;
+                    next_scan = Instant::now() + event_poll;
+                }
                 held.push_back(task);
                 continue;
             }
@@ -214,7 +248,7 @@ pub fn run(shared: &Shared, lane: usize) {
     }
     // Held tasks of a stopping server go as its queued ones do: their jobs
     // are failed (ServerShutdown) by the shutdown that follows.
-    drop(held);
+    drop((held, ready));
 }
 
 /// The last task of `job` is done: settle the cache, then publish.

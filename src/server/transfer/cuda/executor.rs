@@ -360,7 +360,7 @@ impl CopyExecutor for CudaExecutor {
                 return;
             }
             // Spin briefly (a chunk takes ~0.1-1 ms), then sleep in short
-            // steps: the worker has nothing else to do.
+            // steps: the worker takes nothing new until a copy finishes.
             spins += 1;
             if spins < 2000 {
                 std::hint::spin_loop();
