@@ -51,18 +51,7 @@ impl ClientMemory {
     /// Maps `file` (of `bytes` bytes, owned by this user) read-only or
     /// read-write.
     fn map(what: &str, file: &File, bytes: u64, writable: bool) -> Result<ClientMemory> {
-        use std::os::unix::fs::MetadataExt;
-        let md = file
-            .metadata()
-            .map_err(crate::error::io(format!("fstat {what}")))?;
-        let me = crate::rundir::euid();
-        if md.uid() != me {
-            return Err(Error::WrongOwner {
-                name: what.into(),
-                owner: md.uid(),
-                me,
-            });
-        }
+        let md = crate::rundir::owned_metadata(what, file)?;
         if md.len() != bytes {
             return Err(Error::Truncated {
                 name: what.into(),

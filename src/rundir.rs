@@ -25,6 +25,23 @@ pub fn check_name(name: &str) -> Result<()> {
     }
 }
 
+/// `file`'s metadata, if this user owns it (`WrongOwner` naming `name`
+/// otherwise): shared memory of another user is never attached.
+pub fn owned_metadata(name: &str, file: &std::fs::File) -> Result<std::fs::Metadata> {
+    let md = file
+        .metadata()
+        .map_err(crate::error::io(format!("fstat {name}")))?;
+    let me = euid();
+    if md.uid() != me {
+        return Err(Error::WrongOwner {
+            name: name.into(),
+            owner: md.uid(),
+            me,
+        });
+    }
+    Ok(md)
+}
+
 /// The effective uid of this process.
 pub fn euid() -> u32 {
     nix::unistd::geteuid().as_raw()

@@ -133,19 +133,7 @@ fn header_field_u64(map: &MmapRaw, off: usize) -> u64 {
 /// Reads each shared word once; returns the copy.
 fn validate(name: &str, file: &File) -> Result<SegmentInfo> {
     use std::mem::offset_of as o;
-    use std::os::unix::fs::MetadataExt;
-    let md = file
-        .metadata()
-        .map_err(crate::error::io(format!("fstat {name}")))?;
-    let me = crate::rundir::euid();
-    if md.uid() != me {
-        return Err(Error::WrongOwner {
-            name: name.into(),
-            owner: md.uid(),
-            me,
-        });
-    }
-    let len = md.len();
+    let len = crate::rundir::owned_metadata(name, file)?.len();
     if len < 16 {
         return Err(Error::NotKvring {
             name: name.into(),

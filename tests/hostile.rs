@@ -343,30 +343,37 @@ fn a_client_holds_the_segment_read_only_and_maps_only_its_own_memory_writable() 
     drop(c);
 }
 
+/// The bootstrap done by hand, as a client that does not use the library
+/// would: the connection (kept open: it is the session), the welcome and
+/// the three descriptors it carried.
+fn hello_by_hand(
+    s: &Fixture,
+) -> (
+    kvring::bootstrap::Conn,
+    kvring::proto::Welcome,
+    Vec<std::os::fd::OwnedFd>,
+) {
+    let conn = kvring::bootstrap::Conn::connect(&s.dir.join(format!("{}.sock", s.name))).unwrap();
+    let hello = kvring::proto::Hello::new([0; 32]);
+    conn.send(bytemuck::bytes_of(&hello), &[]).unwrap();
+    let mut buf = [0u8; 64];
+    let (n, fds) = conn.recv(&mut buf, Duration::from_secs(5)).unwrap();
+    let w: kvring::proto::Welcome = bytemuck::pod_read_unaligned(&buf[..n]);
+    assert_eq!((w.status, fds.len()), (0, 3));
+    (conn, w, fds)
+}
+
 /// A client does the bootstrap by hand, maps writable everything it was
 /// handed that can be, says goodbye, and goes on writing garbage there
 /// while the slot's next occupant works: the next occupant never notices
 /// (its session has memory of its own), and the server serves on.
 #[test]
 fn writes_of_a_slots_previous_occupant_after_its_goodbye_reach_nobody() {
-    use kvring::proto::{BootKind, Goodbye, Hello, Welcome, BOOT_MAGIC, PROTOCOL_VERSION};
+    use kvring::proto::Goodbye;
     use nix::sys::mman::{mmap, munmap, MapFlags, ProtFlags};
     use std::os::fd::AsFd;
     let s = Fixture::new("late-writer", Duration::from_secs(60), &KV_SERVER_ARGS);
-    let conn = kvring::bootstrap::Conn::connect(&s.dir.join(format!("{}.sock", s.name))).unwrap();
-    let hello = Hello {
-        magic: BOOT_MAGIC,
-        kind: BootKind::Hello as u32,
-        protocol: PROTOCOL_VERSION,
-        layout_version: kvring::shm::LAYOUT_VERSION,
-        _reserved: 0,
-        engine: [0; 32],
-    };
-    conn.send(bytemuck::bytes_of(&hello), &[]).unwrap();
-    let mut buf = [0u8; 64];
-    let (n, fds) = conn.recv(&mut buf, Duration::from_secs(5)).unwrap();
-    let w: Welcome = bytemuck::pod_read_unaligned(&buf[..n]);
-    assert_eq!(w.status, 0);
+    let (conn, w, fds) = hello_by_hand(&s);
     // Everything that maps writable, whole.
     let mut writable = Vec::new();
     for fd in &fds {
@@ -400,12 +407,8 @@ fn writes_of_a_slots_previous_occupant_after_its_goodbye_reach_nobody() {
         !writable.is_empty(),
         "not even the client's own memory maps writable"
     );
-    let goodbye = Goodbye {
-        magic: BOOT_MAGIC,
-        kind: BootKind::Goodbye as u32,
-        _reserved: 0,
-    };
-    conn.send(bytemuck::bytes_of(&goodbye), &[]).unwrap();
+    conn.send(bytemuck::bytes_of(&Goodbye::default()), &[])
+        .unwrap();
     let ro = kvring::segment::ReadOnlySegment::open(&s.name).unwrap();
     assert!(
         eventually(Duration::from_secs(5), || {
@@ -487,23 +490,9 @@ fn cpu_seconds(pid: i32) -> f64 {
 /// on the hung-up pipe. An honest client is served throughout.
 #[test]
 fn a_client_cannot_stall_or_spin_the_ring_loop_through_its_doorbell() {
-    use kvring::proto::{BootKind, Hello, Welcome, BOOT_MAGIC, PROTOCOL_VERSION};
     use std::os::fd::{AsFd, AsRawFd};
     let s = Fixture::new("doorbell", Duration::from_secs(60), &[]);
-    let conn = kvring::bootstrap::Conn::connect(&s.dir.join(format!("{}.sock", s.name))).unwrap();
-    let hello = Hello {
-        magic: BOOT_MAGIC,
-        kind: BootKind::Hello as u32,
-        protocol: PROTOCOL_VERSION,
-        layout_version: kvring::shm::LAYOUT_VERSION,
-        _reserved: 0,
-        engine: [0; 32],
-    };
-    conn.send(bytemuck::bytes_of(&hello), &[]).unwrap();
-    let mut buf = [0u8; 64];
-    let (n, mut fds) = conn.recv(&mut buf, Duration::from_secs(5)).unwrap();
-    let w: Welcome = bytemuck::pod_read_unaligned(&buf[..n]);
-    assert_eq!((w.status, fds.len()), (0, 3));
+    let (conn, _, mut fds) = hello_by_hand(&s);
     let bell = fds.pop().unwrap();
     // Blocking, as far as this end goes; it reads nothing (a write end).
     nix::fcntl::fcntl(

@@ -5,8 +5,8 @@
 use super::{Client, ClientOptions};
 use crate::bootstrap::Conn;
 use crate::error::{Error, Result};
-use crate::shm::{ServerClientBlock, LAYOUT_VERSION, PAGE};
-use crate::proto::{BootKind, Hello, Welcome, BOOT_MAGIC, PROTOCOL_VERSION};
+use crate::shm::{ServerClientBlock, PAGE};
+use crate::proto::{BootKind, Hello, Welcome, BOOT_MAGIC};
 use crate::ring::{Consumer, Producer, RingPtrs};
 use crate::rundir::ServerPaths;
 use crate::segment::ClientSegment;
@@ -126,17 +126,11 @@ pub(super) fn connect(paths: &ServerPaths, opts: &ClientOptions) -> Result<Clien
             }
         }
     };
-    let hello = Hello {
-        magic: BOOT_MAGIC,
-        kind: BootKind::Hello as u32,
-        protocol: PROTOCOL_VERSION,
-        layout_version: LAYOUT_VERSION,
-        _reserved: 0,
-        engine: opts
-            .engine
+    let hello = Hello::new(
+        opts.engine
             .as_deref()
             .map_or([0; 32], crate::kv::engine_key),
-    };
+    );
     conn.send(bytemuck::bytes_of(&hello), &[])
         .map_err(crate::error::io("send hello"))?;
     let mut buf = [0u8; 128];

@@ -47,7 +47,7 @@ pub use lease::{Lease, LeaseId, Lookup};
 use crate::error::{Error, Result};
 use crate::jobs::JobId;
 use crate::proto::kv::{ClearReply, ConfigReply, StatsReply};
-use crate::proto::{BootKind, Goodbye, Opcode, BOOT_MAGIC};
+use crate::proto::{Goodbye, Opcode};
 use crate::ring::{Consumer, Producer};
 use crate::rundir::ServerPaths;
 use crate::segment::ClientSegment;
@@ -417,11 +417,7 @@ impl Drop for Client {
         // The goodbye tells the server it may reuse the slot immediately and
         // reclaim what the connection held; the rings are unmapped once the
         // last handle sharing the link is gone.
-        let g = Goodbye {
-            magic: BOOT_MAGIC,
-            kind: BootKind::Goodbye as u32,
-            _reserved: 0,
-        };
+        let g = Goodbye::default();
         self.link.close();
         let _ = self.link.conn.send(bytemuck::bytes_of(&g), &[]);
     }

@@ -44,6 +44,7 @@ impl HostWord {
             ptr: ptr as *mut u32,
             dev: 0,
         };
+        // Relaxed: nobody else sees the word yet.
         word.word().store(0, Ordering::Relaxed);
         check(
             // SAFETY: `ptr` is device-mapped host memory of this context;

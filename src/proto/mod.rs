@@ -302,6 +302,21 @@ const _: () = {
     assert!(size_of::<Hello>() == 56);
 };
 
+impl Hello {
+    /// The hello of this protocol and layout version, for the engine whose
+    /// key is `engine` (`kv::engine_key`; zero: the anonymous engine).
+    pub fn new(engine: [u8; 32]) -> Hello {
+        Hello {
+            magic: BOOT_MAGIC,
+            kind: BootKind::Hello as u32,
+            protocol: PROTOCOL_VERSION,
+            layout_version: crate::shm::LAYOUT_VERSION,
+            _reserved: 0,
+            engine,
+        }
+    }
+}
+
 shm_struct! {
     /// Server -> client, answer to [`Hello`]. On success it carries three
     /// descriptors (SCM_RIGHTS): the segment (read-only), the session's own
@@ -344,3 +359,13 @@ shm_struct! {
 }
 
 const _: () = assert!(size_of::<Goodbye>() == 16);
+
+impl Default for Goodbye {
+    fn default() -> Goodbye {
+        Goodbye {
+            magic: BOOT_MAGIC,
+            kind: BootKind::Goodbye as u32,
+            _reserved: 0,
+        }
+    }
+}

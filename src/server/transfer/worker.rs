@@ -12,8 +12,9 @@ use std::sync::atomic::Ordering;
 
 /// Accounts one chunk of `job`; the last one ends it.
 fn chunk_done(shared: &Shared, job: &JobRun, outcome: ChunkOutcome) {
-    // `failed` and `bytes` are Relaxed: the AcqRel decrement of `remaining`
-    // below orders every chunk's updates before the last one's `finish`.
+    // `failed`, `event_timed_out` and `bytes` are Relaxed: the AcqRel
+    // decrement of `remaining` below orders every chunk's updates before
+    // the last one's `finish`, which reads them.
     match outcome {
         ChunkOutcome::Copied(b) => {
             job.bytes.fetch_add(b, Ordering::Relaxed);
@@ -127,6 +128,8 @@ pub fn run(shared: &Shared, lane: usize) {
             let mut moved = false;
             for _ in 0..held.len() {
                 let t = held.pop_front().expect("held task");
+                // Relaxed: a hint only, as below: a job that ended copies
+                // nothing more; `finish` settles it through `remaining`.
                 if t.job.failed.load(Ordering::Relaxed) || !shared.jobs.is_live(t.job.id) {
                     chunk_done(shared, &t.job, ChunkOutcome::Skipped);
                     continue;
