@@ -11,6 +11,14 @@
 // token_stride in the engine, and at ((first_token + t) * heads + h) *
 // row_bytes + row_offset[p] in the object.
 //
+// Job words (kvring::job_words): when `entered` is set, thread 0 of every
+// CTA stores `seq` there, fences at system scope and reads the job's
+// `cancel` word (host memory its client writes) before the CTA touches the
+// engine's memory; if the client gave generation `generation` up, the CTA
+// copies nothing. The client stores `cancel`, then reads `entered`: either
+// this CTA sees the cancel, or the client sees the CTA entered and waits for
+// the copy stream's `done` write after this kernel.
+//
 // A CTA copies one page at a time, striding over the chunk's pages by the
 // grid size (one CTA per page on the staged path; a bounded grid on the
 // zero-copy path, where `object` is pinned host memory). Its threads move
@@ -40,7 +48,30 @@ struct KvCopyArgs {
     unsigned long long row_bytes;
     unsigned long long width[2];
     unsigned long long row_offset[2];
+    // Device addresses of the job's entered[worker] and cancel words (0:
+    // no job words).
+    unsigned long long entered;
+    unsigned long long cancel;
+    unsigned int seq;
+    unsigned int generation;
 };
+
+// Whether this CTA may copy: the job was not given up (see above).
+__device__ bool job_open(const KvCopyArgs& a) {
+    __shared__ int open;
+    if (threadIdx.x == 0) {
+        open = 1;
+        if (a.entered != 0) {
+            *(volatile unsigned int*)a.entered = a.seq;
+            __threadfence_system();
+            unsigned int c = *(volatile unsigned int*)a.cancel;
+            // Cyclic: cancel has reached generation.
+            open = (int)(c - a.generation) < 0;
+        }
+    }
+    __syncthreads();
+    return open != 0;
+}
 
 template <typename W>
 __device__ __forceinline__ void move_word(unsigned char* eng, unsigned char* obj, bool to_engine) {
@@ -100,6 +131,9 @@ extern "C" __global__ void kv_copy(const LayerEntry* __restrict__ layers,
                                    const unsigned int* __restrict__ blocks,
                                    unsigned char* __restrict__ object,
                                    KvCopyArgs a) {
+    if (!job_open(a)) {
+        return;
+    }
     unsigned int bpc = a.blocks_per_chunk;
     unsigned int pages = a.num_layers * bpc;
     for (unsigned int page = blockIdx.x; page < pages; page += gridDim.x) {

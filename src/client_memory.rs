@@ -4,9 +4,11 @@
 //! sealed against resizing (`F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL`)
 //! before the client sees it, so no client can truncate it under the
 //! server's mapping (a load from a truncated shared mapping is a SIGBUS).
-//! It holds the session's [`ClientBlock`] (one page) and its request ring's
-//! data. The client maps it writable through the descriptor it receives;
-//! the server maps it read-only and treats every word in it as untrusted;
+//! It holds the session's [`ClientBlock`] (one page), its request ring's
+//! data and its [`crate::job_words`]. The client maps it writable through
+//! the descriptor it receives; the server maps it read-only and treats every
+//! word in it as untrusted, except the job words, which it maps writable too
+//! (its copies report there, and only there, what they did);
 //! an observer opens the server's descriptor of it read-only through
 //! `/proc/SERVER_PID/fd/N` (`ServerClientBlock::memory_fd`), while the
 //! server lives. The segment itself reaches a client only as a read-only
@@ -36,6 +38,8 @@ pub fn name(segment: &str, slot: u32, session: u32) -> String {
 /// the server and observers.
 pub struct ClientMemory {
     map: MmapRaw,
+    /// Offset of the job words (writable mappings only).
+    words_off: Option<usize>,
 }
 
 // SAFETY: shared memory accessed through atomics only.
@@ -70,12 +74,38 @@ impl ClientMemory {
             opts.map_raw_read_only(file)
         }
         .map_err(crate::error::io(format!("mmap {what}")))?;
-        Ok(ClientMemory { map })
+        Ok(ClientMemory {
+            map,
+            words_off: None,
+        })
     }
 
-    /// The client's side: maps the descriptor it received, writable.
-    pub(crate) fn attach(fd: OwnedFd, bytes: u64) -> Result<ClientMemory> {
-        Self::map("client memory", &File::from(fd), bytes, true)
+    /// The client's side: maps the descriptor it received, writable; its
+    /// job words are at `words_off`.
+    pub(crate) fn attach(fd: OwnedFd, bytes: u64, words_off: u64) -> Result<ClientMemory> {
+        if words_off + crate::job_words::REGION_BYTES as u64 > bytes {
+            return Err(Error::Protocol(format!(
+                "job words at {words_off} do not fit in {bytes} bytes of client memory"
+            )));
+        }
+        let mut m = Self::map("client memory", &File::from(fd), bytes, true)?;
+        m.words_off = Some(words_off as usize);
+        Ok(m)
+    }
+
+    /// The job words, in a writable mapping (the client's).
+    pub(crate) fn words(&self) -> Option<crate::job_words::Words<'_>> {
+        let off = self.words_off?;
+        // SAFETY: `attach` checked that the region lies inside the mapping,
+        // which is writable and lives as long as `self`.
+        Some(unsafe { crate::job_words::Words::new(self.map.as_mut_ptr().add(off)) })
+    }
+
+    /// Where the job words are in this process.
+    pub(crate) fn words_range(&self) -> Option<(*mut u8, usize)> {
+        let off = self.words_off?;
+        // SAFETY: inside the mapping (checked in `attach`).
+        Some((unsafe { self.map.as_mut_ptr().add(off) }, crate::job_words::REGION_BYTES))
     }
 
     /// An observer's side: opens descriptor `fd` of the live server `pid`
@@ -143,10 +173,17 @@ impl ClientMemory {
     }
 }
 
-/// The server's record of one client's memory: its read-only mapping and
-/// its descriptor (kept open for observers), closed when the record is
-/// dropped (the session ended).
+/// The server's record of one client's memory: its read-only mapping, a
+/// writable mapping of its job words and its descriptor (kept open for
+/// observers), closed when the record is dropped (the session ended, and
+/// no copy of its jobs is left: each job holds the record).
 pub(crate) struct OwnedClientMemory {
+    /// The job words registered with the CUDA driver (for the copies'
+    /// device-side reads and writes), at first use; dropped (unregistered)
+    /// before the mapping goes.
+    #[cfg(feature = "cuda")]
+    registered: std::sync::Mutex<Option<crate::gpu::HostRegistration>>,
+    words: MmapRaw,
     mem: ClientMemory,
     fd: OwnedFd,
 }
@@ -155,7 +192,11 @@ impl OwnedClientMemory {
     /// Creates the memory of a new session, zero-filled and sealed, and
     /// returns the server's record of it and the read-write descriptor for
     /// the client.
-    pub fn create(name: &str, bytes: u64) -> Result<(OwnedClientMemory, OwnedFd)> {
+    pub fn create(
+        name: &str,
+        bytes: u64,
+        words_off: u64,
+    ) -> Result<(OwnedClientMemory, OwnedFd)> {
         use nix::sys::memfd::{memfd_create, MFdFlags};
         let cname = std::ffi::CString::new(name)
             .map_err(|_| Error::InvalidArgument(format!("memfd name {name:?}")))?;
@@ -176,13 +217,55 @@ impl OwnedClientMemory {
         let client = fd.try_clone().map_err(crate::error::io("dup client memory"))?;
         let file = File::from(fd);
         let mem = ClientMemory::map(name, &file, bytes, false)?;
+        if words_off + crate::job_words::REGION_BYTES as u64 > bytes {
+            return Err(Error::InvalidArgument(format!(
+                "job words at {words_off} do not fit in {bytes} bytes"
+            )));
+        }
+        let words = MmapOptions::new()
+            .offset(words_off)
+            .len(crate::job_words::REGION_BYTES)
+            .map_raw(&file)
+            .map_err(crate::error::io(format!("mmap the job words of {name}")))?;
         Ok((
             OwnedClientMemory {
+                #[cfg(feature = "cuda")]
+                registered: std::sync::Mutex::new(None),
+                words,
                 mem,
                 fd: OwnedFd::from(file),
             },
             client,
         ))
+    }
+
+    /// The session's job words (written by the client too: untrusted).
+    pub fn words(&self) -> crate::job_words::Words<'_> {
+        // SAFETY: a writable mapping of exactly the region, living as long
+        // as `self`; the object cannot shrink (sealed).
+        unsafe { crate::job_words::Words::new(self.words.as_mut_ptr()) }
+    }
+
+    /// The device address of the job words, registering them with the
+    /// driver (portable: every context) at the first call, in `ctx`.
+    #[cfg(feature = "cuda")]
+    pub fn words_device_ptr(
+        &self,
+        ctx: &std::sync::Arc<crate::gpu::Context>,
+    ) -> std::result::Result<u64, crate::gpu::CudaError> {
+        let mut r = self.registered.lock().unwrap_or_else(|e| e.into_inner());
+        if r.is_none() {
+            // SAFETY: the mapping is readable and writable and outlives the
+            // registration (declared first, so dropped first).
+            *r = Some(unsafe {
+                crate::gpu::HostRegistration::new(
+                    ctx,
+                    self.words.as_mut_ptr(),
+                    crate::job_words::REGION_BYTES,
+                )
+            }?);
+        }
+        r.as_ref().expect("registered").device_ptr()
     }
 
     pub fn memory(&self) -> &ClientMemory {
@@ -201,12 +284,18 @@ mod tests {
 
     #[test]
     fn the_server_maps_it_read_only_and_nobody_can_resize_it() {
-        let bytes = (PAGE + 4096) as u64;
-        let (own, fd) = OwnedClientMemory::create("kvring-test-memory", bytes).unwrap();
+        let bytes = (2 * PAGE + crate::job_words::REGION_BYTES) as u64;
+        let words_off = 2 * PAGE as u64;
+        let (own, fd) = OwnedClientMemory::create("kvring-test-memory", bytes, words_off).unwrap();
         let probe = fd.try_clone().unwrap();
-        let client = ClientMemory::attach(fd, bytes).unwrap();
+        let client = ClientMemory::attach(fd, bytes, words_off).unwrap();
         client.block().req_tail.store(88, Ordering::Release);
         assert_eq!(own.memory().values().req_tail, 88);
+        // Both ends see each other's job words.
+        client.words().unwrap().give_up(3, 9);
+        assert!(own.words().cancelled(3, 9));
+        own.words().release(3, 9);
+        assert!(client.words().unwrap().released(3, 9));
         let observer = ClientMemory::open_read_only(
             std::process::id(),
             own.raw_fd(),
@@ -242,9 +331,10 @@ mod tests {
 
     #[test]
     fn a_descriptor_of_the_wrong_size_is_refused() {
-        let (_own, fd) = OwnedClientMemory::create("kvring-test-size", 8192).unwrap();
+        let bytes = (PAGE + crate::job_words::REGION_BYTES) as u64;
+        let (_own, fd) = OwnedClientMemory::create("kvring-test-size", bytes, PAGE as u64).unwrap();
         assert!(matches!(
-            ClientMemory::attach(fd, 12288),
+            ClientMemory::attach(fd, bytes + 4096, PAGE as u64),
             Err(Error::Truncated { .. })
         ));
     }

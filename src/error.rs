@@ -94,6 +94,11 @@ pub enum Error {
     JobFailed(crate::jobs::FailReason),
     #[error("job table: {0}")]
     JobTable(#[from] crate::jobs::ReadError),
+    /// The client gave a job up, but one of its copies was still under way
+    /// after the give-up's bound (`client::QUIESCE_BOUND`): its blocks may
+    /// still change; do not reuse them.
+    #[error("{0} was given up while one of its copies was still under way")]
+    CopiesInFlight(crate::jobs::JobId),
 }
 
 /// kvring's result type.

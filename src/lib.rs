@@ -18,8 +18,9 @@
 //! * [`jobs`]: the job table (slots, seqlock, state machine, ids);
 //! * [`segment`]: creating, attaching and replacing the segment;
 //!   [`client_memory`]: each client session's own writable object (its
-//!   block and request ring); [`doorbell`]: the pipes clients wake the
-//!   server with;
+//!   block, request ring and job words); [`job_words`]: the words that
+//!   order an engine's GPU work after the server's copies and let a client
+//!   give a job up; [`doorbell`]: the pipes clients wake the server with;
 //! * [`wait`] and [`futex`]: spin, yield, then park (a shared futex, or the
 //!   server's doorbells), with deadlines;
 //! * [`liveness`]: locks, pidfds and start times that prove a process alive;
@@ -53,6 +54,7 @@ not_loom! {
     pub mod error;
     pub mod futex;
     pub mod inspect;
+    pub mod job_words;
     pub mod kv;
     pub mod liveness;
     pub mod proto;

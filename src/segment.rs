@@ -194,6 +194,8 @@ fn validate(name: &str, file: &File) -> Result<SegmentInfo> {
         server_clients_off: header_field_u64(&map, o!(SegmentHeader, server_clients_off)),
         server_client_stride: header_field_u64(&map, o!(SegmentHeader, server_client_stride)),
         client_memory_bytes: header_field_u64(&map, o!(SegmentHeader, client_memory_bytes)),
+        // Not in the header: follows from the geometry.
+        job_words_off: expected.job_words_off,
         jobs_off: header_field_u64(&map, o!(SegmentHeader, jobs_off)),
         job_stride: header_field_u64(&map, o!(SegmentHeader, job_stride)),
         op_stats_off: header_field_u64(&map, o!(SegmentHeader, op_stats_off)),
@@ -376,7 +378,11 @@ impl ClientSegment {
             .len(info.segment_bytes as usize)
             .map_raw_read_only(&file)
             .map_err(crate::error::io(format!("mmap {name}")))?;
-        let memory = ClientMemory::attach(memory, info.offsets.client_memory_bytes)?;
+        let memory = ClientMemory::attach(
+            memory,
+            info.offsets.client_memory_bytes,
+            info.offsets.job_words_off,
+        )?;
         Ok(ClientSegment {
             mapping: Mapping { map: ro, info },
             memory,
@@ -399,6 +405,11 @@ impl ClientSegment {
     /// This client's request ring data, writable.
     pub(crate) fn req_data_rw(&self) -> *const crate::sync::AtomicU64 {
         self.memory.req_data()
+    }
+
+    /// This session's job words (in its own memory).
+    pub(crate) fn memory(&self) -> &ClientMemory {
+        &self.memory
     }
 
     /// The doorbell that wakes the server's ring loop for this client.

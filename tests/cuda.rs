@@ -326,7 +326,7 @@ fn host_memory_engines_are_served_by_a_cuda_server_too() {
 
 #[test]
 #[ignore = "needs an NVIDIA GPU (run with --include-ignored on a GPU machine)"]
-fn the_engines_stream_waits_for_a_retrieve_through_the_published_job_event() {
+fn the_engines_stream_waits_for_a_retrieve_through_its_job_word() {
     require_gpu();
     let s = Fixture::new("cuda-published", Duration::from_secs(120), &CUDA_ARGS);
     let mut c = s.client();
@@ -351,28 +351,16 @@ fn the_engines_stream_waits_for_a_retrieve_through_the_published_job_event() {
     let mirror = CudaKvCache::new(l.clone(), CHUNK, 0, Export::Ipc).unwrap();
     mirror.fill(0).unwrap();
     let dinst = c.register_cuda(&spec("pub"), &dst).unwrap();
-    let events = kvring::client::cuda_cache::ServerEvents::open(
-        &dst,
-        &c.job_events(dst.device_uuid()).unwrap(),
-    )
-    .unwrap();
     let stream = EngineStream::new(&dst).unwrap();
-    // The engine does not wait for the job on the CPU: it learns the job
-    // event once the copies are queued, makes its stream wait for it, and
-    // queues its own read of the blocks (into a mirror) behind it.
-    let job = c
-        .retrieve(Retrieve::new(&dinst, &lease, &sb).publish_event())
-        .unwrap();
-    let k = job
-        .device_event(Instant::now() + Duration::from_secs(30))
-        .unwrap();
+    // The engine does not wait for the job on the CPU: its stream waits for
+    // the job's word on the device, and its own read of the blocks (into a
+    // mirror) is queued behind.
+    let job = c.retrieve(Retrieve::new(&dinst, &lease, &sb)).unwrap();
+    stream.wait_job(&job).unwrap();
     let early = job.status().unwrap();
-    if let Some(k) = k {
-        stream.wait_server_event(&events, k).unwrap();
-    }
     stream.copy_cache_async(&dst, &mirror).unwrap();
     stream.synchronize().unwrap();
-    eprintln!("job event {k:?}; the job read {early:?} when the engine queued its read");
+    eprintln!("the job read {early:?} when the engine queued its read");
     verify(&mirror, hashes, &sb, bpc as usize, 0, 0xa5);
     done30(job);
 }
@@ -755,4 +743,115 @@ fn a_killed_engines_gpu_memory_is_given_back() {
     let lease = c.lookup(Lookup::new(model_id("next"), 1, &hashes)).unwrap();
     assert_eq!(lease.hits(), 8);
     done30(c.retrieve(Retrieve::new(&inst, &lease, &b)).unwrap());
+}
+
+/// An engine stream ordered after a retrieve (`EngineStream::wait_job`)
+/// never waits for a server that stopped or died: the job is held Pending
+/// by the server (its copies come after an engine event recorded behind a
+/// gate), the server is SIGSTOPped, the job's deadline passes, and the
+/// client's watcher releases the stream (the job reports `Timeout`); the
+/// engine rewrites its blocks, the gate opens, the server continues: not
+/// one byte changes, and the server fails the job `Cancelled`. Then the
+/// server is SIGKILLed under a second such wait: the stream goes on within
+/// the liveness bound (`ServerGone`), and later work on it runs.
+#[test]
+#[ignore = "needs an NVIDIA GPU (run with --include-ignored on a GPU machine)"]
+fn a_stopped_or_killed_server_never_holds_the_engines_stream() {
+    require_gpu();
+    let mut s = Fixture::new("cuda-release", Duration::from_secs(120), &CUDA_ARGS);
+    let mut c = s.client();
+    let l = kv_layout(LayoutPreset::Lbnhc, 2, 1024, 128);
+    let cache = CudaKvCache::new(l.clone(), CHUNK, 0, Export::Ipc).unwrap();
+    let inst = c.register_cuda(&spec("release"), &cache).unwrap();
+    let bpc = inst.blocks_per_chunk();
+    let n = 32u32;
+    let hashes = chunk_hashes(&prompt(91, (n * CHUNK) as usize), CHUNK);
+    let b: Vec<u32> = (0..n * bpc).collect();
+    for (h, blk) in hashes.iter().zip(b.chunks(bpc as usize)) {
+        pattern::write_chunk(&cache, 0, h, blk);
+    }
+    done30(c.store(Store::new(&inst, &hashes, &b)).unwrap());
+    let stream = EngineStream::new(&cache).unwrap();
+    // The gate: a stream of its own that records the event the retrieve
+    // comes after only once the test opens it.
+    let gated = EngineStream::new(&cache).unwrap();
+    let gate = gated.host_word().unwrap();
+    let held = |c: &mut Client, timeout: Duration| {
+        let lease = c.lookup(Lookup::new(model_id("release"), 1, &hashes)).unwrap();
+        assert_eq!(lease.hits(), u64::from(n));
+        gated.wait_word(&gate, gate.get() + 1).unwrap();
+        let ev = IpcEvent::new(&cache).unwrap();
+        ev.record(&gated).unwrap();
+        let job = c
+            .retrieve(
+                Retrieve::new(&inst, &lease, &b)
+                    .after(ev.handle())
+                    .timeout(timeout),
+            )
+            .unwrap();
+        (job, ev)
+    };
+
+    // Stopped.
+    cache.fill(0xa5).unwrap();
+    let timeout = Duration::from_millis(300);
+    let (job, _ev) = held(&mut c, timeout);
+    stream.wait_job(&job).unwrap();
+    s.srv.pause();
+    let stopped = Instant::now();
+    stream.synchronize().unwrap();
+    let released = stopped.elapsed();
+    let r = job.wait(Instant::now() + Duration::from_secs(10));
+    assert!(matches!(r, Err(kvring::Error::Timeout(_))), "{r:?}");
+    assert!(released < timeout + Duration::from_secs(2), "{released:?}");
+    // The engine has its blocks back and rewrites them; then the gate
+    // opens and the server continues.
+    stream.fill_async(&cache, 0x5a).unwrap();
+    stream.synchronize().unwrap();
+    gate.set(gate.get() + 1);
+    s.srv.signal(libc::SIGCONT);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let st = loop {
+        let st = job.status().unwrap();
+        if st.is_terminal() || Instant::now() > deadline {
+            break st;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    assert_eq!(
+        st,
+        JobStatus::Failed(kvring::jobs::FailReason::Cancelled),
+        "the given-up retrieve"
+    );
+    let mut bytes = vec![0u8; cache.bytes() as usize];
+    let all = [pattern::Run {
+        alloc: 0,
+        offset: 0,
+        bytes: cache.bytes(),
+        at: 0,
+    }];
+    cache.read_runs(&all, &mut bytes);
+    let late = bytes.iter().filter(|&&x| x != 0x5a).count();
+    eprintln!(
+        "stopped server: stream released {released:?} after the stop ({timeout:?} job timeout); \
+         {late} bytes changed after the give-up"
+    );
+    assert_eq!(late, 0, "a copy landed after the give-up");
+
+    // Killed.
+    let (job, _ev) = held(&mut c, Duration::from_secs(30));
+    stream.wait_job(&job).unwrap();
+    let killed = Instant::now();
+    s.srv.kill();
+    stream.synchronize().unwrap();
+    let released = killed.elapsed();
+    let r = job.wait(Instant::now() + Duration::from_secs(10));
+    assert!(matches!(r, Err(kvring::Error::ServerGone)), "{r:?}");
+    eprintln!("killed server: stream released {released:?} after the SIGKILL");
+    assert!(released < Duration::from_secs(2), "{released:?}");
+    // Later work on the same stream runs.
+    stream.fill_async(&cache, 0x11).unwrap();
+    stream.synchronize().unwrap();
+    gate.set(gate.get() + 1);
+    s.restart(&CUDA_ARGS);
 }

@@ -21,6 +21,16 @@ use std::time::{Duration, Instant};
 /// client is. Handles keep it alive with an `Arc`, so they read the job
 /// table without borrowing the client.
 pub(crate) struct Link {
+    /// This session's job words registered with the CUDA driver (for
+    /// engine streams that wait on them), at the first such wait; declared
+    /// before `seg` so it is unregistered before the memory is unmapped.
+    #[cfg(feature = "cuda")]
+    pub words_registered: std::sync::Mutex<Option<crate::gpu::HostRegistration>>,
+    /// Which entry each STORE and RETRIEVE in flight has.
+    pub words: Arc<super::words::WordTable>,
+    /// The server process (opened at connect, its start time checked), to
+    /// prove its exit: a process that has exited copies nothing more.
+    server: Option<crate::liveness::PidFd>,
     pub conn: Conn,
     pub seg: ClientSegment,
     pub slot: u32,
@@ -55,6 +65,25 @@ impl Link {
             sleeping: &self.seg.block_rw().client_sleeping,
             doorbell: &self.server_block().client_doorbell,
         }
+    }
+
+    /// This session's job words.
+    pub fn words(&self) -> crate::job_words::Words<'_> {
+        self.seg
+            .memory()
+            .words()
+            .expect("a client's memory is mapped writable")
+    }
+
+    /// Whether the server process has exited (false when that cannot be
+    /// proven: its pid could not be opened at connect).
+    pub fn server_exited(&self) -> bool {
+        self.server.as_ref().is_some_and(|p| p.exited())
+    }
+
+    /// Whether the server is gone: its end of the connection closed.
+    pub fn server_gone(&self) -> bool {
+        self.conn.peer_closed()
     }
 
     /// `Err(ServerGone)` once the server's end of the connection closed;
@@ -173,7 +202,16 @@ pub(super) fn connect(paths: &ServerPaths, opts: &ClientOptions) -> Result<Clien
             "welcome epoch differs from the segment's".into(),
         ));
     }
+    // The pid is checked against the start time after the pidfd is open, so
+    // the pidfd is the server's, not a later process with a reused pid.
+    let server = crate::liveness::PidFd::open(info.server_pid)
+        .ok()
+        .filter(|_| crate::liveness::process_alive(info.server_pid, info.server_start_ticks));
     let link = Arc::new(Link {
+        #[cfg(feature = "cuda")]
+        words_registered: std::sync::Mutex::new(None),
+        words: Arc::new(super::words::WordTable::new()),
+        server,
         conn,
         seg,
         slot: w.slot,

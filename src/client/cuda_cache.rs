@@ -2,14 +2,15 @@
 //! memory, as an engine allocates it for kvring (all tensors in one
 //! allocation, exported either as a legacy CUDA IPC handle, `cuMemAlloc`
 //! memory, or as a VMM allocation's POSIX fd, what PyTorch's expandable
-//! segments hand out), the engine's stream, the interprocess event it
-//! records after its writes, and the server's job events opened here. Used
-//! by GPU engines written in Rust, the tests and the demo.
+//! segments hand out), the engine's stream (which can wait on the device
+//! for a job, through its job word), and the interprocess event it records
+//! after its writes. Used by GPU engines written in Rust, the tests and the
+//! demo.
 #![cfg(feature = "cuda")]
 
 use super::kv::Memory;
 use crate::device::{DeviceUuid, IpcEventHandle};
-use crate::gpu::{Context, DeviceBuffer, Event, EventKind, ExportedVmm, Stream};
+use crate::gpu::{Context, DeviceBuffer, Event, EventKind, ExportedVmm, HostRegistration, Stream};
 pub use crate::gpu::HostWord;
 use crate::kv::pattern::{KvMemory, Run};
 use crate::kv::KvLayout;
@@ -217,7 +218,8 @@ impl KvMemory for CudaKvCache {
 }
 
 /// A stream of the engine's own, for asynchronous work the server must be
-/// ordered after (through an [`IpcEvent`]).
+/// ordered after (through an [`IpcEvent`]), or that must come after a job
+/// ([`EngineStream::wait_job`]).
 pub struct EngineStream {
     /// Declared first: drained (on drop) before the gates are freed.
     stream: Stream,
@@ -225,6 +227,11 @@ pub struct EngineStream {
     /// the stream, and set to `u32::MAX` before it drains on drop, so no
     /// wait outlives them and dropping never hangs on one.
     gates: std::sync::Mutex<Vec<Arc<HostWord>>>,
+    /// Jobs this stream waited for (their connection, entry, generation):
+    /// each connection (its job words' mapping and registration) is kept
+    /// while the stream lives, and a job not released yet is given up on
+    /// drop, so dropping never hangs on one.
+    jobs: std::sync::Mutex<Vec<(Arc<super::connect::Link>, u32, u32)>>,
 }
 
 impl EngineStream {
@@ -232,6 +239,7 @@ impl EngineStream {
         Ok(EngineStream {
             stream: Stream::new(&cache.ctx)?,
             gates: Default::default(),
+            jobs: Default::default(),
         })
     }
 
@@ -273,14 +281,51 @@ impl EngineStream {
         Ok(self.stream.synchronize()?)
     }
 
-    /// Makes this stream wait (on the device) for the server's job event
-    /// `index` (the job's `progress` - 1).
-    pub fn wait_server_event(&self, events: &ServerEvents, index: u32) -> crate::Result<()> {
-        let ev = events
-            .events
-            .get(index as usize)
-            .ok_or_else(|| crate::Error::Protocol(format!("job event {index} out of range")))?;
-        Ok(self.stream.wait_event(ev)?)
+    /// Makes later work on this stream wait (on the device) until `job` (a
+    /// STORE or RETRIEVE) is over: the server releases the job's word once
+    /// every copy of it has ended (done or failed; ask the job which), and
+    /// the client library releases it itself when it gives the job up (at
+    /// its deadline, or when the server dies or stops: a watcher thread of
+    /// the client does, whatever this process's threads are doing), only
+    /// once no copy of it can touch the engine's memory any more. So the
+    /// stream never waits for a server that died or stalled beyond the
+    /// job's timeout, and never runs ahead of the copies. Keep the waits of
+    /// one process on one stream: a few streams blocked on the device stall
+    /// all of a process's GPU work.
+    pub fn wait_job(&self, job: &super::Job) -> crate::Result<()> {
+        let Some((entry, g)) = job.word() else {
+            return Err(crate::Error::InvalidArgument(
+                "only a STORE or RETRIEVE can be waited for on a stream".into(),
+            ));
+        };
+        let link = job.link();
+        let base = {
+            let mut r = link
+                .words_registered
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            if r.is_none() {
+                let (ptr, bytes) = link
+                    .seg
+                    .memory()
+                    .words_range()
+                    .expect("a client's memory is mapped writable");
+                // SAFETY: the job words are mapped readable and writable
+                // for the link's life; the registration is dropped before
+                // the mapping (field order in `Link`).
+                *r = Some(unsafe { HostRegistration::new(self.stream.context(), ptr, bytes) }?);
+            }
+            r.as_ref().expect("registered").device_ptr()?
+        };
+        let go = base + crate::job_words::Words::offset(entry, crate::job_words::GO) as u64;
+        let mut jobs = self.jobs.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: the word stays mapped and registered while this stream
+        // lives (its link is kept in `jobs`), and it is released on drop
+        // before the stream drains.
+        unsafe { self.stream.wait_value(go, g) }?;
+        jobs.push((link.clone(), entry, g));
+        link.words.watch(link, entry, g)?;
+        Ok(())
     }
 
     /// Queues copying all of `src` into `dst` (caches of equal size).
@@ -301,6 +346,17 @@ impl Drop for EngineStream {
         for w in self.gates.get_mut().unwrap_or_else(|e| e.into_inner()).iter() {
             w.set(u32::MAX);
         }
+        // Jobs still running are given up (their copies stop touching the
+        // engine's memory), which releases their words.
+        for (link, entry, g) in self.jobs.get_mut().unwrap_or_else(|e| e.into_inner()).iter() {
+            if !link.words().released(*entry, *g) {
+                link.words
+                    .give_up(link, *entry, *g, super::GaveUp::Asked);
+            }
+        }
+        // Drained here, while the links (the words' mappings) are still
+        // held: nothing on the device reads them afterwards.
+        let _ = self.stream.synchronize();
     }
 }
 
@@ -329,22 +385,5 @@ impl IpcEvent {
     /// The handle to send to the server.
     pub fn handle(&self) -> IpcEventHandle {
         self.handle
-    }
-}
-
-/// The server's job events for this engine (see `Opcode::JobEvents`),
-/// opened in the engine's context.
-pub struct ServerEvents {
-    events: Vec<Event>,
-}
-
-impl ServerEvents {
-    /// Opens the handles a `Client::job_events` call returned.
-    pub fn open(cache: &CudaKvCache, handles: &[IpcEventHandle]) -> crate::Result<ServerEvents> {
-        let events = handles
-            .iter()
-            .map(|h| Event::open_ipc(&cache.ctx, h))
-            .collect::<Result<_, _>>()?;
-        Ok(ServerEvents { events })
     }
 }

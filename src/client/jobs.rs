@@ -4,6 +4,7 @@
 //! jobs a handle no longer owns.
 
 use super::connect::Link;
+use super::words::GaveUp;
 use super::{Client, Release, Releases};
 use crate::error::{Error, Result};
 use crate::jobs::{FailReason, JobId, JobInfo, JobResult, JobStatus};
@@ -61,6 +62,8 @@ pub struct Job {
     link: Arc<Link>,
     releases: Arc<Releases>,
     detached: bool,
+    /// A STORE's or RETRIEVE's entry and generation in the job words.
+    word: Option<(u32, u32)>,
 }
 
 impl std::fmt::Debug for Job {
@@ -76,6 +79,41 @@ impl Job {
             link,
             releases,
             detached: false,
+            word: None,
+        }
+    }
+
+    /// A STORE or RETRIEVE, with its entry and generation in the job words.
+    pub(super) fn with_word(mut self, entry: u32, generation: u32) -> Job {
+        self.word = Some((entry, generation));
+        self
+    }
+
+    /// Its entry and generation in the job words (a STORE or RETRIEVE).
+    pub(crate) fn word(&self) -> Option<(u32, u32)> {
+        self.word
+    }
+
+    pub(crate) fn link(&self) -> &Arc<Link> {
+        &self.link
+    }
+
+    /// Gives the job up now (a STORE or RETRIEVE; other jobs are left as
+    /// they are): no copy of it starts afterwards, one under way is waited
+    /// for (at most `QUIESCE_BOUND`), streams waiting for it go on, and a
+    /// store does not commit. Its blocks are the engine's again once this
+    /// returns `Ok` (`Error::CopiesInFlight`: a copy was still under way at
+    /// the bound). A job that already ended is not changed.
+    pub fn give_up(&self) -> Result<()> {
+        let Some((e, g)) = self.word else {
+            return Ok(());
+        };
+        if status(&self.link, self.id).is_ok_and(|s| s.is_terminal()) {
+            return Ok(());
+        }
+        match self.link.words.give_up(&self.link, e, g, GaveUp::Asked) {
+            Some(u) if !u.quiet => Err(Error::CopiesInFlight(self.id)),
+            _ => Ok(()),
         }
     }
 
@@ -108,53 +146,39 @@ impl Job {
     /// `Error::Timeout` (the time waited) at the deadline,
     /// `Error::ServerGone` as soon as the server's end of the connection
     /// closes, and `Error::ClientClosed` when the handle outlived its client.
+    ///
+    /// A STORE or RETRIEVE is given up at its own deadline (see
+    /// `Store::timeout`) or when the server is gone, before this returns
+    /// (`Timeout` or `ServerGone`): no copy of it touches the engine's
+    /// memory afterwards. A wait whose deadline comes first returns
+    /// `Timeout` with the job still running.
     pub fn wait(&self, deadline: Instant) -> Result<JobStatus> {
-        wait_job(&self.link, self.id, deadline)
-    }
-
-    /// The job event that covers this job's device copies, once they are all
-    /// queued (a retrieve built with `Retrieve::publish_event`): `Some(index)`
-    /// of the event in `Client::job_events` for the stream to wait on, `None`
-    /// when the job already finished (nothing to wait for). A shared-memory
-    /// poll; ends with `Error::JobFailed` if the job fails, and
-    /// `Error::Timeout` (the time waited) at the deadline.
-    pub fn device_event(&self, deadline: Instant) -> Result<Option<u32>> {
-        let start = Instant::now();
-        let mut pause = Duration::from_micros(50);
-        loop {
-            let info = self
-                .info()?
-                .ok_or_else(|| Error::Protocol(format!("{} is not in the job table", self.id)))?;
-            if info.progress > 0 {
-                return Ok(Some((info.progress - 1) as u32));
-            }
-            match info.status {
-                JobStatus::Done(_) | JobStatus::Tombstoned(Ok(_)) => return Ok(None),
-                JobStatus::Failed(r) | JobStatus::Tombstoned(Err(r)) => {
-                    return Err(Error::JobFailed(r))
+        let Some((e, g)) = self.word else {
+            return wait_job(&self.link, self.id, deadline);
+        };
+        let words = &self.link.words;
+        if let Some(u) = words.given_up(e, g) {
+            return Err(u.error(self.id));
+        }
+        let own = words.deadline(e, g);
+        let until = own.map_or(deadline, |d| d.min(deadline));
+        let why = match wait_job(&self.link, self.id, until) {
+            Ok(st) => {
+                // A job given up meanwhile reports why it was.
+                if let Some(u) = words.given_up(e, g) {
+                    return Err(u.error(self.id));
                 }
-                s if s.is_terminal() => {
-                    return Err(Error::Protocol(format!("{} ended {s:?}", self.id)))
-                }
-                _ => {}
+                words.ended(e, g);
+                return Ok(st);
             }
-            let now = Instant::now();
-            if now > deadline {
-                return Err(Error::Timeout(start.elapsed()));
-            }
-            self.link.check_alive()?;
-            // The copies are being queued (usually microseconds): spin, then
-            // yield, then sleep with a backoff up to 1 ms rather than keep a
-            // core spinning until the deadline.
-            let waited = now - start;
-            if waited < Duration::from_micros(50) {
-                std::hint::spin_loop();
-            } else if waited < Duration::from_micros(250) {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(pause.min(deadline - now));
-                pause = (pause * 2).min(Duration::from_millis(1));
-            }
+            Err(Error::ServerGone) => GaveUp::ServerGone,
+            Err(Error::Timeout(d)) if own.is_some_and(|o| o <= deadline) => GaveUp::Deadline(d),
+            Err(other) => return Err(other),
+        };
+        match words.give_up(&self.link, e, g, why) {
+            Some(u) => Err(u.error(self.id)),
+            // Ended meanwhile (its entry is free again).
+            None => wait_job(&self.link, self.id, deadline),
         }
     }
 

@@ -17,6 +17,7 @@ use crate::proto::kv::{
 use crate::proto::{BootKind, Opcode, BOOT_MAGIC};
 use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::Arc;
+use std::time::Duration;
 
 /// Who registers a KV cache: the model, the tensor-parallel world and this
 /// worker's rank in it, and (optionally) the GPU the worker runs on.
@@ -360,7 +361,12 @@ pub struct Store<'a> {
     blocks: &'a [u32],
     salt: u64,
     after: Option<IpcEventHandle>,
+    timeout: Duration,
 }
+
+/// How long a STORE or RETRIEVE may run before its client gives it up
+/// (see [`Store::timeout`]).
+pub const DEFAULT_JOB_TIMEOUT: Duration = Duration::from_secs(60);
 
 impl<'a> Store<'a> {
     pub fn new(reg: &'a Registration, hashes: &'a [ChunkHash], blocks: &'a [u32]) -> Store<'a> {
@@ -370,7 +376,18 @@ impl<'a> Store<'a> {
             blocks,
             salt: 0,
             after: None,
+            timeout: DEFAULT_JOB_TIMEOUT,
         }
+    }
+
+    /// How long the job may run (default [`DEFAULT_JOB_TIMEOUT`]): past it
+    /// the client gives it up (when a wait on it or a stream ordered after
+    /// it sees the deadline pass): no copy starts afterwards, one under way
+    /// is waited for, the store does not commit, and the wait reports
+    /// `Timeout`; the blocks are the engine's again.
+    pub fn timeout(mut self, t: Duration) -> Self {
+        self.timeout = t;
+        self
     }
 
     /// The cache salt (`kv::salt_id`) to store the chunks under.
@@ -457,7 +474,7 @@ pub struct Retrieve<'a> {
     first_chunk: u32,
     skip_tokens: u32,
     after: Option<IpcEventHandle>,
-    publish_event: bool,
+    timeout: Duration,
 }
 
 impl<'a> Retrieve<'a> {
@@ -473,8 +490,15 @@ impl<'a> Retrieve<'a> {
             first_chunk: 0,
             skip_tokens: 0,
             after: None,
-            publish_event: false,
+            timeout: DEFAULT_JOB_TIMEOUT,
         }
+    }
+
+    /// How long the job may run before its client gives it up (as
+    /// [`Store::timeout`]): no copy lands in the blocks afterwards.
+    pub fn timeout(mut self, t: Duration) -> Self {
+        self.timeout = t;
+        self
     }
 
     /// The first chunk of the lease to copy (default 0).
@@ -494,13 +518,6 @@ impl<'a> Retrieve<'a> {
     /// [`Store::after`]).
     pub fn after(mut self, event: IpcEventHandle) -> Self {
         self.after = Some(event);
-        self
-    }
-
-    /// The server publishes a job event covering the copies (device memory,
-    /// CUDA backend): see [`Job::device_event`].
-    pub fn publish_event(mut self) -> Self {
-        self.publish_event = true;
         self
     }
 }
@@ -710,19 +727,48 @@ impl Client {
             } else {
                 0
             },
+            word: 0,
+            generation: 0,
             _reserved: 0,
             event: req.after.map_or([0; 64], IpcEventHandle::to_bytes),
         };
-        self.submit_job(
-            Opcode::Store,
-            &payload(
+        self.submit_copy_job(Opcode::Store, req.timeout, |word, generation| {
+            let h = StoreRequest {
+                word,
+                generation,
+                ..h
+            };
+            payload(
                 &h,
                 &[
                     req.hashes.concat().as_slice(),
                     bytemuck::cast_slice(req.blocks),
                 ],
-            ),
-        )
+            )
+        })
+    }
+
+    /// Submits a STORE or RETRIEVE with an entry of the job words (its
+    /// payload made by `build` for that entry and generation).
+    fn submit_copy_job(
+        &mut self,
+        op: Opcode,
+        timeout: Duration,
+        build: impl FnOnce(u32, u32) -> Vec<u8>,
+    ) -> Result<Job> {
+        let (entry, g) = self.link.words.take(&self.link, timeout)?;
+        match self.submit_job(op, &build(entry, g)) {
+            Ok(job) => {
+                self.link.words.bind(entry, job.id());
+                Ok(job.with_word(entry, g))
+            }
+            Err(e) => {
+                // Refused (or never answered: a server gone copies
+                // nothing more once it exited).
+                self.link.words.put_back(entry);
+                Err(e)
+            }
+        }
     }
 
     /// RETRIEVE: a job copying chunks of a lease into blocks (see
@@ -737,7 +783,6 @@ impl Client {
         }
         let mut flags = KvFlags::empty();
         flags.set(KvFlags::EVENT, req.after.is_some());
-        flags.set(KvFlags::PUBLISH_EVENT, req.publish_event);
         let h = RetrieveRequest {
             lease: req.lease.job(),
             instance: self.server_instance(req.reg)?,
@@ -745,25 +790,19 @@ impl Client {
             n_chunks: (req.blocks.len() / bpc) as u32,
             skip_tokens: req.skip_tokens,
             flags: flags.bits(),
+            word: 0,
+            generation: 0,
             _reserved: 0,
             event: req.after.map_or([0; 64], IpcEventHandle::to_bytes),
         };
-        self.submit_job(
-            Opcode::Retrieve,
-            &payload(&h, &[bytemuck::cast_slice(req.blocks)]),
-        )
-    }
-
-    /// The handles of this client's job events on device `uuid` (open them
-    /// with `kvring::client::cuda_cache::ServerEvents`).
-    pub fn job_events(&mut self, uuid: DeviceUuid) -> Result<Vec<IpcEventHandle>> {
-        let r = self.call_now(Opcode::JobEvents, uuid.as_bytes())?;
-        if r.len() != crate::proto::kv::JOB_EVENTS * 64 {
-            return Err(Error::Protocol(format!("{} bytes of job events", r.len())));
-        }
-        Ok(r.chunks_exact(64)
-            .map(|c| IpcEventHandle::from_bytes(c.try_into().expect("64 bytes")))
-            .collect())
+        self.submit_copy_job(Opcode::Retrieve, req.timeout, |word, generation| {
+            let h = RetrieveRequest {
+                word,
+                generation,
+                ..h
+            };
+            payload(&h, &[bytemuck::cast_slice(req.blocks)])
+        })
     }
 }
 

@@ -37,12 +37,14 @@ mod jobs;
 mod kv;
 mod lease;
 mod reconnect;
+mod words;
 
 pub use channel::{Completion, RawChannel};
 pub use host_cache::HostKvCache;
 pub use jobs::{DelayJob, Job, ToRelease};
 pub use kv::{KvSpec, Memory, Registration, Retrieve, Store};
 pub use lease::{Lease, LeaseId, Lookup};
+pub use words::{GaveUp, QUIESCE_BOUND};
 
 use crate::error::{Error, Result};
 use crate::jobs::JobId;

@@ -30,6 +30,14 @@ pub struct KvCopyArgs {
     pub row_bytes: u64,
     pub width: [u64; 2],
     pub row_offset: [u64; 2],
+    /// Device addresses of the job's `entered[worker]` and `cancel` words
+    /// ([`crate::job_words`]; 0: none): each CTA stores `seq` into the
+    /// first, then reads the second and copies nothing if it has reached
+    /// `generation`.
+    pub entered: u64,
+    pub cancel: u64,
+    pub seq: u32,
+    pub generation: u32,
 }
 
 impl KvCopyArgs {
@@ -59,6 +67,10 @@ impl KvCopyArgs {
             row_bytes: plan.row_bytes,
             width: plan.width,
             row_offset: plan.row_offset,
+            entered: 0,
+            cancel: 0,
+            seq: 0,
+            generation: 0,
         }
     }
 }

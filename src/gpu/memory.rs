@@ -228,6 +228,19 @@ impl HostRegistration {
     pub fn bytes(&self) -> usize {
         self.bytes
     }
+
+    /// The range's device address (the same in every context).
+    pub fn device_ptr(&self) -> Result<u64, CudaError> {
+        self.ctx.bind()?;
+        let mut dev = 0u64;
+        check(
+            // SAFETY: the range is registered device-mapped; `dev` is a
+            // valid out-pointer.
+            unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, self.ptr as *mut c_void, 0) },
+            "cuMemHostGetDevicePointer",
+        )?;
+        Ok(dev)
+    }
 }
 
 impl Drop for HostRegistration {

@@ -77,6 +77,19 @@ impl Stream {
     /// `word` must stay allocated until the stream has passed the wait (set
     /// it, then synchronize, before dropping it).
     pub unsafe fn wait_word(&self, word: &HostWord, at_least: u32) -> Result<(), CudaError> {
+        // SAFETY: the caller's contract, for the word's device address.
+        unsafe { self.wait_value(word.device_ptr(), at_least) }
+    }
+
+    /// Makes later work on this stream wait (on the device) until the word
+    /// at device address `word` holds at least `at_least`, compared
+    /// cyclically (`cuStreamWaitValue32`, GEQ).
+    ///
+    /// # Safety
+    /// `word` must be the device address of 4 bytes of device-mapped host
+    /// memory that stay mapped and registered until the stream has passed
+    /// the wait, and some party this process trusts must be able to set it.
+    pub unsafe fn wait_value(&self, word: u64, at_least: u32) -> Result<(), CudaError> {
         self.ctx.bind()?;
         check(
             // SAFETY: a live stream; the word's device address stays valid
@@ -84,12 +97,36 @@ impl Stream {
             unsafe {
                 sys::cuStreamWaitValue32_v2(
                     self.stream,
-                    word.device_ptr(),
+                    word,
                     at_least,
                     sys::CUstreamWaitValue_flags_enum::CU_STREAM_WAIT_VALUE_GEQ as u32,
                 )
             },
             "cuStreamWaitValue32",
+        )
+    }
+
+    /// Queues writing `value` to the word at device address `word`, after
+    /// the work queued before it (`cuStreamWriteValue32`, with the default
+    /// memory barrier: the earlier work's writes are visible first).
+    ///
+    /// # Safety
+    /// `word` must be the device address of 4 bytes of device-mapped host
+    /// (or device) memory that stay mapped until the write has run.
+    pub unsafe fn write_value(&self, word: u64, value: u32) -> Result<(), CudaError> {
+        self.ctx.bind()?;
+        check(
+            // SAFETY: a live stream; the address stays valid until the
+            // write has run (the caller's contract).
+            unsafe {
+                sys::cuStreamWriteValue32_v2(
+                    self.stream,
+                    word,
+                    value,
+                    sys::CUstreamWriteValue_flags_enum::CU_STREAM_WRITE_VALUE_DEFAULT as u32,
+                )
+            },
+            "cuStreamWriteValue32",
         )
     }
 

@@ -157,6 +157,9 @@ wire_enum! {
         /// complete within the server's engine-event timeout (chunks not
         /// copied by then never are).
         EngineEventTimeout = 5 => "engine_event_timeout",
+        /// Its client gave it up (its `cancel` job word): what was not
+        /// copied by then never is, and a store does not commit.
+        Cancelled = 6 => "cancelled",
     }
 }
 
@@ -170,6 +173,7 @@ impl std::fmt::Display for FailReason {
             FailReason::EngineEventTimeout => {
                 write!(f, "the engine's event did not complete in time")
             }
+            FailReason::Cancelled => write!(f, "given up by its client"),
             FailReason::Other(c) => write!(f, "failure code {c}"),
         }
     }

@@ -28,13 +28,18 @@ shm_struct! {
         [0] pub instance: u32,
         [4] pub n_chunks: u32,
         [8] pub salt: u64,
-        /// Bit 0: `event` holds a CUDA IPC event the engine recorded after
-        /// writing the blocks; the server queues the copies once it sees
-        /// the event complete (polled from the host), or fails the job
-        /// `EngineEventTimeout` at its deadline.
+        /// [`KvFlags`].
         [16] pub flags: u32,
-        [20] pub _reserved: u32,
-        [24] pub event: [u8; 64],
+        /// The job's entry in the caller's job words (below `JOB_WORDS`).
+        [20] pub word: u32,
+        /// The job's generation in that entry ([`crate::job_words`]).
+        [24] pub generation: u32,
+        [28] pub _reserved: u32,
+        /// With `KvFlags::EVENT`: the CUDA IPC event the engine recorded
+        /// after writing the blocks; the server queues the copies once it
+        /// sees the event complete (polled from the host), or fails the job
+        /// `EngineEventTimeout` at its deadline.
+        [32] pub event: [u8; 64],
     }
 }
 
@@ -45,17 +50,8 @@ bitflags::bitflags! {
     pub struct KvFlags: u32 {
         /// `event` is set.
         const EVENT = 1;
-        /// Once every chunk's copy is queued on the device, the server
-        /// records one of the caller's job events (see `Opcode::JobEvents`)
-        /// after them all and publishes its index plus one in the job's
-        /// `progress`, so the engine's stream can wait for the copies on the
-        /// device (CUDA backend, device-memory instances).
-        const PUBLISH_EVENT = 2;
     }
 }
-
-/// Job events per client and device.
-pub const JOB_EVENTS: usize = 32;
 
 shm_struct! {
     /// RETRIEVE: `n_chunks * blocks_per_chunk` block ids (u32) follow. Chunks
@@ -68,11 +64,17 @@ shm_struct! {
         [20] pub first_chunk: u32,
         [24] pub n_chunks: u32,
         [28] pub skip_tokens: u32,
-        /// Bit 0: `event` holds a CUDA IPC event the engine recorded after it
-        /// stopped using the blocks; the server's copies wait for it.
+        /// [`KvFlags`].
         [32] pub flags: u32,
-        [36] pub _reserved: u32,
-        [40] pub event: [u8; 64],
+        /// The job's entry in the caller's job words (below `JOB_WORDS`).
+        [36] pub word: u32,
+        /// The job's generation in that entry ([`crate::job_words`]).
+        [40] pub generation: u32,
+        [44] pub _reserved: u32,
+        /// With `KvFlags::EVENT`: the CUDA IPC event the engine recorded
+        /// after it stopped using the blocks; the server's copies come
+        /// after it (polled from the host).
+        [48] pub event: [u8; 64],
     }
 }
 
@@ -336,8 +338,8 @@ shm_struct! {
 
 const _: () = {
     assert!(size_of::<LookupRequest>() == 24);
-    assert!(size_of::<StoreRequest>() == 88);
-    assert!(size_of::<RetrieveRequest>() == 104);
+    assert!(size_of::<StoreRequest>() == 96);
+    assert!(size_of::<RetrieveRequest>() == 112);
     assert!(size_of::<KvAllocation>() == 88);
     assert!(size_of::<MemoryPiece>() == 24);
     assert!(size_of::<FreeLocksRequest>() == 24);

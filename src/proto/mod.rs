@@ -13,7 +13,7 @@ use bytemuck::{Pod, Zeroable};
 use std::mem::size_of;
 
 /// Protocol version spoken over the bootstrap socket and the rings.
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 /// `"KVRBOOT1"`: first word of every bootstrap message.
 pub const BOOT_MAGIC: u64 = u64::from_le_bytes(*b"KVRBOOT1");
 
@@ -52,9 +52,6 @@ wire_enum! {
         Stats = 16 => "stats", OpSpec::reply(Reply::Fixed(size_of::<kv::StatsReply>()));
         /// The server's configuration ([`kv::ConfigReply`]).
         GetConfig = 17 => "get_config", OpSpec::reply(Reply::Fixed(size_of::<kv::ConfigReply>()));
-        /// The caller's job events on a device (payload: the device UUID, 16
-        /// bytes): `kv::JOB_EVENTS` CUDA IPC event handles of 64 bytes.
-        JobEvents = 18 => "job_events", OpSpec::reply(Reply::Fixed(kv::JOB_EVENTS * 64));
     }
 }
 

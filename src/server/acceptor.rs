@@ -128,6 +128,7 @@ impl<'a> Acceptor<'a> {
         let made = OwnedClientMemory::create(
             &crate::client_memory::name(&info.name, slot, session),
             info.offsets.client_memory_bytes,
+            info.offsets.job_words_off,
         )
         .and_then(|(mem, fd)| Ok((mem, fd, Doorbell::pair()?)));
         let (memory, memory_fd, (client_bell, doorbell)) = match made {

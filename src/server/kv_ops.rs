@@ -6,7 +6,7 @@
 use super::cache::{Cache, LeaseError, LeaseMeta, ObjectKey};
 use super::pool::PoolMemory;
 use super::registry::{Registration, Registry};
-use super::transfer::{BackendKind, Copier, Dir, EngineEvent, JobRun, Task};
+use super::transfer::{BackendKind, Copier, Dir, EngineEvent, JobRun, JobWord, Task};
 use super::Shared;
 use crate::jobs::{JobId, JobKind, JobResult, NewJob};
 use crate::kv::ChunkHash;
@@ -264,13 +264,8 @@ pub fn lookup(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
     id_reply(id)
 }
 
-/// The request's engine event (if it names one the backend can wait for)
-/// and whether it asks for a job event.
-fn request_event(
-    kv: &KvState,
-    flags: u32,
-    event: [u8; 64],
-) -> Result<(Option<[u8; 64]>, bool), Status> {
+/// The request's engine event, if it names one the backend can wait for.
+fn request_event(kv: &KvState, flags: u32, event: [u8; 64]) -> Result<Option<[u8; 64]>, Status> {
     use crate::proto::kv::KvFlags;
     let Some(flags) = KvFlags::from_bits(flags) else {
         return Err(Status::InvalidArgument);
@@ -279,41 +274,44 @@ fn request_event(
     if !flags.is_empty() && kv.copier.backend.kind() != BackendKind::Cuda {
         return Err(Status::InvalidArgument);
     }
-    Ok((
-        flags.contains(KvFlags::EVENT).then_some(event),
-        flags.contains(KvFlags::PUBLISH_EVENT),
-    ))
+    Ok(flags.contains(KvFlags::EVENT).then_some(event))
 }
 
-/// An instance, the engine event to wait for, and whether to publish a job
-/// event.
-type CallerInstance = (Arc<Registration>, Option<[u8; 64]>, bool);
+/// An instance, the engine event to wait for, and the job's word.
+type CallerInstance = (Arc<Registration>, Option<[u8; 64]>, JobWord);
 
-/// The caller's instance `id`, with the request's engine event and whether
-/// it asks for a job event (which only device memory can give).
+/// The caller's instance `id`, with the request's engine event and the
+/// job's entry in the caller's job words.
 fn caller_instance(
-    kv: &KvState,
+    shared: &Shared,
     who: Caller,
     id: u32,
     flags: u32,
     event: [u8; 64],
+    (entry, generation): (u32, u32),
 ) -> Result<CallerInstance, Status> {
-    let (event, publish) = request_event(kv, flags, event)?;
+    let kv = &shared.kv;
+    let event = request_event(kv, flags, event)?;
+    if entry >= crate::job_words::JOB_WORDS {
+        return Err(Status::InvalidArgument);
+    }
     let inst = kv
         .registry()
         .get(who.slot, who.session, id)
         .ok_or(Status::UnknownInstance)?;
-    if publish && inst.device.is_none() {
-        return Err(Status::InvalidArgument);
-    }
-    Ok((inst, event, publish))
-}
-
-/// JOB_EVENTS: the caller's job event handles on a device.
-pub fn job_events(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
-    let uuid: [u8; 16] = req.try_into().map_err(|_| Status::BadLength)?;
-    let handles = shared.kv.copier.backend.job_events(who.slot, &uuid)?;
-    Ok(handles.concat())
+    // The session's memory: present while its requests are served.
+    let memory = shared
+        .client_memory_of(who.slot)
+        .ok_or(Status::InvalidArgument)?;
+    Ok((
+        inst,
+        event,
+        JobWord {
+            memory,
+            entry,
+            generation,
+        },
+    ))
 }
 
 /// Checks block ids against the instance's cache; splits them per chunk.
@@ -337,7 +335,8 @@ fn blocks_per_chunk(
 pub fn store(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
     let kv = &shared.kv;
     let (h, rest) = split_header::<StoreRequest>(req).ok_or(Status::BadLength)?;
-    let (inst, event, publish) = caller_instance(kv, who, h.instance, h.flags, h.event)?;
+    let word = (h.word, h.generation);
+    let (inst, event, word) = caller_instance(shared, who, h.instance, h.flags, h.event, word)?;
     let n = h.n_chunks;
     let hash_bytes = (n as usize)
         .checked_mul(16)
@@ -362,11 +361,13 @@ pub fn store(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
     let value = u64::from(plan.present) + plan.write.len() as u64;
     let aux = u64::from(plan.no_space);
     if plan.write.is_empty() {
-        if shared
+        let ended = shared
             .jobs
             .finish(id, JobResult { value, aux }, monotonic_ns())
-            .is_ok()
-        {
+            .is_ok();
+        // Nothing to copy: streams waiting for the job go on at once.
+        word.release();
+        if ended {
             shared.job_ended(who.slot, id, true);
         }
         return id_reply(id);
@@ -382,7 +383,7 @@ pub fn store(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
         aux,
         plan.write.len() as u32,
         event.map(|h| EngineEvent::new(h, kv.engine_event_timeout)),
-        publish,
+        word,
     );
     let tasks = plan
         .write
@@ -403,7 +404,8 @@ pub fn store(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
 pub fn retrieve(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
     let kv = &shared.kv;
     let (h, rest) = split_header::<RetrieveRequest>(req).ok_or(Status::BadLength)?;
-    let (inst, event, publish) = caller_instance(kv, who, h.instance, h.flags, h.event)?;
+    let word = (h.word, h.generation);
+    let (inst, event, word) = caller_instance(shared, who, h.instance, h.flags, h.event, word)?;
     let bpc = inst.layout.blocks_per_chunk(kv.chunk_tokens);
     let blocks = blocks_per_chunk(rest, h.n_chunks, bpc, inst.layout.geometry().blocks)?;
     // Every destination block once: concurrent chunk copies never write the
@@ -459,7 +461,7 @@ pub fn retrieve(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
         0,
         objs.len() as u32,
         event.map(|h| EngineEvent::new(h, kv.engine_event_timeout)),
-        publish,
+        word,
     );
     for (i, &(_, off)) in objs.iter().enumerate() {
         let skip = skip_blocks.min(bpc);

@@ -181,7 +181,7 @@ pub enum KvConfigError {
     PoolBytes(u64),
     #[error("CUDA depth {0}: must be 1..=8")]
     CudaDepth(u32),
-    #[error("{0} copy threads: must be 1..=256")]
+    #[error("{0} copy threads: must be 1..=32 (per copy lane)")]
     CopyThreads(u32),
     #[error("max request of {0} bytes: must be 4096..=1073741824")]
     MaxRequestBytes(u32),
@@ -206,7 +206,7 @@ impl KvConfig {
         if let Some(d) = self.cuda_depth.filter(|&d| d == 0 || d > 8) {
             return Err(KvConfigError::CudaDepth(d));
         }
-        if let Some(n) = self.copy_threads.filter(|&n| n == 0 || n > 256) {
+        if let Some(n) = self.copy_threads.filter(|&n| n == 0 || n > crate::job_words::WORD_WORKERS) {
             return Err(KvConfigError::CopyThreads(n));
         }
         if self.max_request_bytes < 4096 || self.max_request_bytes > 1 << 30 {
@@ -307,6 +307,15 @@ impl Shared {
 
     fn wake_ring_loop(&self) {
         self.ring_bell.ring();
+    }
+
+    /// The memory of the session attached at `slot`, if one is.
+    pub(crate) fn client_memory_of(&self, slot: u32) -> Option<Arc<OwnedClientMemory>> {
+        self.client_memory
+            .get(slot as usize)?
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Wakes client `slot` if it is parked (a job of its ended).
@@ -597,7 +606,7 @@ pub fn start(cfg: ServerConfig) -> Result<ServerHandle> {
             workers.push(
                 std::thread::Builder::new()
                     .name(format!("kvring-copy-{lane}.{i}"))
-                    .spawn(move || transfer::run(&shared, lane))
+                    .spawn(move || transfer::run(&shared, lane, i))
                     .map_err(crate::error::io("spawn copy worker"))?,
             );
         }

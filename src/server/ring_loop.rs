@@ -200,7 +200,6 @@ fn execute<'b>(
         Some(Opcode::Clear) => kv_ops::clear(shared, req).into(),
         Some(Opcode::Stats) => kv_ops::stats(shared, req).into(),
         Some(Opcode::GetConfig) => kv_ops::config(shared, req).into(),
-        Some(Opcode::JobEvents) => kv_ops::job_events(shared, who, req).into(),
         None => Reply::err(Status::UnknownOpcode),
     }
 }

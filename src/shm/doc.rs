@@ -22,7 +22,20 @@ pub fn field_tables() -> Vec<(&'static str, Vec<FieldRow>)> {
     };
     use crate::proto::{DelayJobRequest, Goodbye, Hello, Welcome};
     use crate::ring::FrameHeader;
+    use crate::job_words as w;
+    let words = w::WORD_WORKERS as usize * 4;
     vec![
+        (
+            "JobWordsEntry",
+            vec![
+                ("go", w::GO, 4),
+                ("cancel", w::CANCEL, 4),
+                ("_reserved", w::CANCEL + 4, w::ENTERED - w::CANCEL - 4),
+                ("entered[32]", w::ENTERED, words),
+                ("done[32]", w::DONE, words),
+                ("(padding)", w::DONE + words, w::ENTRY_BYTES - w::DONE - words),
+            ],
+        ),
         rows::<SegmentHeader>(),
         rows::<ServerClientBlock>(),
         rows::<ClientBlock>(),

@@ -32,7 +32,7 @@ pub const LINE: usize = 128;
 /// `"KVRINGSG"` as a little-endian u64.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"KVRINGSG");
 /// Version of this layout. Any change to a table in `shm_layout.md` bumps it.
-pub const LAYOUT_VERSION: u32 = 4;
+pub const LAYOUT_VERSION: u32 = 5;
 
 shm_struct! {
     /// Segment header, at offset 0. Written by the server only.
@@ -74,7 +74,7 @@ shm_struct! {
         /// Identity: stride of server-written client blocks.
         [88] pub server_client_stride: AtomicU64,
         /// Identity: bytes of each client's own memory object (its
-        /// [`ClientBlock`] page and its request ring's data).
+        /// [`ClientBlock`] page, its request ring's data and its job words).
         [96] pub client_memory_bytes: AtomicU64,
         /// Identity: offset of the job table.
         [104] pub jobs_off: AtomicU64,
@@ -288,6 +288,8 @@ pub struct Offsets {
     pub server_client_stride: u64,
     /// Bytes of each client's own memory object (not part of the segment).
     pub client_memory_bytes: u64,
+    /// Offset of the job words ([`crate::job_words`]) in a client's memory.
+    pub job_words_off: u64,
     pub jobs_off: u64,
     pub job_stride: u64,
     pub op_stats_off: u64,
@@ -337,7 +339,8 @@ impl Geometry {
         let n = u64::from(self.max_clients);
         let server_clients_off = page;
         let server_client_stride = page + u64::from(self.cq_ring_bytes);
-        let client_memory_bytes = page + u64::from(self.req_ring_bytes);
+        let job_words_off = round_up(page + u64::from(self.req_ring_bytes), page);
+        let client_memory_bytes = job_words_off + crate::job_words::REGION_BYTES as u64;
         let jobs_off = server_clients_off + n * server_client_stride;
         let job_stride = JOB_STRIDE as u64;
         let op_stats_off = round_up(jobs_off + u64::from(self.job_slots) * job_stride, page);
@@ -346,6 +349,7 @@ impl Geometry {
             server_clients_off,
             server_client_stride,
             client_memory_bytes,
+            job_words_off,
             jobs_off,
             job_stride,
             op_stats_off,

@@ -1,9 +1,8 @@
 //! What the lanes and workers need from a copy backend: the [`Backend`]
 //! (one per server) and the [`CopyExecutor`] it gives each worker.
 
-use crate::proto::Status;
+use super::job::JobWord;
 use crate::server::registry::{DeviceOpener, Registration};
-use std::sync::atomic::AtomicU32;
 use std::time::Duration;
 
 /// Which way a copy goes.
@@ -24,16 +23,20 @@ pub struct ChunkCopy<'a> {
     pub skip_blocks: u32,
     pub object: *mut u8,
     pub dir: Dir,
-    /// Publish a job event once every chunk of the job is queued.
-    pub publish: Option<Publish<'a>>,
+    /// Where the copy reports itself in its job's words.
+    pub word: CopyWord<'a>,
 }
 
-/// A job that publishes a job event: which client's events, how many chunks
-/// are still to be queued, and how to publish the event's index + 1.
-pub struct Publish<'a> {
-    pub owner_slot: u32,
-    pub chunks_left: &'a AtomicU32,
-    pub publish_progress: &'a dyn Fn(u64),
+/// A copy's place in its job's words ([`crate::job_words`]): before it
+/// touches the engine's memory it stores `seq` into the job's
+/// `entered[worker]` and reads `cancel` (copying nothing if the job was
+/// given up), and `done[worker]` becomes `seq` once it no longer can.
+pub struct CopyWord<'a> {
+    pub job: &'a JobWord,
+    /// The copy worker's index in its lane (below `WORD_WORKERS`).
+    pub worker: u32,
+    /// This copy's number among the worker's copies (never 0).
+    pub seq: u32,
 }
 
 pub use crate::proto::kv::BackendKind;
@@ -96,10 +99,6 @@ pub trait Backend: DeviceOpener + Send + Sync {
     fn kind(&self) -> BackendKind;
     /// A copy executor for one worker thread (its streams, staging buffers).
     fn executor(&self) -> Result<Box<dyn CopyExecutor>, CopyError>;
-    /// The handles of client `slot`'s job events on device `uuid`.
-    fn job_events(&self, _slot: u32, _uuid: &[u8; 16]) -> Result<Vec<[u8; 64]>, Status> {
-        Err(Status::InvalidArgument)
-    }
     /// Client `slot` left: drop what the backend keeps for it.
     fn client_gone(&self, _slot: u32) {}
     /// The UUIDs of the devices this backend copies with (one copy lane

@@ -79,11 +79,27 @@ pub(super) struct RunBuffers([Vec<(*mut u8, *const u8)>; 2]);
 ///
 /// [`CopyPlan`]: crate::kv::CopyPlan
 pub(super) fn host_copy(c: &ChunkCopy<'_>, runs: &mut RunBuffers) -> Result<u64, CopyError> {
-    let inst = c.inst;
     // Device memory has no host mapping.
-    if inst.host.is_empty() {
+    if c.inst.host.is_empty() {
         return Err(CopyError::NotHostMemory);
     }
+    let w = &c.word;
+    let words = w.job.words();
+    let (entry, g) = (w.job.entry, w.job.generation);
+    // Entered before `cancel` is read: a client that gives the job up
+    // either stops this copy or sees it under way and waits for `leave`.
+    let r = if words.enter(entry, g, w.worker, w.seq) {
+        copy_runs(c, runs)
+    } else {
+        Ok(0)
+    };
+    words.leave(entry, w.worker, w.seq);
+    r
+}
+
+/// The runs of one chunk, copied.
+fn copy_runs(c: &ChunkCopy<'_>, runs: &mut RunBuffers) -> Result<u64, CopyError> {
+    let inst = c.inst;
     let (l, plan) = (&inst.layout, &inst.plan);
     let g = l.geometry();
     let pieces = &mut runs.0;

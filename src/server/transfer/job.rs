@@ -1,7 +1,9 @@
 //! A STORE or RETRIEVE job as the copy workers see it, and its chunks.
 
 use super::backend::Dir;
+use crate::client_memory::OwnedClientMemory;
 use crate::jobs::JobId;
+use crate::job_words::Words;
 use crate::server::registry::Registration;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -44,6 +46,32 @@ impl EngineEvent {
     }
 }
 
+/// The job's entry in its client's job words ([`crate::job_words`]); holds
+/// the client's memory (and so its words' registration with the driver)
+/// until the job's last copy is over.
+pub struct JobWord {
+    pub(crate) memory: Arc<OwnedClientMemory>,
+    /// Below `JOB_WORDS` (checked at acceptance).
+    pub entry: u32,
+    pub generation: u32,
+}
+
+impl JobWord {
+    pub fn words(&self) -> Words<'_> {
+        self.memory.words()
+    }
+
+    /// Whether the client gave the job up.
+    pub fn cancelled(&self) -> bool {
+        self.words().cancelled(self.entry, self.generation)
+    }
+
+    /// Every copy of the job is over: streams waiting for it go on.
+    pub fn release(&self) {
+        self.words().release(self.entry, self.generation);
+    }
+}
+
 /// A STORE or RETRIEVE job in flight.
 pub struct JobRun {
     pub id: JobId,
@@ -58,9 +86,8 @@ pub struct JobRun {
     pub aux: u64,
     /// The inference engine's event every chunk copy comes after.
     pub event: Option<EngineEvent>,
-    /// Chunks still to be queued before the job event is published (None:
-    /// no job event asked for).
-    pub publish_left: Option<AtomicU32>,
+    /// Its entry in the client's job words.
+    pub word: JobWord,
     pub(super) remaining: AtomicU32,
     pub(super) started: AtomicBool,
     pub(super) failed: AtomicBool,
@@ -81,10 +108,10 @@ impl JobRun {
         aux: u64,
         tasks: u32,
         event: Option<EngineEvent>,
-        publish: bool,
+        word: JobWord,
     ) -> Arc<JobRun> {
         Arc::new(JobRun {
-            publish_left: publish.then(|| AtomicU32::new(tasks)),
+            word,
             id,
             owner,
             dir,

@@ -34,7 +34,7 @@ mod worker;
 
 pub use backend::{Backend, BackendKind, CudaUnavailable, Dir};
 pub use host::HostBackend;
-pub use job::{EngineEvent, JobRun, Task};
+pub use job::{EngineEvent, JobRun, JobWord, Task};
 pub use lanes::Copier;
 pub use worker::run;
 

@@ -1,6 +1,6 @@
 //! The copy worker loop, and how a job's chunks add up to its end.
 
-use super::backend::{ChunkCopy, ChunkOutcome, CopyError, CopyExecutor, Dir, Publish};
+use super::backend::{ChunkCopy, ChunkOutcome, CopyError, CopyExecutor, CopyWord, Dir};
 use super::job::{JobRun, Task};
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -77,13 +77,13 @@ enum EventState {
 const EVENT_POLL_MIN: Duration = Duration::from_micros(20);
 const EVENT_POLL_MAX: Duration = Duration::from_millis(1);
 
-/// A copy worker of lane `lane`: keeps its executor's pipeline full with
+/// Copy worker `worker` of lane `lane` (below `WORD_WORKERS`): keeps its executor's pipeline full with
 /// tasks taken round robin, and settles each chunk as its copy finishes.
 /// A task whose job comes after an engine's event that has not completed
 /// waits in the worker's `held` list, asked about again on a backoff (once
 /// per job), while the worker serves every other task; past the job's
 /// deadline it fails.
-pub fn run(shared: &Shared, lane: usize) {
+pub fn run(shared: &Shared, lane: usize, worker: u32) {
     let copier = &shared.kv.copier;
     let queue = copier.lane(lane);
     let chunk_tokens = shared.kv.chunk_tokens;
@@ -106,6 +106,8 @@ pub fn run(shared: &Shared, lane: usize) {
     let mut next_scan = Instant::now();
     // One answer per job per scan.
     let mut asked: HashMap<*const JobRun, EventState> = HashMap::new();
+    // This worker's copy numbers (in its jobs' `entered` / `done` words).
+    let mut seq = 0u32;
     loop {
         // Settle what finished (here or in the blocking poll below).
         executor.poll(false, &mut done);
@@ -189,9 +191,13 @@ pub fn run(shared: &Shared, lane: usize) {
         };
         let job = task.job.clone();
         // A job that ended meanwhile (its client died, the server
-        // shuts down) copies nothing more: a dead engine's memory is
-        // neither read into the pool nor written.
-        if job.failed.load(Ordering::Relaxed) || !shared.jobs.is_live(job.id) {
+        // shuts down) or that its client gave up copies nothing more: a
+        // dead engine's memory is neither read into the pool nor written.
+        // (A give-up after this check is caught by the copy itself.)
+        if job.failed.load(Ordering::Relaxed)
+            || !shared.jobs.is_live(job.id)
+            || job.word.cancelled()
+        {
             chunk_done(shared, &job, ChunkOutcome::Skipped);
             continue;
         }
@@ -224,16 +230,13 @@ pub fn run(shared: &Shared, lane: usize) {
             .iter()
             .position(Option::is_none)
             .expect("a free slot");
-        let job_id = job.id;
-        let publish_progress = |v: u64| {
-            let _ = shared.jobs.progress(job_id, v);
-        };
+        seq = seq.wrapping_add(1).max(1);
         let c = ChunkCopy {
-            publish: job.publish_left.as_ref().map(|left| Publish {
-                owner_slot: job.owner,
-                chunks_left: left,
-                publish_progress: &publish_progress,
-            }),
+            word: CopyWord {
+                job: &job.word,
+                worker,
+                seq,
+            },
             inst: &job.inst,
             chunk_tokens,
             blocks: &task.blocks,
@@ -254,11 +257,16 @@ pub fn run(shared: &Shared, lane: usize) {
     drop((held, ready));
 }
 
-/// The last task of `job` is done: settle the cache, then publish.
+/// The last task of `job` is done: settle the cache, publish, then release
+/// the streams waiting for the job (its `go` word).
 fn finish(shared: &Shared, job: &JobRun) {
+    // A job its client gave up fails, whatever was copied: a copy that
+    // started after the give-up copied nothing (and one before it was
+    // waited for by the client), so a store must not commit.
+    let cancelled = job.word.cancelled();
     // Relaxed: the caller's AcqRel decrement that reached zero happens
     // after every task's Release half, so all their updates are visible.
-    let ok = !job.failed.load(Ordering::Relaxed);
+    let ok = !job.failed.load(Ordering::Relaxed) && !cancelled;
     let bytes = job.bytes.load(Ordering::Relaxed);
     let now = monotonic_ns();
     // A store commits its objects before it reads Done, so a lookup issued
@@ -279,7 +287,9 @@ fn finish(shared: &Shared, job: &JobRun) {
             shared.jobs.finish(job.id, r, now).map(|()| true)
         } else {
             // Relaxed: as `failed` above.
-            let reason = if job.event_timed_out.load(Ordering::Relaxed) {
+            let reason = if cancelled {
+                FailReason::Cancelled
+            } else if job.event_timed_out.load(Ordering::Relaxed) {
                 FailReason::EngineEventTimeout
             } else {
                 FailReason::CopyFailed
@@ -304,6 +314,9 @@ fn finish(shared: &Shared, job: &JobRun) {
             published
         }
     };
+    // Every copy of the job is over (each was settled through its
+    // completion): streams ordered after the job go on.
+    job.word.release();
     if let Ok(done) = published {
         shared.job_ended(job.owner, job.id, done);
     }

@@ -11,7 +11,6 @@ use crate::gpu::{Context, DeviceBuffer, GpuError, OpenedMemory};
 use crate::kv::plan::align_of;
 use crate::kv::KvLayout;
 use crate::proto::kv::{KvAllocation, MemKind, MemoryPiece, RegisterKv};
-use crate::proto::Status;
 use crate::server::pool::PoolMemory;
 use crate::server::registry::{DeviceMemory, DeviceOpener, Refusal};
 use crate::server::transfer::backend::{
@@ -61,7 +60,6 @@ impl CudaBackend {
             state: Arc::new(BackendState {
                 devices,
                 opened: Mutex::new(HashMap::new()),
-                job_events: Mutex::new(HashMap::new()),
                 pin,
                 pool_base: base,
                 pool_len: len,
@@ -119,29 +117,6 @@ impl Backend for CudaBackend {
         let mut v: Vec<[u8; 16]> = self.state.devices.keys().copied().collect();
         v.sort_unstable();
         v
-    }
-
-    fn job_events(&self, slot: u32, uuid: &[u8; 16]) -> Result<Vec<[u8; 64]>, Status> {
-        let dev = self
-            .state
-            .devices
-            .get(uuid)
-            .ok_or(Status::InvalidArgument)?;
-        self.state
-            .events_of(slot, dev)
-            .map(|je| je.handles().to_vec())
-            .map_err(|e| {
-                tracing::error!("job events: {e}");
-                Status::ServerError
-            })
-    }
-
-    fn client_gone(&self, slot: u32) {
-        self.state
-            .job_events
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .retain(|k, _| k.0 != slot);
     }
 
     fn executor(&self) -> Result<Box<dyn CopyExecutor>, CopyError> {

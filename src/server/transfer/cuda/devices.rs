@@ -1,8 +1,6 @@
 //! What the CUDA backend and every worker's executor share: the devices,
-//! the engines' device memory opened so far, the job events, the pinned
-//! pool.
+//! the engines' device memory opened so far, the pinned pool.
 
-use super::job_events::JobEvents;
 use super::pool_pin::PoolPin;
 use crate::gpu::kernels::Kernels;
 use crate::gpu::{Context, CudaError, DeviceBuffer, OpenedMemory};
@@ -38,8 +36,6 @@ pub(super) struct BackendState {
     pub(super) devices: HashMap<[u8; 16], Arc<CudaDevice>>,
     /// Allocations each client has opened, so each is opened once.
     pub(super) opened: Mutex<HashMap<OpenedKey, Weak<OpenedMemory>>>,
-    /// Job events per (client slot, device ordinal).
-    pub(super) job_events: Mutex<HashMap<(u32, i32), Arc<JobEvents>>>,
     pub(super) pin: Arc<PoolPin>,
     pub(super) pool_base: usize,
     pub(super) pool_len: u64,
@@ -61,22 +57,6 @@ impl Drop for BackendState {
 }
 
 impl BackendState {
-    /// Client `slot`'s job events on `dev` (created at first use).
-    pub(super) fn events_of(
-        &self,
-        slot: u32,
-        dev: &CudaDevice,
-    ) -> Result<Arc<JobEvents>, CudaError> {
-        let mut m = self.job_events.lock().unwrap_or_else(|e| e.into_inner());
-        let key = (slot, dev.ctx.info.ordinal);
-        if let Some(je) = m.get(&key) {
-            return Ok(je.clone());
-        }
-        let je = Arc::new(JobEvents::new(&dev.ctx)?);
-        m.insert(key, je.clone());
-        Ok(je)
-    }
-
     /// The pool offset of an object of `bytes` bytes at `object`, once its
     /// pool segment is pinned.
     pub(super) fn pinned_pool_offset(&self, object: *mut u8, bytes: u64) -> Result<u64, CopyError> {

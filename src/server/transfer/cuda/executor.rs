@@ -8,6 +8,7 @@ use super::COPY_DEADLINE;
 use crate::gpu::kernels::KvCopyArgs;
 use crate::device::IpcEventHandle;
 use crate::gpu::{DeviceBuffer, Event, EventKind, PinnedHostBuffer, Stream};
+use crate::job_words::{self, Words};
 use crate::server::registry::Registration;
 use crate::server::transfer::backend::{ChunkCopy, CopyError, CopyExecutor, Dir};
 use crate::server::transfer::host::{host_copy, RunBuffers};
@@ -127,6 +128,10 @@ impl DeviceQueue {
     /// event. The stream never waits on anything another process records:
     /// a copy after an engine's event is enqueued only once the worker saw
     /// that event complete (`engine_event_ready`).
+    ///
+    /// The kernel enters the job's words (`words`: their device address)
+    /// and checks its `cancel` before it touches the engine's memory, and
+    /// the stream writes the job's `done[worker]` right after it.
     fn enqueue_copy(
         &mut self,
         k: usize,
@@ -134,6 +139,7 @@ impl DeviceQueue {
         table: &DeviceTable,
         obj_bytes: u64,
         zero_copy_ctas: u32,
+        words: u64,
     ) -> Result<(), CopyError> {
         let inst = c.inst;
         let n = c.blocks.len();
@@ -148,7 +154,7 @@ impl DeviceQueue {
             staging
         };
         let vec = table.align.min(crate::kv::plan::align_of(object));
-        let args = KvCopyArgs::new(
+        let mut args = KvCopyArgs::new(
             &inst.plan,
             inst.layout.geometry().layers,
             n as u32,
@@ -156,6 +162,13 @@ impl DeviceQueue {
             c.dir == Dir::FromPool,
             vec,
         );
+        let (entry, worker) = (c.word.job.entry, c.word.worker);
+        let at = |off: usize| words + Words::offset(entry, off) as u64;
+        args.entered = at(job_words::ENTERED + 4 * worker as usize);
+        args.cancel = at(job_words::CANCEL);
+        args.seq = c.word.seq;
+        args.generation = c.word.job.generation;
+        let done = at(job_words::DONE + 4 * worker as usize);
         // SAFETY: `ids_host` holds the `n` ids staged for this slot and is
         // not touched again until the slot's event completes; `ids_dev`
         // holds `MAX_CHUNK_BLOCKS` >= n ids.
@@ -183,11 +196,17 @@ impl DeviceQueue {
                 unsafe {
                     kernels.launch(stream, layers, ids, object, args, zero_copy_ctas)
                 }?;
+                // SAFETY: `done` is in the job's words, registered and
+                // mapped while the job's client memory lives (the task
+                // holds it until the slot's event, recorded after this).
+                unsafe { stream.write_value(done, c.word.seq) }?;
             }
             Dir::ToPool => {
                 // SAFETY: as for the zero-copy launch, with the slot's
                 // `staging` (`obj_bytes` of device memory) as the object.
                 unsafe { kernels.launch(stream, layers, ids, staging, args, 0) }?;
+                // SAFETY: as for the zero-copy path's write.
+                unsafe { stream.write_value(done, c.word.seq) }?;
                 // SAFETY: `staging` holds `obj_bytes` device bytes, the
                 // pinned pool object as many host bytes.
                 unsafe { stream.copy_dtoh_async(c.object, staging, obj_bytes as usize) }?;
@@ -199,6 +218,8 @@ impl DeviceQueue {
                 // SAFETY: as for the zero-copy launch, with the slot's
                 // `staging` (`obj_bytes` of device memory) as the object.
                 unsafe { kernels.launch(stream, layers, ids, staging, args, 0) }?;
+                // SAFETY: as for the zero-copy path's write.
+                unsafe { stream.write_value(done, c.word.seq) }?;
             }
         }
         slot.event.record(stream)?;
@@ -282,18 +303,11 @@ impl CopyExecutor for CudaExecutor {
         };
         let obj_bytes = c.inst.layout.object_bytes(c.chunk_tokens);
         self.backend.pinned_pool_offset(c.object, obj_bytes)?;
-        let gate = match &c.publish {
-            Some(p) => Some(self.backend.events_of(p.owner_slot, &table.device)?),
-            None => None,
-        };
+        let words = c.word.job.memory.words_device_ptr(&table.device.ctx)?;
         let zero_copy_ctas = self.backend.zero_copy_ctas;
         let queue = self.device_queue(&table.device)?;
         let k = queue.stage(c, obj_bytes, zero_copy_ctas > 0)?;
-        queue.enqueue_copy(k, c, table, obj_bytes, zero_copy_ctas)?;
-        // Publish gate: the job event after the job's last chunk.
-        if let (Some(p), Some(je)) = (&c.publish, gate) {
-            je.publish_after(&queue.slots[k].event, p)?;
-        }
+        queue.enqueue_copy(k, c, table, obj_bytes, zero_copy_ctas, words)?;
         let n = c.blocks.len() as u64;
         let g = c.inst.layout.geometry();
         let moved =

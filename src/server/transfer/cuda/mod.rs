@@ -24,8 +24,6 @@
 //!   by IPC handle or VMM fd at registration;
 //! * [`devices`]: what the backend and the executors share;
 //! * [`executor`]: one worker's streams and staging slots; submit and poll;
-//! * [`job_events`]: per-client interprocess events published on a gate
-//!   stream once all of a job's chunks are queued;
 //! * [`pool_pin`]: the pool registered with the driver (`cuMemHostRegister`,
 //!   portable) in segments on a background thread, so start-up does not
 //!   wait for it; an object never spans two segments (the pool allocator
@@ -35,7 +33,6 @@
 pub mod backend;
 mod devices;
 mod executor;
-mod job_events;
 mod pool_pin;
 
 pub use backend::CudaBackend;

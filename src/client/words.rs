@@ -1,0 +1,308 @@
+//! The client's side of its job words ([`crate::job_words`]): which entry
+//! each STORE and RETRIEVE in flight has, giving a job up (so nothing of it
+//! touches the engine's memory afterwards), and the watcher that releases
+//! engine streams waiting for jobs whose server died or stalled.
+
+use super::connect::Link;
+use crate::error::{Error, Result};
+use crate::jobs::JobId;
+use crate::job_words::JOB_WORDS;
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+/// How long a client that gave a job up waits for a copy already under way
+/// to end (a chunk copy takes about a millisecond; on a GPU it runs to its
+/// end whatever the server process does, unless the device itself hangs).
+pub const QUIESCE_BOUND: Duration = Duration::from_secs(5);
+
+/// How often the watcher looks at the jobs some stream waits for.
+const WATCH_EVERY: Duration = Duration::from_millis(1);
+
+/// Why a client gave a job up.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GaveUp {
+    /// Its deadline passed: this long after it was submitted.
+    Deadline(Duration),
+    /// The server is gone.
+    ServerGone,
+    /// Given up by the caller ([`super::Job::give_up`]).
+    Asked,
+}
+
+/// How a give-up ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct GiveUp {
+    pub why: GaveUp,
+    /// No copy of the job was under way any more (or the server was gone)
+    /// when the job's streams were released; false: the bound passed first.
+    pub quiet: bool,
+}
+
+impl GiveUp {
+    /// The error a wait on the job reports.
+    pub fn error(self, job: JobId) -> Error {
+        if !self.quiet {
+            return Error::CopiesInFlight(job);
+        }
+        match self.why {
+            GaveUp::Deadline(d) => Error::Timeout(d),
+            GaveUp::ServerGone => Error::ServerGone,
+            GaveUp::Asked => Error::JobFailed(crate::jobs::FailReason::Cancelled),
+        }
+    }
+}
+
+struct InFlight {
+    generation: u32,
+    /// Set once the server accepted the job.
+    job: Option<JobId>,
+    submitted: Instant,
+    deadline: Instant,
+    /// A stream waits for it: the watcher gives it up at its deadline or
+    /// when the server dies, whoever else waits.
+    watched: bool,
+    gave_up: Option<GiveUp>,
+}
+
+#[derive(Default)]
+struct State {
+    free: VecDeque<u32>,
+    next_generation: u32,
+    busy: HashMap<u32, InFlight>,
+    watcher: bool,
+}
+
+/// One connection's job words table.
+pub(crate) struct WordTable {
+    state: Mutex<State>,
+    wake: Condvar,
+}
+
+impl WordTable {
+    pub fn new() -> WordTable {
+        WordTable {
+            state: Mutex::new(State {
+                free: (0..JOB_WORDS).collect(),
+                next_generation: 1,
+                ..State::default()
+            }),
+            wake: Condvar::new(),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// An entry and a generation for a new job that gives up `timeout`
+    /// after now. Entries are reused oldest first, and only once their
+    /// last job ended on the server.
+    pub fn take(&self, link: &Link, timeout: Duration) -> Result<(u32, u32)> {
+        let mut st = self.lock();
+        if st.free.is_empty() {
+            settle(&mut st, link);
+        }
+        let Some(entry) = st.free.pop_front() else {
+            return Err(Error::InvalidArgument(format!(
+                "{JOB_WORDS} STORE and RETRIEVE jobs of this client are in flight: \
+                 wait for one to end"
+            )));
+        };
+        let g = st.next_generation;
+        st.next_generation = g.wrapping_add(1);
+        let now = Instant::now();
+        st.busy.insert(
+            entry,
+            InFlight {
+                generation: g,
+                job: None,
+                submitted: now,
+                deadline: now.checked_add(timeout).unwrap_or(now + Duration::from_secs(1 << 40)),
+                watched: false,
+                gave_up: None,
+            },
+        );
+        Ok((entry, g))
+    }
+
+    /// The server accepted the job of `entry`.
+    pub fn bind(&self, entry: u32, job: JobId) {
+        if let Some(f) = self.lock().busy.get_mut(&entry) {
+            f.job = Some(job);
+        }
+    }
+
+    /// The server refused the job: nothing of it ever ran.
+    pub fn put_back(&self, entry: u32) {
+        let mut st = self.lock();
+        if st.busy.remove(&entry).is_some() {
+            st.free.push_back(entry);
+        }
+    }
+
+    /// The job of `entry` ended on the server: its entry can be reused.
+    pub fn ended(&self, entry: u32, g: u32) {
+        let mut st = self.lock();
+        if st.busy.get(&entry).is_some_and(|f| f.generation == g) {
+            st.busy.remove(&entry);
+            st.free.push_back(entry);
+        }
+    }
+
+    /// How generation `g` of `entry` was given up, if it was.
+    pub fn given_up(&self, entry: u32, g: u32) -> Option<GiveUp> {
+        let st = self.lock();
+        st.busy
+            .get(&entry)
+            .filter(|f| f.generation == g)
+            .and_then(|f| f.gave_up)
+    }
+
+    /// The job's deadline (for waits that must give it up there).
+    pub fn deadline(&self, entry: u32, g: u32) -> Option<Instant> {
+        let st = self.lock();
+        st.busy
+            .get(&entry)
+            .filter(|f| f.generation == g)
+            .map(|f| f.deadline)
+    }
+
+    /// Gives generation `g` of `entry` up (once; later calls answer the
+    /// first's outcome): stores its `cancel`, waits until no copy of it is
+    /// under way (or the server process is gone; at most
+    /// [`QUIESCE_BOUND`]), then releases the streams that wait for it.
+    pub fn give_up(&self, link: &Link, entry: u32, g: u32, why: GaveUp) -> Option<GiveUp> {
+        {
+            let st = self.lock();
+            let f = st.busy.get(&entry).filter(|f| f.generation == g)?;
+            if let Some(done) = f.gave_up {
+                return Some(done);
+            }
+        }
+        let words = link.words();
+        words.give_up(entry, g);
+        let start = Instant::now();
+        let mut pause = Duration::from_micros(20);
+        let quiet = loop {
+            if words.quiescent(entry) || link.server_exited() {
+                break true;
+            }
+            if start.elapsed() >= QUIESCE_BOUND {
+                break false;
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(1));
+        };
+        if !quiet {
+            tracing::warn!(
+                entry,
+                "a copy of a given-up job was still under way after {QUIESCE_BOUND:?}; \
+                 its streams are released anyway"
+            );
+        }
+        words.release(entry, g);
+        let outcome = GiveUp { why, quiet };
+        let mut st = self.lock();
+        if let Some(f) = st.busy.get_mut(&entry).filter(|f| f.generation == g) {
+            // A concurrent give-up may have recorded its own: keep the first.
+            return Some(*f.gave_up.get_or_insert(outcome));
+        }
+        Some(outcome)
+    }
+
+    /// A stream waits for generation `g` of `entry`: from now on the
+    /// watcher gives it up at its deadline or when the server dies.
+    pub fn watch(self: &Arc<Self>, link: &Arc<Link>, entry: u32, g: u32) -> Result<()> {
+        let start = {
+            let mut st = self.lock();
+            if let Some(f) = st.busy.get_mut(&entry).filter(|f| f.generation == g) {
+                f.watched = true;
+            }
+            !std::mem::replace(&mut st.watcher, true)
+        };
+        if start {
+            let (table, link) = (Arc::downgrade(self), Arc::downgrade(link));
+            let spawned = std::thread::Builder::new()
+                .name("kvring-words".into())
+                .spawn(move || watch(table, link));
+            if let Err(e) = spawned {
+                self.lock().watcher = false;
+                return Err(Error::Io {
+                    context: "spawn the job words watcher".into(),
+                    source: e,
+                });
+            }
+        }
+        self.wake.notify_all();
+        Ok(())
+    }
+}
+
+/// Frees the entries whose job ended on the server.
+fn settle(st: &mut State, link: &Link) {
+    let Ok(reader) = link.jobs() else {
+        return;
+    };
+    let ended: Vec<u32> = st
+        .busy
+        .iter()
+        .filter(|(_, f)| {
+            f.job.is_some_and(|id| match reader.status(id) {
+                Ok(s) => s.is_terminal(),
+                // The slot was reused: the job ended long ago.
+                Err(_) => true,
+            })
+        })
+        .map(|(&e, _)| e)
+        .collect();
+    for e in ended {
+        st.busy.remove(&e);
+        st.free.push_back(e);
+    }
+}
+
+/// The watcher: while some stream waits for a job, looks every
+/// millisecond at the server's life and the jobs' deadlines, and gives up
+/// what must be; frees entries whose job ended. Sleeps while nothing is
+/// watched; ends with the connection.
+fn watch(table: Weak<WordTable>, link: Weak<Link>) {
+    loop {
+        let (Some(table), Some(link)) = (table.upgrade(), link.upgrade()) else {
+            return;
+        };
+        let mut st = table.lock();
+        settle(&mut st, &link);
+        if !st.busy.values().any(|f| f.watched && f.gave_up.is_none()) {
+            // Nothing to watch: sleep until a stream waits again (bounded,
+            // so a dropped connection ends this thread).
+            let _ = table
+                .wake
+                .wait_timeout(st, Duration::from_millis(100))
+                .unwrap_or_else(|e| e.into_inner());
+            continue;
+        }
+        let gone = link.server_gone();
+        let now = Instant::now();
+        let due: Vec<(u32, u32, GaveUp)> = st
+            .busy
+            .iter()
+            .filter(|(_, f)| f.watched && f.gave_up.is_none())
+            .filter_map(|(&e, f)| {
+                if gone {
+                    Some((e, f.generation, GaveUp::ServerGone))
+                } else if now >= f.deadline {
+                    Some((e, f.generation, GaveUp::Deadline(now - f.submitted)))
+                } else {
+                    None
+                }
+            })
+            .collect();
+        drop(st);
+        for (e, g, why) in due {
+            table.give_up(&link, e, g, why);
+        }
+        drop((table, link));
+        std::thread::sleep(WATCH_EVERY);
+    }
+}
