@@ -11,13 +11,16 @@
 // token_stride in the engine, and at ((first_token + t) * heads + h) *
 // row_bytes + row_offset[p] in the object.
 //
-// Job words (kvring::job_words): when `entered` is set, thread 0 of every
-// CTA stores `seq` there, fences at system scope and reads the job's
-// `cancel` word (host memory its client writes) before the CTA touches the
-// engine's memory; if the client gave generation `generation` up, the CTA
-// copies nothing. The client stores `cancel`, then reads `entered`: either
-// this CTA sees the cancel, or the client sees the CTA entered and waits for
-// the copy stream's `done` write after this kernel.
+// Job words (kvring::job_words): before each copy, `kv_gate` (one thread,
+// on the same stream) stores `seq` into the job's `entered` word, fences at
+// system scope and reads the job's `cancel` word (host memory its client
+// writes), and leaves its verdict in device memory (`verdict`); every CTA of
+// the copy reads the verdict and copies nothing if the client gave
+// generation `generation` up. The client stores `cancel`, then reads
+// `entered`: either the gate sees the cancel, or the client sees the copy
+// entered and waits for the copy stream's `done` write after the kernel.
+// (One thread crosses the bus, not every CTA: host-memory accesses to one
+// word from hundreds of CTAs serialize.)
 //
 // A CTA copies one page at a time, striding over the chunk's pages by the
 // grid size (one CTA per page on the staged path; a bounded grid on the
@@ -48,29 +51,27 @@ struct KvCopyArgs {
     unsigned long long row_bytes;
     unsigned long long width[2];
     unsigned long long row_offset[2];
-    // Device addresses of the job's entered[worker] and cancel words (0:
-    // no job words).
+    // Device addresses of the job's entered[worker] and cancel words and of
+    // the gate's verdict (device memory); verdict 0: no job words.
     unsigned long long entered;
     unsigned long long cancel;
+    unsigned long long verdict;
     unsigned int seq;
     unsigned int generation;
 };
 
-// Whether this CTA may copy: the job was not given up (see above).
+// The gate before a copy (one thread): see above.
+extern "C" __global__ void kv_gate(KvCopyArgs a) {
+    *(volatile unsigned int*)a.entered = a.seq;
+    __threadfence_system();
+    unsigned int c = *(volatile unsigned int*)a.cancel;
+    // Cyclic: cancel has reached generation.
+    *(volatile unsigned int*)a.verdict = (int)(c - a.generation) < 0 ? 1u : 0u;
+}
+
+// Whether this CTA may copy: the gate found the job open.
 __device__ bool job_open(const KvCopyArgs& a) {
-    __shared__ int open;
-    if (threadIdx.x == 0) {
-        open = 1;
-        if (a.entered != 0) {
-            *(volatile unsigned int*)a.entered = a.seq;
-            __threadfence_system();
-            unsigned int c = *(volatile unsigned int*)a.cancel;
-            // Cyclic: cancel has reached generation.
-            open = (int)(c - a.generation) < 0;
-        }
-    }
-    __syncthreads();
-    return open != 0;
+    return a.verdict == 0 || *(const volatile unsigned int*)a.verdict != 0;
 }
 
 template <typename W>

@@ -182,7 +182,7 @@ pub(crate) struct OwnedClientMemory {
     /// device-side reads and writes), at first use; dropped (unregistered)
     /// before the mapping goes.
     #[cfg(feature = "cuda")]
-    registered: std::sync::Mutex<Option<crate::gpu::HostRegistration>>,
+    registered: std::sync::Mutex<Option<(crate::gpu::HostRegistration, u64)>>,
     words: MmapRaw,
     mem: ClientMemory,
     fd: OwnedFd,
@@ -254,18 +254,21 @@ impl OwnedClientMemory {
         ctx: &std::sync::Arc<crate::gpu::Context>,
     ) -> std::result::Result<u64, crate::gpu::CudaError> {
         let mut r = self.registered.lock().unwrap_or_else(|e| e.into_inner());
-        if r.is_none() {
-            // SAFETY: the mapping is readable and writable and outlives the
-            // registration (declared first, so dropped first).
-            *r = Some(unsafe {
-                crate::gpu::HostRegistration::new(
-                    ctx,
-                    self.words.as_mut_ptr(),
-                    crate::job_words::REGION_BYTES,
-                )
-            }?);
+        if let Some((_, dev)) = r.as_ref() {
+            return Ok(*dev);
         }
-        r.as_ref().expect("registered").device_ptr()
+        // SAFETY: the mapping is readable and writable and outlives the
+        // registration (declared first, so dropped first).
+        let reg = unsafe {
+            crate::gpu::HostRegistration::new(
+                ctx,
+                self.words.as_mut_ptr(),
+                crate::job_words::REGION_BYTES,
+            )
+        }?;
+        let dev = reg.device_ptr()?;
+        *r = Some((reg, dev));
+        Ok(dev)
     }
 
     pub fn memory(&self) -> &ClientMemory {

@@ -739,7 +739,10 @@ fn a_killed_engines_gpu_memory_is_given_back() {
         back.is_some(),
         "the killed engines' memory was not given back: free {after}, before {baseline}"
     );
-    // The next engine is served.
+    // The next engine is served (a fresh store: the busy engine's stores
+    // may have evicted the first).
+    let hashes = chunk_hashes(&prompt(9001, 8 * CHUNK as usize), CHUNK);
+    done30(c.store(Store::new(&inst, &hashes, &b)).unwrap());
     let lease = c.lookup(Lookup::new(model_id("next"), 1, &hashes)).unwrap();
     assert_eq!(lease.hits(), 8);
     done30(c.retrieve(Retrieve::new(&inst, &lease, &b)).unwrap());
@@ -777,7 +780,9 @@ fn a_stopped_or_killed_server_never_holds_the_engines_stream() {
     let gated = EngineStream::new(&cache).unwrap();
     let gate = gated.host_word().unwrap();
     let held = |c: &mut Client, timeout: Duration| {
-        let lease = c.lookup(Lookup::new(model_id("release"), 1, &hashes)).unwrap();
+        let lease = c
+            .lookup(Lookup::new(model_id("release"), 1, &hashes))
+            .unwrap();
         assert_eq!(lease.hits(), u64::from(n));
         gated.wait_word(&gate, gate.get() + 1).unwrap();
         let ev = IpcEvent::new(&cache).unwrap();

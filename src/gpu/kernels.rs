@@ -31,11 +31,13 @@ pub struct KvCopyArgs {
     pub width: [u64; 2],
     pub row_offset: [u64; 2],
     /// Device addresses of the job's `entered[worker]` and `cancel` words
-    /// ([`crate::job_words`]; 0: none): each CTA stores `seq` into the
-    /// first, then reads the second and copies nothing if it has reached
-    /// `generation`.
+    /// ([`crate::job_words`]) and of a device word for the gate's verdict
+    /// (0: no job words): [`Kernels::gate`] stores `seq` into the first,
+    /// reads the second and leaves in `verdict` whether it has reached
+    /// `generation`; the copy's CTAs copy nothing if it has.
     pub entered: u64,
     pub cancel: u64,
+    pub verdict: u64,
     pub seq: u32,
     pub generation: u32,
 }
@@ -69,6 +71,7 @@ impl KvCopyArgs {
             row_offset: plan.row_offset,
             entered: 0,
             cancel: 0,
+            verdict: 0,
             seq: 0,
             generation: 0,
         }
@@ -87,10 +90,12 @@ pub struct LayerEntry {
     pub token_stride: u64,
 }
 
-/// A loaded module and its `kv_copy` function, in one context.
+/// A loaded module and its `kv_copy` and `kv_gate` functions, in one
+/// context.
 pub struct Kernels {
     module: Module,
     kv_copy: Function,
+    kv_gate: Function,
     /// Where the PTX came from ("compiled in N ms" or "cached at PATH").
     pub origin: String,
 }
@@ -154,11 +159,33 @@ impl Kernels {
         let (ptx, origin) = ptx_for(major, minor)?;
         let module = Module::load(ctx, &ptx)?;
         let kv_copy = module.function(c"kv_copy")?;
+        let kv_gate = module.function(c"kv_gate")?;
         Ok(Kernels {
             module,
             kv_copy,
+            kv_gate,
             origin,
         })
+    }
+
+    /// Queues `kv_gate` on `stream` (one thread): the job-words check before
+    /// a copy launched with the same `args` (see [`KvCopyArgs::entered`]).
+    ///
+    /// # Safety
+    /// `args.entered` and `args.cancel` must be device addresses of words of
+    /// device-mapped host memory and `args.verdict` of a device word, all
+    /// valid until the kernel has run.
+    pub unsafe fn gate(&self, stream: &Stream, args: KvCopyArgs) -> Result<(), CudaError> {
+        let mut a = args;
+        let mut params = [&mut a as *mut KvCopyArgs as *mut c_void];
+        let cfg = LaunchConfig {
+            grid: 1,
+            block: 1,
+            shared_bytes: 0,
+        };
+        // SAFETY: one value for `kv_gate(KvCopyArgs)`, living through the
+        // call; the addresses are the caller's contract.
+        unsafe { self.module.launch(self.kv_gate, stream, cfg, &mut params) }
     }
 
     /// Queues `kv_copy` for one chunk on `stream`: one CTA per page (a

@@ -67,7 +67,8 @@ impl DeviceQueue {
         for _ in 0..depth {
             slots.push(StagingSlot {
                 staging: None,
-                ids_dev: DeviceBuffer::new(ctx, MAX_CHUNK_BLOCKS * 4)?,
+                // The block ids, then the job-words gate's verdict.
+                ids_dev: DeviceBuffer::new(ctx, MAX_CHUNK_BLOCKS * 4 + 4)?,
                 ids_host: PinnedHostBuffer::new(ctx, MAX_CHUNK_BLOCKS * 4)?,
                 event: Event::new(ctx, EventKind::Local)?,
                 state: SlotState::Free,
@@ -166,6 +167,7 @@ impl DeviceQueue {
         let at = |off: usize| words + Words::offset(entry, off) as u64;
         args.entered = at(job_words::ENTERED + 4 * worker as usize);
         args.cancel = at(job_words::CANCEL);
+        args.verdict = ids + MAX_CHUNK_BLOCKS as u64 * 4;
         args.seq = c.word.seq;
         args.generation = c.word.job.generation;
         let done = at(job_words::DONE + 4 * worker as usize);
@@ -173,6 +175,11 @@ impl DeviceQueue {
         // not touched again until the slot's event completes; `ids_dev`
         // holds `MAX_CHUNK_BLOCKS` >= n ids.
         unsafe { stream.copy_htod_async(ids, slot.ids_host.as_ptr(), n * 4) }?;
+        // SAFETY: `entered` and `cancel` are in the job's words, registered
+        // and mapped while the task holds the job's client memory (until
+        // the slot's event, recorded after this); `verdict` is the word
+        // after the ids in `ids_dev`, which has room for it.
+        unsafe { kernels.gate(stream, args) }?;
         // Every address below stays valid until the slot's event completes
         // (recorded after them on this stream): the registration's memory
         // and its layer table (the worker holds the task, which
