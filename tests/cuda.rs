@@ -4,9 +4,12 @@
 //! tested for beyond the conformance suite every backend passes
 //! (`conformance.rs`): VMM exports and realistic rows, the zero-copy path,
 //! host caches on a CUDA server, the engine's IPC event ordering a store
-//! after the engine's own writes, the engine's stream waiting for a
-//! published job event, transfers next to a stream of telemetry (STATS and
-//! the inspector) under a watchdog, and ranks in two processes on two GPUs.
+//! after the engine's own writes, the engine's stream waiting for a job
+//! through its job word (and released when the server stops or dies),
+//! engines stuck before their events stalling no other engine, killed
+//! engines' GPU memory given back, transfers next to a stream of telemetry
+//! (STATS and the inspector) under a watchdog, and ranks in two processes on
+//! two GPUs.
 //! Every copy is checked on deterministic contents with poisoned
 //! destinations.
 //!

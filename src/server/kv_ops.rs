@@ -361,12 +361,13 @@ pub fn store(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
     let value = u64::from(plan.present) + plan.write.len() as u64;
     let aux = u64::from(plan.no_space);
     if plan.write.is_empty() {
+        // Nothing to copy: streams waiting for the job go on at once
+        // (before the job ends: see `worker::finish`).
+        word.release();
         let ended = shared
             .jobs
             .finish(id, JobResult { value, aux }, monotonic_ns())
             .is_ok();
-        // Nothing to copy: streams waiting for the job go on at once.
-        word.release();
         if ended {
             shared.job_ended(who.slot, id, true);
         }

@@ -257,8 +257,8 @@ pub fn run(shared: &Shared, lane: usize, worker: u32) {
     drop((held, ready));
 }
 
-/// The last task of `job` is done: settle the cache, publish, then release
-/// the streams waiting for the job (its `go` word).
+/// The last task of `job` is done: release the streams waiting for the job
+/// (its `go` word), settle the cache and publish.
 fn finish(shared: &Shared, job: &JobRun) {
     // A job its client gave up fails, whatever was copied: a copy that
     // started after the give-up copied nothing (and one before it was
@@ -297,6 +297,11 @@ fn finish(shared: &Shared, job: &JobRun) {
             shared.jobs.fail(job.id, reason, now).map(|()| false)
         }
     };
+    // Every copy of the job is over (each was settled through its
+    // completion): streams ordered after the job go on. Before the job
+    // table says the job ended: once it does, its client may give the
+    // entry to its next job, which no late store of this one may reach.
+    job.word.release();
     // A store commits only if every chunk was copied; otherwise (a copy
     // failed, or the job ended early) its objects are dropped.
     let published = match job.dir {
@@ -314,9 +319,6 @@ fn finish(shared: &Shared, job: &JobRun) {
             published
         }
     };
-    // Every copy of the job is over (each was settled through its
-    // completion): streams ordered after the job go on.
-    job.word.release();
     if let Ok(done) = published {
         shared.job_ended(job.owner, job.id, done);
     }

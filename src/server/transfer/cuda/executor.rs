@@ -314,7 +314,18 @@ impl CopyExecutor for CudaExecutor {
         let zero_copy_ctas = self.backend.zero_copy_ctas;
         let queue = self.device_queue(&table.device)?;
         let k = queue.stage(c, obj_bytes, zero_copy_ctas > 0)?;
-        queue.enqueue_copy(k, c, table, obj_bytes, zero_copy_ctas, words)?;
+        if let Err(e) = queue.enqueue_copy(k, c, table, obj_bytes, zero_copy_ctas, words) {
+            // The copy never runs (its gate may, storing `entered` as
+            // here): both words are stored now, so no give-up of this job or
+            // of a later one of this entry waits for it.
+            let w = &c.word;
+            let words = w.job.words();
+            words
+                .entered(w.job.entry, w.worker)
+                .store(w.seq, std::sync::atomic::Ordering::SeqCst);
+            words.leave(w.job.entry, w.worker, w.seq);
+            return Err(e);
+        }
         let n = c.blocks.len() as u64;
         let g = c.inst.layout.geometry();
         let moved =
