@@ -119,24 +119,39 @@ fn a_job_given_up_while_the_server_is_stopped_never_lands_afterwards() {
     }
     assert!(tested, "every retrieve ended before the server stopped");
 
-    // A store, the server stopped under it: it never commits.
+    // A store queued behind a retrieve of the same client (its chunks wait
+    // behind the retrieve's in the client's queue), the server stopped: the
+    // store is given up before any of its copies started, and never
+    // commits.
     let fresh = prompt_hashes(42, CHUNKS as usize);
     let mut tested = false;
     for attempt in 0..8 {
         let fresh = &fresh[..];
+        let lease =
+            e.c.lookup(Lookup::new(model_id(MODEL), 1, &hashes))
+                .unwrap();
+        let ahead =
+            e.c.retrieve(Retrieve::new(&e.inst, &lease, &blocks))
+                .unwrap();
         let job =
             e.c.store(Store::new(&e.inst, fresh, &blocks).timeout(TIMEOUT))
                 .unwrap();
         s.srv.pause();
+        let stopped = Instant::now();
         let r = job.wait(far());
+        let waited = stopped.elapsed();
         s.srv.signal(libc::SIGCONT);
         let st = ended(&job);
+        assert!(matches!(ended(&ahead), JobStatus::Done(_)));
         if r.is_ok() {
             eprintln!("attempt {attempt}: the store ended first");
             // Stored: drop it so the next attempt writes again.
             e.c.clear().unwrap();
             continue;
         }
+        eprintln!(
+            "attempt {attempt}: the queued store's wait returned {r:?} {waited:?} after the stop"
+        );
         assert!(
             matches!(r, Err(Error::Timeout(_) | Error::CopiesInFlight(_))),
             "{r:?}"
