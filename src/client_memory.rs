@@ -7,8 +7,9 @@
 //! It holds the session's [`ClientBlock`] (one page), its request ring's
 //! data and its [`crate::job_words`]. The client maps it writable through
 //! the descriptor it receives; the server maps it read-only and treats every
-//! word in it as untrusted, except the job words, which it maps writable too
-//! (its copies report there, and only there, what they did);
+//! word in it as untrusted; it maps the job words writable too (its copies
+//! report there what they did; `cancel`, the one word it reads there, is as
+//! untrusted as the rest);
 //! an observer opens the server's descriptor of it read-only through
 //! `/proc/SERVER_PID/fd/N` (`ServerClientBlock::memory_fd`), while the
 //! server lives. The segment itself reaches a client only as a read-only
@@ -102,6 +103,7 @@ impl ClientMemory {
     }
 
     /// Where the job words are in this process.
+    #[cfg(feature = "cuda")]
     pub(crate) fn words_range(&self) -> Option<(*mut u8, usize)> {
         let off = self.words_off?;
         // SAFETY: inside the mapping (checked in `attach`).

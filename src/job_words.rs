@@ -7,10 +7,11 @@
 //! sends both with the request. In entry `e`:
 //!
 //! * `go`: the server stores `g` once every copy of the job is over (done,
-//!   failed or skipped); an engine's stream waits on the device until
-//!   `go` has reached `g` (`cuStreamWaitValue32`, a cyclic `>=`). The client
-//!   stores `g` itself when it gives the job up, so no stream waits for a
-//!   server that died or stopped.
+//!   failed or skipped; not while a copy may still run on the device); an
+//!   engine's stream waits on the device until `go` has reached `g`
+//!   (`cuStreamWaitValue32`, a cyclic `>=`). The client stores `g` itself
+//!   when it gives the job up, so no stream waits for a server that died or
+//!   stopped. `go` only moves forward.
 //! * `cancel`: the client stores `g` to give the job up. The server reads it
 //!   before each chunk copy, and the copy kernel reads it again on the
 //!   device before it touches the engine's memory; a store whose job was
@@ -160,12 +161,36 @@ impl<'a> Words<'a> {
         })
     }
 
-    /// Releases the streams waiting for generation `g` of `entry`.
+    /// Releases the streams waiting for generation `g` of `entry`: `go`
+    /// only moves forward (cyclically), so a late or repeated release of
+    /// an older generation never takes a newer one back.
     pub fn release(&self, entry: u32, g: u32) {
-        // Release: whatever the releasing side did before (the server's
-        // copies, settled; the client's give-up) happens before a host
-        // reader's Acquire load of `go`; a stream reads it on the device.
-        self.go(entry).store(g, Ordering::Release);
+        let go = self.go(entry);
+        // Relaxed: only the value decides; the successful exchange is the
+        // release.
+        let mut cur = go.load(Ordering::Relaxed);
+        while !reached(cur, g) {
+            // Release (success): whatever the releasing side did before (the
+            // server's copies, settled; the client's give-up) happens before
+            // a host reader's Acquire load of `go` (a stream reads it on the
+            // device). Relaxed (failure): retried with the value seen.
+            match go.compare_exchange_weak(cur, g, Ordering::Release, Ordering::Relaxed) {
+                Ok(_) => return,
+                Err(now) => cur = now,
+            }
+        }
+    }
+
+    /// Makes `entry` ready for generation `g`, whose predecessor in the
+    /// entry ended (released, no copy under way): `go` and `cancel` one
+    /// behind `g`, so neither reads as reached for `g` however long the
+    /// entry was idle.
+    pub fn reset(&self, entry: u32, g: u32) {
+        // Relaxed: nothing waits for generation `g` yet (the request that
+        // names it is sent after this, a Release on the ring); a stream of
+        // an older generation reads a value at or past its own.
+        self.go(entry).store(g.wrapping_sub(1), Ordering::Relaxed);
+        self.cancel(entry).store(g.wrapping_sub(1), Ordering::Relaxed);
     }
 
     /// Whether generation `g` of `entry` was released.
@@ -209,5 +234,13 @@ mod tests {
         assert!(!w.released(e, g));
         w.release(e, g);
         assert!(w.released(e, g) && !w.released(e, g + 1));
+        // A late release of an older generation changes nothing.
+        w.release(e, g + 5);
+        w.release(e, g);
+        assert!(w.released(e, g + 5));
+        // Reset for a generation far ahead: neither cancelled nor released.
+        let far = g.wrapping_add(3 << 30);
+        w.reset(e, far);
+        assert!(!w.cancelled(e, far) && !w.released(e, far));
     }
 }

@@ -164,3 +164,26 @@ fn a_job_given_up_while_the_server_is_stopped_never_lands_afterwards() {
     }
     assert!(tested, "every store ended before the server stopped");
 }
+
+/// A server that shuts down with jobs queued releases every one of them
+/// (a stream ordered after any would otherwise wait forever): the jobs
+/// whose tasks it dropped are released when their last task goes.
+#[test]
+fn a_server_shutting_down_releases_every_job() {
+    let mut s = Fixture::new("give-up-stop", Duration::from_secs(60), &ARGS);
+    let l = kv_layout(LayoutPreset::Lbnhc, 2, CHUNKS * BLOCKS_PER_CHUNK, 1024);
+    let mut e = Engine::new(&s, l, 1, 0);
+    let blocks: Vec<u32> = (0..CHUNKS * BLOCKS_PER_CHUNK).collect();
+    // Stores of fresh chunks, queued behind each other on two workers.
+    let jobs: Vec<Job> = (0..6)
+        .map(|i| {
+            let hashes = prompt_hashes(100 + i, CHUNKS as usize);
+            e.c.store(Store::new(&e.inst, &hashes, &blocks)).unwrap()
+        })
+        .collect();
+    let status = s.srv.terminate();
+    assert!(status.success(), "{status:?}");
+    let ended: Vec<bool> = jobs.iter().map(Job::released).collect();
+    eprintln!("released after the shutdown: {ended:?}");
+    assert!(ended.iter().all(|&r| r), "a job left unreleased: {ended:?}");
+}

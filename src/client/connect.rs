@@ -82,6 +82,7 @@ impl Link {
     }
 
     /// Whether the server is gone: its end of the connection closed.
+    #[cfg(feature = "cuda")]
     pub fn server_gone(&self) -> bool {
         self.conn.peer_closed()
     }

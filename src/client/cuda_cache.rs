@@ -323,6 +323,17 @@ impl EngineStream {
         // lives (its link is kept in `jobs`), and it is released on drop
         // before the stream drains.
         unsafe { self.stream.wait_value(go, g) }?;
+        // Released jobs need no give-up on drop: only one entry per link
+        // is kept for them (the waits they queued may not have run yet, so
+        // each link's words stay mapped until the stream drains on drop).
+        let mut seen: Vec<*const super::connect::Link> = Vec::new();
+        jobs.retain(|(l, e, g)| {
+            let first = !seen.contains(&Arc::as_ptr(l));
+            if first {
+                seen.push(Arc::as_ptr(l));
+            }
+            first || !l.words().released(*e, *g)
+        });
         jobs.push((link.clone(), entry, g));
         link.words.watch(link, entry, g)?;
         Ok(())
@@ -346,12 +357,23 @@ impl Drop for EngineStream {
         for w in self.gates.get_mut().unwrap_or_else(|e| e.into_inner()).iter() {
             w.set(u32::MAX);
         }
-        // Jobs still running are given up (their copies stop touching the
-        // engine's memory), which releases their words.
-        for (link, entry, g) in self.jobs.get_mut().unwrap_or_else(|e| e.into_inner()).iter() {
-            if !link.words().released(*entry, *g) {
-                link.words
-                    .give_up(link, *entry, *g, super::GaveUp::Asked);
+        // Jobs still running are given up, all at once (their copies stop
+        // touching the engine's memory), which releases their words.
+        let jobs = self.jobs.get_mut().unwrap_or_else(|e| e.into_inner());
+        let mut links: Vec<&Arc<super::connect::Link>> = Vec::new();
+        for (l, _, _) in jobs.iter() {
+            if !links.iter().any(|k| Arc::ptr_eq(k, l)) {
+                links.push(l);
+            }
+        }
+        for link in links {
+            let due: Vec<_> = jobs
+                .iter()
+                .filter(|(l, e, g)| Arc::ptr_eq(l, link) && !l.words().released(*e, *g))
+                .map(|&(_, e, g)| (e, g, super::GaveUp::Asked))
+                .collect();
+            if !due.is_empty() {
+                link.words.give_up_all(link, &due);
             }
         }
         // Drained here, while the links (the words' mappings) are still

@@ -90,31 +90,42 @@ impl Job {
     }
 
     /// Its entry and generation in the job words (a STORE or RETRIEVE).
+    #[cfg(feature = "cuda")]
     pub(crate) fn word(&self) -> Option<(u32, u32)> {
         self.word
     }
 
+    #[cfg(feature = "cuda")]
     pub(crate) fn link(&self) -> &Arc<Link> {
         &self.link
     }
 
     /// Gives the job up now (a STORE or RETRIEVE; other jobs are left as
     /// they are): no copy of it starts afterwards, one under way is waited
-    /// for (at most `QUIESCE_BOUND`), streams waiting for it go on, and a
-    /// store does not commit. Its blocks are the engine's again once this
-    /// returns `Ok` (`Error::CopiesInFlight`: a copy was still under way at
-    /// the bound). A job that already ended is not changed.
+    /// for (at most `QUIESCE_BOUND`), streams waiting for it go on, and,
+    /// unless the server had already settled it, a store does not commit.
+    /// Its blocks are the engine's again once this returns `Ok`
+    /// (`Error::CopiesInFlight`: a copy was still under way at the bound).
+    /// A job the server already released is not changed.
     pub fn give_up(&self) -> Result<()> {
         let Some((e, g)) = self.word else {
             return Ok(());
         };
-        if status(&self.link, self.id).is_ok_and(|s| s.is_terminal()) {
+        if self.link.words().released(e, g) && self.link.words().quiescent(e) {
             return Ok(());
         }
         match self.link.words.give_up(&self.link, e, g, GaveUp::Asked) {
             Some(u) if !u.quiet => Err(Error::CopiesInFlight(self.id)),
             _ => Ok(()),
         }
+    }
+
+    /// Whether the job's word was released (a STORE or RETRIEVE): every
+    /// copy of it is over, or it was given up, so a stream ordered after it
+    /// (`EngineStream::wait_job`) goes on. Always true for other jobs.
+    pub fn released(&self) -> bool {
+        self.word
+            .is_none_or(|(e, g)| self.link.words().released(e, g))
     }
 
     /// The job's id.
@@ -168,11 +179,13 @@ impl Job {
                 if let Some(u) = words.given_up(e, g) {
                     return Err(u.error(self.id));
                 }
-                words.ended(e, g);
+                words.ended(&self.link, e, g);
                 return Ok(st);
             }
             Err(Error::ServerGone) => GaveUp::ServerGone,
-            Err(Error::Timeout(d)) if own.is_some_and(|o| o <= deadline) => GaveUp::Deadline(d),
+            Err(Error::Timeout(d)) if own.is_some_and(|o| o <= deadline) => {
+                GaveUp::Deadline(words.age(e, g).unwrap_or(d))
+            }
             Err(other) => return Err(other),
         };
         match words.give_up(&self.link, e, g, why) {

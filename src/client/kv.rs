@@ -762,10 +762,14 @@ impl Client {
                 self.link.words.bind(entry, job.id());
                 Ok(job.with_word(entry, g))
             }
-            Err(e) => {
-                // Refused (or never answered: a server gone copies
-                // nothing more once it exited).
+            // Refused: nothing of it ran.
+            Err(e @ (Error::Status(_) | Error::UnknownStatus(_))) => {
                 self.link.words.put_back(entry);
+                Err(e)
+            }
+            // No answer: the server may still run it.
+            Err(e) => {
+                self.link.words.abandon(&self.link, entry, g);
                 Err(e)
             }
         }

@@ -42,7 +42,7 @@ mod words;
 pub use channel::{Completion, RawChannel};
 pub use host_cache::HostKvCache;
 pub use jobs::{DelayJob, Job, ToRelease};
-pub use kv::{KvSpec, Memory, Registration, Retrieve, Store};
+pub use kv::{KvSpec, Memory, Registration, Retrieve, Store, DEFAULT_JOB_TIMEOUT};
 pub use lease::{Lease, LeaseId, Lookup};
 pub use words::{GaveUp, QUIESCE_BOUND};
 

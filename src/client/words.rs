@@ -8,7 +8,9 @@ use crate::error::{Error, Result};
 use crate::jobs::JobId;
 use crate::job_words::JOB_WORDS;
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Condvar, Mutex, Weak};
+#[cfg(feature = "cuda")]
+use std::sync::{Arc, Weak};
+use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 /// How long a client that gave a job up waits for a copy already under way
@@ -17,6 +19,7 @@ use std::time::{Duration, Instant};
 pub const QUIESCE_BOUND: Duration = Duration::from_secs(5);
 
 /// How often the watcher looks at the jobs some stream waits for.
+#[cfg(feature = "cuda")]
 const WATCH_EVERY: Duration = Duration::from_millis(1);
 
 /// Why a client gave a job up.
@@ -53,6 +56,8 @@ impl GiveUp {
     }
 }
 
+// `submitted` and `watched` serve the watcher (engine streams: `cuda`).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 struct InFlight {
     generation: u32,
     /// Set once the server accepted the job.
@@ -62,10 +67,26 @@ struct InFlight {
     /// A stream waits for it: the watcher gives it up at its deadline or
     /// when the server dies, whoever else waits.
     watched: bool,
+    /// A give-up is under way (its `go` store is still to come): the entry
+    /// is not reused before it ends.
+    giving_up: bool,
     gave_up: Option<GiveUp>,
 }
 
+impl InFlight {
+    /// Whether the entry can go to another job: its job ended on the
+    /// server (`ended`), its streams were released and no copy of it is
+    /// under way, and no give-up of it is still running.
+    fn reusable(&self, entry: u32, words: &crate::job_words::Words<'_>, ended: bool) -> bool {
+        ended
+            && !self.giving_up
+            && words.released(entry, self.generation)
+            && words.quiescent(entry)
+    }
+}
+
 #[derive(Default)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 struct State {
     free: VecDeque<u32>,
     next_generation: u32,
@@ -76,6 +97,8 @@ struct State {
 /// One connection's job words table.
 pub(crate) struct WordTable {
     state: Mutex<State>,
+    /// Wakes the watcher (engine streams: `cuda`).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     wake: Condvar,
 }
 
@@ -97,7 +120,8 @@ impl WordTable {
 
     /// An entry and a generation for a new job that gives up `timeout`
     /// after now. Entries are reused oldest first, and only once their
-    /// last job ended on the server.
+    /// last job ended on the server, was released and has no copy under
+    /// way.
     pub fn take(&self, link: &Link, timeout: Duration) -> Result<(u32, u32)> {
         let mut st = self.lock();
         if st.free.is_empty() {
@@ -111,6 +135,7 @@ impl WordTable {
         };
         let g = st.next_generation;
         st.next_generation = g.wrapping_add(1);
+        link.words().reset(entry, g);
         let now = Instant::now();
         st.busy.insert(
             entry,
@@ -118,8 +143,11 @@ impl WordTable {
                 generation: g,
                 job: None,
                 submitted: now,
-                deadline: now.checked_add(timeout).unwrap_or(now + Duration::from_secs(1 << 40)),
+                deadline: now
+                    .checked_add(timeout)
+                    .unwrap_or(now + Duration::from_secs(1 << 40)),
                 watched: false,
+                giving_up: false,
                 gave_up: None,
             },
         );
@@ -141,13 +169,42 @@ impl WordTable {
         }
     }
 
-    /// The job of `entry` ended on the server: its entry can be reused.
-    pub fn ended(&self, entry: u32, g: u32) {
+    /// The request of generation `g` of `entry` got no answer (the call
+    /// timed out, or the connection broke): the server may still run it.
+    /// It is given up at once (whatever of it runs later copies nothing)
+    /// and its entry is never reused, as no job id will say it ended.
+    pub fn abandon(&self, link: &Link, entry: u32, g: u32) {
+        link.words().give_up(entry, g);
+        if let Some(f) = self.lock().busy.get_mut(&entry) {
+            f.gave_up = Some(GiveUp {
+                why: GaveUp::Asked,
+                quiet: false,
+            });
+        }
+    }
+
+    /// The job of `entry` ended on the server: its entry can be reused
+    /// (once it was released and no copy of it is under way).
+    pub fn ended(&self, link: &Link, entry: u32, g: u32) {
         let mut st = self.lock();
-        if st.busy.get(&entry).is_some_and(|f| f.generation == g) {
+        let words = link.words();
+        if st
+            .busy
+            .get(&entry)
+            .is_some_and(|f| f.generation == g && f.reusable(entry, &words, true))
+        {
             st.busy.remove(&entry);
             st.free.push_back(entry);
         }
+    }
+
+    /// Time since generation `g` of `entry` was submitted.
+    pub fn age(&self, entry: u32, g: u32) -> Option<Duration> {
+        let st = self.lock();
+        st.busy
+            .get(&entry)
+            .filter(|f| f.generation == g)
+            .map(|f| f.submitted.elapsed())
     }
 
     /// How generation `g` of `entry` was given up, if it was.
@@ -169,48 +226,88 @@ impl WordTable {
     }
 
     /// Gives generation `g` of `entry` up (once; later calls answer the
-    /// first's outcome): stores its `cancel`, waits until no copy of it is
-    /// under way (or the server process is gone; at most
-    /// [`QUIESCE_BOUND`]), then releases the streams that wait for it.
+    /// first's outcome): see [`WordTable::give_up_all`].
     pub fn give_up(&self, link: &Link, entry: u32, g: u32, why: GaveUp) -> Option<GiveUp> {
+        self.give_up_all(link, &[(entry, g, why)])
+            .into_iter()
+            .next()
+            .flatten()
+    }
+
+    /// Gives jobs up, all at once: stores each one's `cancel`, then waits
+    /// until no copy of any of them is under way (or the server process is
+    /// gone; at most [`QUIESCE_BOUND`] for all of them together), then
+    /// releases the streams that wait for them. A job given up before
+    /// answers that give-up's outcome; one not in flight (it ended and its
+    /// entry moved on), `None`.
+    pub fn give_up_all(&self, link: &Link, jobs: &[(u32, u32, GaveUp)]) -> Vec<Option<GiveUp>> {
+        let mut out: Vec<Option<GiveUp>> = vec![None; jobs.len()];
+        let mut mine = Vec::new();
         {
-            let st = self.lock();
-            let f = st.busy.get(&entry).filter(|f| f.generation == g)?;
-            if let Some(done) = f.gave_up {
-                return Some(done);
+            let mut st = self.lock();
+            for (i, &(e, g, why)) in jobs.iter().enumerate() {
+                let Some(f) = st.busy.get_mut(&e).filter(|f| f.generation == g) else {
+                    continue;
+                };
+                if let Some(done) = f.gave_up {
+                    out[i] = Some(done);
+                } else if !f.giving_up {
+                    f.giving_up = true;
+                    mine.push((i, e, g, why));
+                }
             }
         }
         let words = link.words();
-        words.give_up(entry, g);
+        for &(_, e, g, _) in &mine {
+            words.give_up(e, g);
+        }
         let start = Instant::now();
         let mut pause = Duration::from_micros(20);
-        let quiet = loop {
-            if words.quiescent(entry) || link.server_exited() {
-                break true;
+        let mut quiet = vec![false; mine.len()];
+        loop {
+            let exited = link.server_exited();
+            for (q, &(_, e, _, _)) in quiet.iter_mut().zip(&mine) {
+                *q = *q || exited || words.quiescent(e);
             }
-            if start.elapsed() >= QUIESCE_BOUND {
-                break false;
+            if quiet.iter().all(|&q| q) || start.elapsed() >= QUIESCE_BOUND {
+                break;
             }
             std::thread::sleep(pause);
             pause = (pause * 2).min(Duration::from_millis(1));
-        };
-        if !quiet {
-            tracing::warn!(
-                entry,
-                "a copy of a given-up job was still under way after {QUIESCE_BOUND:?}; \
-                 its streams are released anyway"
-            );
         }
-        words.release(entry, g);
-        let outcome = GiveUp { why, quiet };
+        for (&(_, e, g, _), &q) in mine.iter().zip(&quiet) {
+            if !q {
+                tracing::warn!(
+                    entry = e,
+                    "a copy of a given-up job was still under way after {QUIESCE_BOUND:?}; \
+                     its streams are released anyway"
+                );
+            }
+            words.release(e, g);
+        }
         let mut st = self.lock();
-        if let Some(f) = st.busy.get_mut(&entry).filter(|f| f.generation == g) {
-            // A concurrent give-up may have recorded its own: keep the first.
-            return Some(*f.gave_up.get_or_insert(outcome));
+        for (&(i, e, g, why), &q) in mine.iter().zip(&quiet) {
+            let outcome = GiveUp { why, quiet: q };
+            if let Some(f) = st.busy.get_mut(&e).filter(|f| f.generation == g) {
+                f.giving_up = false;
+                f.gave_up = Some(outcome);
+            }
+            out[i] = Some(outcome);
         }
-        Some(outcome)
+        // Another caller may be giving some of these up: theirs answer.
+        for (i, &(e, g, _)) in jobs.iter().enumerate() {
+            if out[i].is_none() {
+                out[i] = st
+                    .busy
+                    .get(&e)
+                    .filter(|f| f.generation == g)
+                    .and_then(|f| f.gave_up);
+            }
+        }
+        out
     }
 
+    #[cfg(feature = "cuda")]
     /// A stream waits for generation `g` of `entry`: from now on the
     /// watcher gives it up at its deadline or when the server dies.
     pub fn watch(self: &Arc<Self>, link: &Arc<Link>, entry: u32, g: u32) -> Result<()> {
@@ -239,20 +336,23 @@ impl WordTable {
     }
 }
 
-/// Frees the entries whose job ended on the server.
+/// Frees the entries whose job ended on the server (and were released,
+/// with no copy under way).
 fn settle(st: &mut State, link: &Link) {
     let Ok(reader) = link.jobs() else {
         return;
     };
+    let words = link.words();
     let ended: Vec<u32> = st
         .busy
         .iter()
-        .filter(|(_, f)| {
-            f.job.is_some_and(|id| match reader.status(id) {
-                Ok(s) => s.is_terminal(),
-                // The slot was reused: the job ended long ago.
-                Err(_) => true,
-            })
+        .filter(|(&e, f)| {
+            let ended = f.job.is_some_and(|id| {
+                // A read error (a slot being written, or inconsistent) says
+                // nothing: not ended. A reused slot reads as ended.
+                reader.status(id).is_ok_and(|s| s.is_terminal())
+            });
+            f.reusable(e, &words, ended)
         })
         .map(|(&e, _)| e)
         .collect();
@@ -262,47 +362,58 @@ fn settle(st: &mut State, link: &Link) {
     }
 }
 
+#[cfg(feature = "cuda")]
 /// The watcher: while some stream waits for a job, looks every
 /// millisecond at the server's life and the jobs' deadlines, and gives up
 /// what must be; frees entries whose job ended. Sleeps while nothing is
 /// watched; ends with the connection.
 fn watch(table: Weak<WordTable>, link: Weak<Link>) {
     loop {
-        let (Some(table), Some(link)) = (table.upgrade(), link.upgrade()) else {
+        let Some(table) = table.upgrade() else {
             return;
         };
-        let mut st = table.lock();
-        settle(&mut st, &link);
-        if !st.busy.values().any(|f| f.watched && f.gave_up.is_none()) {
-            // Nothing to watch: sleep until a stream waits again (bounded,
-            // so a dropped connection ends this thread).
-            let _ = table
-                .wake
-                .wait_timeout(st, Duration::from_millis(100))
-                .unwrap_or_else(|e| e.into_inner());
-            continue;
+        let due = {
+            let Some(link) = link.upgrade() else {
+                return;
+            };
+            let mut st = table.lock();
+            settle(&mut st, &link);
+            let watched = st.busy.values().any(|f| f.watched && f.gave_up.is_none());
+            let gone = watched && link.server_gone();
+            let now = Instant::now();
+            let due: Vec<(u32, u32, GaveUp)> = st
+                .busy
+                .iter()
+                .filter(|(_, f)| f.watched && f.gave_up.is_none() && !f.giving_up)
+                .filter_map(|(&e, f)| {
+                    if gone {
+                        Some((e, f.generation, GaveUp::ServerGone))
+                    } else if now >= f.deadline {
+                        Some((e, f.generation, GaveUp::Deadline(now - f.submitted)))
+                    } else {
+                        None
+                    }
+                })
+                .collect();
+            if !due.is_empty() {
+                drop(st);
+                table.give_up_all(&link, &due);
+            } else if !watched {
+                // Nothing to watch: sleep until a stream waits again
+                // (bounded, so a dropped connection ends this thread), the
+                // connection not held meanwhile.
+                drop(link);
+                let _ = table
+                    .wake
+                    .wait_timeout(st, Duration::from_millis(100))
+                    .unwrap_or_else(|e| e.into_inner());
+                continue;
+            }
+            due.len()
+        };
+        drop(table);
+        if due == 0 {
+            std::thread::sleep(WATCH_EVERY);
         }
-        let gone = link.server_gone();
-        let now = Instant::now();
-        let due: Vec<(u32, u32, GaveUp)> = st
-            .busy
-            .iter()
-            .filter(|(_, f)| f.watched && f.gave_up.is_none())
-            .filter_map(|(&e, f)| {
-                if gone {
-                    Some((e, f.generation, GaveUp::ServerGone))
-                } else if now >= f.deadline {
-                    Some((e, f.generation, GaveUp::Deadline(now - f.submitted)))
-                } else {
-                    None
-                }
-            })
-            .collect();
-        drop(st);
-        for (e, g, why) in due {
-            table.give_up(&link, e, g, why);
-        }
-        drop((table, link));
-        std::thread::sleep(WATCH_EVERY);
     }
 }

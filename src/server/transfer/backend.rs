@@ -66,6 +66,24 @@ pub enum CopyError {
     TooManyBlocks { blocks: usize, capacity: usize },
     #[error("no free staging slot")]
     NoFreeSlot,
+    /// The copy was queued on the device, then a driver call about it
+    /// failed: whether it ran, and when, is unknown.
+    #[cfg(feature = "cuda")]
+    #[error("a queued copy's end is unknown: {0}")]
+    Unsettled(crate::gpu::CudaError),
+}
+
+impl CopyError {
+    /// The copy may still touch the engine's memory (it was queued on the
+    /// device and never seen to finish).
+    pub fn may_still_run(&self) -> bool {
+        match self {
+            CopyError::Timeout(_) => true,
+            #[cfg(feature = "cuda")]
+            CopyError::Unsettled(_) => true,
+            _ => false,
+        }
+    }
 }
 
 /// How one chunk of a job ended.

@@ -48,7 +48,11 @@ impl EngineEvent {
 
 /// The job's entry in its client's job words ([`crate::job_words`]); holds
 /// the client's memory (and so its words' registration with the driver)
-/// until the job's last copy is over.
+/// until the job's last copy is over. Dropped, it releases the job's
+/// streams if nothing did (a job whose tasks a stopping server dropped): it
+/// is dropped only once no copy of the job can run, and a job one of whose
+/// copies may still run on the device is never dropped (see
+/// `JobRun::wedged`).
 pub struct JobWord {
     pub(crate) memory: Arc<OwnedClientMemory>,
     /// Below `JOB_WORDS` (checked at acceptance).
@@ -69,6 +73,14 @@ impl JobWord {
     /// Every copy of the job is over: streams waiting for it go on.
     pub fn release(&self) {
         self.words().release(self.entry, self.generation);
+    }
+}
+
+impl Drop for JobWord {
+    fn drop(&mut self) {
+        // Forward only: a no-op after `finish` released it, or once the
+        // client moved the entry on.
+        self.release();
     }
 }
 
@@ -93,6 +105,10 @@ pub struct JobRun {
     pub(super) failed: AtomicBool,
     /// Failed because its engine event did not complete in time.
     pub(super) event_timed_out: AtomicBool,
+    /// A copy of it may still run on the device (it never finished, or its
+    /// end is unknown): its streams are not released by the server, and
+    /// the task holding it is kept for the server's life.
+    pub(super) wedged: AtomicBool,
     pub(super) bytes: AtomicU64,
 }
 
@@ -124,6 +140,7 @@ impl JobRun {
             started: AtomicBool::new(false),
             failed: AtomicBool::new(false),
             event_timed_out: AtomicBool::new(false),
+            wedged: AtomicBool::new(false),
             bytes: AtomicU64::new(0),
         })
     }

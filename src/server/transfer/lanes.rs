@@ -150,7 +150,8 @@ impl Copier {
     }
 
     /// Stops the workers of every lane; queued tasks are dropped (their
-    /// jobs are failed by the shutdown that follows).
+    /// jobs are failed by the shutdown that follows, and their streams
+    /// released when a job's last task goes: `JobWord`'s drop).
     pub fn stop(&self) {
         for lane in &self.lanes {
             lane.lock().stop = true;

@@ -108,13 +108,16 @@ pub fn run(shared: &Shared, lane: usize, worker: u32) {
     let mut asked: HashMap<*const JobRun, EventState> = HashMap::new();
     // This worker's copy numbers (in its jobs' `entered` / `done` words).
     let mut seq = 0u32;
+    // Tasks whose copy may still run on the device: kept (with their job,
+    // its client's memory and its words) for the server's life.
+    let mut wedged: Vec<Task> = Vec::new();
     loop {
         // Settle what finished (here or in the blocking poll below).
         executor.poll(false, &mut done);
         for (token, r) in done.drain(..) {
             if let Some(t) = inflight.get_mut(token).and_then(Option::take) {
                 busy -= 1;
-                chunk_done(shared, &t.job, r.into());
+                settle(shared, t, r, &mut wedged);
             }
         }
         if busy >= depth {
@@ -249,12 +252,32 @@ pub fn run(shared: &Shared, lane: usize, worker: u32) {
                 inflight[token] = Some(task);
                 busy += 1;
             }
-            Err(e) => chunk_done(shared, &job, ChunkOutcome::Failed(e)),
+            Err(e) => settle(shared, task, Err(e), &mut wedged),
         }
     }
     // Held tasks of a stopping server go as its queued ones do: their jobs
-    // are failed (ServerShutdown) by the shutdown that follows.
+    // are failed (ServerShutdown) by the shutdown that follows, and their
+    // streams released when the last task of each goes (`JobWord`'s drop).
     drop((held, ready));
+    // Never released: their copies may still run as the process exits.
+    std::mem::forget(wedged);
+}
+
+/// Settles a task whose copy ended (or could not be queued). A copy that
+/// may still run on the device marks its job wedged (the server does not
+/// release its streams; the client gives it up at its deadline) and its
+/// task is kept, so nothing the copy uses is freed under it.
+fn settle(shared: &Shared, task: Task, r: Result<u64, CopyError>, wedged: &mut Vec<Task>) {
+    match r {
+        Err(e) if e.may_still_run() => {
+            // Relaxed: published to `finish` by `chunk_done`'s AcqRel
+            // decrement, as the other counters.
+            task.job.wedged.store(true, Ordering::Relaxed);
+            chunk_done(shared, &task.job, ChunkOutcome::Failed(e));
+            wedged.push(task);
+        }
+        r => chunk_done(shared, &task.job, r.into()),
+    }
 }
 
 /// The last task of `job` is done: release the streams waiting for the job
@@ -300,8 +323,12 @@ fn finish(shared: &Shared, job: &JobRun) {
     // Every copy of the job is over (each was settled through its
     // completion): streams ordered after the job go on. Before the job
     // table says the job ended: once it does, its client may give the
-    // entry to its next job, which no late store of this one may reach.
-    job.word.release();
+    // entry to its next job. Not if a copy may still run: its client gives
+    // it up (and sees the copy under way).
+    // Relaxed: as `failed` above.
+    if !job.wedged.load(Ordering::Relaxed) {
+        job.word.release();
+    }
     // A store commits only if every chunk was copied; otherwise (a copy
     // failed, or the job ended early) its objects are dropped.
     let published = match job.dir {

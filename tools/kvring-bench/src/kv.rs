@@ -134,7 +134,7 @@ pub fn run(
     preset: LayoutPreset,
 ) {
     let ncpu = std::thread::available_parallelism().map_or(1, |n| n.get()) as u32;
-    let threads = copy_threads.unwrap_or((ncpu - 1).max(1));
+    let threads = copy_threads.unwrap_or((ncpu - 1).clamp(1, kvring::job_words::WORD_WORKERS));
     // Twice the blocks a job moves: disjoint sources and destinations.
     let bpc = bench_geometry(preset, 0).1.blocks_per_chunk(CHUNK);
     let l = bench_layout(preset, CHUNKS * bpc * 2);

@@ -315,16 +315,15 @@ impl CopyExecutor for CudaExecutor {
         let queue = self.device_queue(&table.device)?;
         let k = queue.stage(c, obj_bytes, zero_copy_ctas > 0)?;
         if let Err(e) = queue.enqueue_copy(k, c, table, obj_bytes, zero_copy_ctas, words) {
-            // The copy never runs (its gate may, storing `entered` as
-            // here): both words are stored now, so no give-up of this job or
-            // of a later one of this entry waits for it.
-            let w = &c.word;
-            let words = w.job.words();
-            words
-                .entered(w.job.entry, w.worker)
-                .store(w.seq, std::sync::atomic::Ordering::SeqCst);
-            words.leave(w.job.entry, w.worker, w.seq);
-            return Err(e);
+            // Part of the copy may be queued (its gate, its kernel): the
+            // slot's buffers and the job's words may still be used by the
+            // device, so the slot is never used again and the job is never
+            // taken for over (`CopyError::may_still_run`).
+            queue.slots[k].state = SlotState::Wedged;
+            return Err(match e {
+                CopyError::Device(e) => CopyError::Unsettled(e),
+                other => other,
+            });
         }
         let n = c.blocks.len() as u64;
         let g = c.inst.layout.geometry();
@@ -382,8 +381,10 @@ impl CopyExecutor for CudaExecutor {
                         }
                         Ok(false) => any_busy = true,
                         Err(e) => {
-                            s.state = SlotState::Free;
-                            out.push((token, Err(CopyError::Device(e))));
+                            // Whether the copy ran is unknown: the slot's
+                            // buffers may still be in use.
+                            s.state = SlotState::Wedged;
+                            out.push((token, Err(CopyError::Unsettled(e))));
                         }
                     }
                 }
