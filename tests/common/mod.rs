@@ -603,17 +603,28 @@ pub fn prompt_hashes(seed: u32, chunks: usize) -> Vec<ChunkHash> {
 /// or running.
 #[allow(dead_code)]
 pub fn assert_no_unfinished_jobs(ro: &kvring::segment::ReadOnlySegment) {
+    let left = unfinished_jobs(ro);
+    assert!(
+        left.is_empty(),
+        "job slots left pending or running: {left:?}"
+    );
+}
+
+/// The job slots of `ro` whose job is pending or running.
+#[allow(dead_code)]
+pub fn unfinished_jobs(ro: &kvring::segment::ReadOnlySegment) -> Vec<u32> {
     use kvring::jobs::JobState;
     let reader = ro.view().job_reader();
-    for index in 0..ro.view().info().geometry.job_slots {
-        if let Ok(Some(snap)) = reader.snapshot(index) {
-            let st = JobState::decode(snap.status.state).ok();
-            assert!(
-                !matches!(st, Some(JobState::Pending | JobState::Running)),
-                "job slot {index} left {st:?}"
-            );
-        }
-    }
+    (0..ro.view().info().geometry.job_slots)
+        .filter(|&index| {
+            reader.snapshot(index).ok().flatten().is_some_and(|snap| {
+                matches!(
+                    JobState::decode(snap.status.state).ok(),
+                    Some(JobState::Pending | JobState::Running)
+                )
+            })
+        })
+        .collect()
 }
 
 /// Why the GPU tests are ignored by default, and what one run with
