@@ -185,12 +185,21 @@ impl<'a> Words<'a> {
     /// entry ended (released, no copy under way): `go` and `cancel` one
     /// behind `g`, so neither reads as reached for `g` however long the
     /// entry was idle.
+    /// Its `entered` and `done` words go back to 0 (copy numbers are never
+    /// 0): a copy of the new generation always changes `entered`, even one
+    /// by a worker of another lane whose count happens to match.
     pub fn reset(&self, entry: u32, g: u32) {
-        // Relaxed: nothing waits for generation `g` yet (the request that
+        // Relaxed: nothing of generation `g` runs yet (the request that
         // names it is sent after this, a Release on the ring); a stream of
         // an older generation reads a value at or past its own.
         self.go(entry).store(g.wrapping_sub(1), Ordering::Relaxed);
         self.cancel(entry).store(g.wrapping_sub(1), Ordering::Relaxed);
+        for w in 0..WORD_WORKERS {
+            // Relaxed: as above; no copy of the entry's last job is under
+            // way (the entry is reused only then).
+            self.entered(entry, w).store(0, Ordering::Relaxed);
+            self.done(entry, w).store(0, Ordering::Relaxed);
+        }
     }
 
     /// Whether generation `g` of `entry` was released.
@@ -242,5 +251,9 @@ mod tests {
         let far = g.wrapping_add(3 << 30);
         w.reset(e, far);
         assert!(!w.cancelled(e, far) && !w.released(e, far));
+        // A copy of the new generation numbered as the last one is seen.
+        assert!(w.enter(e, far, 2, 11));
+        w.give_up(e, far);
+        assert!(!w.quiescent(e));
     }
 }

@@ -37,6 +37,9 @@ pub(super) struct InFlight {
     /// A synchronous call that timed out: its completion, when it comes, is
     /// consumed and dropped (a job it created is released once finished).
     abandoned: Option<Opcode>,
+    /// The job-words entry and generation of an abandoned STORE or
+    /// RETRIEVE: bound to its job when the late answer names it.
+    word: Option<(u32, u32)>,
 }
 
 /// The ring-level calls of a [`Client`]: queue and publish frames, take
@@ -213,6 +216,7 @@ impl Client {
             user_data,
             reserved: bound,
             abandoned: None,
+            word: None,
         });
         self.show_load();
         Ok(())
@@ -263,6 +267,7 @@ impl Client {
                 user_data: header.user_data,
                 reserved: bound,
                 abandoned: None,
+                word: None,
             });
             self.show_load();
         }
@@ -298,11 +303,11 @@ impl Client {
     /// Consumes one completion frame (payload left in `self.buf`), returning
     /// its credit.
     fn take_frame(&mut self) -> Result<Option<FrameHeader>> {
-        while let Some((h, abandoned)) = self.take_any_frame()? {
+        while let Some((h, abandoned, word)) = self.take_any_frame()? {
             match abandoned {
                 Some(op) => {
                     self.abandoned -= 1;
-                    self.adopt_orphan(op, &h);
+                    self.adopt_orphan(op, &h, word);
                 }
                 None => return Ok(Some(h)),
             }
@@ -311,21 +316,33 @@ impl Client {
     }
 
     /// A late completion of an abandoned call: a job it created is kept
-    /// to be released once it finishes.
-    fn adopt_orphan(&mut self, op: Opcode, h: &FrameHeader) {
+    /// to be released once it finishes, and a STORE's or RETRIEVE's entry
+    /// in the job words is bound to it (freed once it ended), or given back
+    /// if the server refused it.
+    fn adopt_orphan(&mut self, op: Opcode, h: &FrameHeader, word: Option<(u32, u32)>) {
         let job_op = matches!(
             op,
             Opcode::DelayJob | Opcode::Lookup | Opcode::Store | Opcode::Retrieve
         );
         if job_op && h.status == 0 && h.len as usize == size_of::<JobId>() {
             let bytes = &bytemuck::cast_slice::<u64, u8>(&self.buf)[..h.len as usize];
-            self.orphans.push(bytemuck::pod_read_unaligned(bytes));
+            let id: JobId = bytemuck::pod_read_unaligned(bytes);
+            if let Some((entry, _)) = word {
+                self.link.words.bind(entry, id);
+            }
+            self.orphans.push(id);
+        } else if let Some((entry, _)) = word.filter(|_| h.status != 0) {
+            // Refused: nothing of it ran.
+            self.link.words.put_back(entry);
         }
     }
 
-    /// Consumes one completion frame, with the opcode of the abandoned call
-    /// it answers, if it answers one.
-    fn take_any_frame(&mut self) -> Result<Option<(FrameHeader, Option<Opcode>)>> {
+    /// Consumes one completion frame, with the opcode (and job-words entry)
+    /// of the abandoned call it answers, if it answers one.
+    #[allow(clippy::type_complexity)]
+    fn take_any_frame(
+        &mut self,
+    ) -> Result<Option<(FrameHeader, Option<Opcode>, Option<(u32, u32)>)>> {
         let h = match self.cq.pop(&mut self.buf) {
             Ok(Some(h)) => h,
             Ok(None) => return Ok(None),
@@ -348,7 +365,7 @@ impl Client {
         if frame_len(&h) > f.reserved {
             return Err(Error::Protocol("completion larger than its bound".into()));
         }
-        Ok(Some((h, f.abandoned)))
+        Ok(Some((h, f.abandoned, f.word)))
     }
 
     pub(super) fn wait_completion(&mut self, deadline: Instant) -> Result<Completion> {
@@ -488,7 +505,7 @@ impl Client {
 
     /// A synchronous request may start only when no other request waits
     /// for its completion (completions come in order).
-    fn check_no_call_in_flight(&self, op: Opcode) -> Result<()> {
+    pub(super) fn check_no_call_in_flight(&self, op: Opcode) -> Result<()> {
         match self.live_in_flight() {
             0 => Ok(()),
             in_flight => Err(Error::CallInFlight { op, in_flight }),
@@ -499,10 +516,12 @@ impl Client {
     /// newest in flight): its payload, or its error status as an error. At
     /// the deadline the request is abandoned (see [`RawChannel::call`]).
     fn finish_call(&mut self, op: Opcode, deadline: Instant) -> Result<Vec<u8>> {
+        let word = self.call_word.take();
         let c = match self.wait_completion(deadline) {
             Err(Error::Timeout(d)) => {
                 if let Some(f) = self.inflight.back_mut() {
                     f.abandoned = Some(op);
+                    f.word = word;
                     self.abandoned += 1;
                 }
                 return Err(Error::Timeout(d));

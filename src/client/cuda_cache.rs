@@ -291,7 +291,9 @@ impl EngineStream {
     /// stream never waits for a server that died or stalled beyond the
     /// job's timeout, and never runs ahead of the copies. Keep the waits of
     /// one process on one stream: a few streams blocked on the device stall
-    /// all of a process's GPU work.
+    /// all of a process's GPU work. Dropping the stream gives up the jobs it
+    /// waited for that are not released yet (a store given up that way does
+    /// not commit).
     pub fn wait_job(&self, job: &super::Job) -> crate::Result<()> {
         let Some((entry, g)) = job.word() else {
             return Err(crate::Error::InvalidArgument(

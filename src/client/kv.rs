@@ -756,18 +756,30 @@ impl Client {
         timeout: Duration,
         build: impl FnOnce(u32, u32) -> Vec<u8>,
     ) -> Result<Job> {
+        // Refused before anything is sent, so no entry is taken for it.
+        self.check_no_call_in_flight(op)?;
         let (entry, g) = self.link.words.take(&self.link, timeout)?;
-        match self.submit_job(op, &build(entry, g)) {
+        self.call_word = Some((entry, g));
+        let r = self.submit_job(op, &build(entry, g));
+        self.call_word = None;
+        match r {
             Ok(job) => {
                 self.link.words.bind(entry, job.id());
                 Ok(job.with_word(entry, g))
             }
-            // Refused: nothing of it ran.
-            Err(e @ (Error::Status(_) | Error::UnknownStatus(_))) => {
+            // Refused, or never sent: nothing of it ran.
+            Err(
+                e @ (Error::Status(_)
+                | Error::UnknownStatus(_)
+                | Error::CallInFlight { .. }
+                | Error::Ring(_)),
+            ) => {
                 self.link.words.put_back(entry);
                 Err(e)
             }
-            // No answer: the server may still run it.
+            // No answer yet (the call timed out: the entry is bound to the
+            // job if a late answer names one), or none will come: the
+            // server may still run it.
             Err(e) => {
                 self.link.words.abandon(&self.link, entry, g);
                 Err(e)

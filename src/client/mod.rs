@@ -233,6 +233,9 @@ pub struct Client {
     inflight: VecDeque<channel::InFlight>,
     /// How many of `inflight` are abandoned (kept so no wait scans them).
     abandoned: usize,
+    /// The job-words entry of the STORE or RETRIEVE call being made (kept
+    /// with the call if it is abandoned).
+    call_word: Option<(u32, u32)>,
     buf: Vec<u64>,
     link: Arc<Link>,
     /// Where the server is and how to connect, for [`Client::reconnect`].

@@ -100,6 +100,8 @@ pub(crate) struct WordTable {
     /// Wakes the watcher (engine streams: `cuda`).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     wake: Condvar,
+    /// Notified when a give-up ends (for callers waiting for another's).
+    settled: Condvar,
 }
 
 impl WordTable {
@@ -111,6 +113,7 @@ impl WordTable {
                 ..State::default()
             }),
             wake: Condvar::new(),
+            settled: Condvar::new(),
         }
     }
 
@@ -123,10 +126,10 @@ impl WordTable {
     /// last job ended on the server, was released and has no copy under
     /// way.
     pub fn take(&self, link: &Link, timeout: Duration) -> Result<(u32, u32)> {
-        let mut st = self.lock();
-        if st.free.is_empty() {
-            settle(&mut st, link);
+        if self.lock().free.is_empty() {
+            settle(self, link);
         }
+        let mut st = self.lock();
         let Some(entry) = st.free.pop_front() else {
             return Err(Error::InvalidArgument(format!(
                 "{JOB_WORDS} STORE and RETRIEVE jobs of this client are in flight: \
@@ -294,17 +297,33 @@ impl WordTable {
             }
             out[i] = Some(outcome);
         }
-        // Another caller may be giving some of these up: theirs answer.
-        for (i, &(e, g, _)) in jobs.iter().enumerate() {
-            if out[i].is_none() {
-                out[i] = st
-                    .busy
-                    .get(&e)
-                    .filter(|f| f.generation == g)
-                    .and_then(|f| f.gave_up);
+        self.settled.notify_all();
+        // Another caller is giving the rest up: wait for its outcome (its
+        // bound, plus a margin), so no caller returns before the copies of
+        // a job it gave up are over.
+        let until = Instant::now() + QUIESCE_BOUND + Duration::from_secs(1);
+        loop {
+            let mut waiting = false;
+            for (i, &(e, g, _)) in jobs.iter().enumerate() {
+                if out[i].is_some() {
+                    continue;
+                }
+                match st.busy.get(&e).filter(|f| f.generation == g) {
+                    Some(f) if f.giving_up => waiting = true,
+                    Some(f) => out[i] = f.gave_up,
+                    None => {}
+                }
             }
+            let now = Instant::now();
+            if !waiting || now >= until {
+                return out;
+            }
+            st = self
+                .settled
+                .wait_timeout(st, until - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
         }
-        out
     }
 
     #[cfg(feature = "cuda")]
@@ -337,28 +356,41 @@ impl WordTable {
 }
 
 /// Frees the entries whose job ended on the server (and were released,
-/// with no copy under way).
-fn settle(st: &mut State, link: &Link) {
+/// with no copy under way). The job table is read with the table unlocked
+/// (a read may wait for a slot being written); only entries still of the
+/// same generation are freed.
+fn settle(table: &WordTable, link: &Link) {
+    let jobs: Vec<(u32, u32, JobId)> = {
+        let st = table.lock();
+        st.busy
+            .iter()
+            .filter_map(|(&e, f)| f.job.map(|id| (e, f.generation, id)))
+            .collect()
+    };
+    if jobs.is_empty() {
+        return;
+    }
     let Ok(reader) = link.jobs() else {
         return;
     };
-    let words = link.words();
-    let ended: Vec<u32> = st
-        .busy
-        .iter()
-        .filter(|(&e, f)| {
-            let ended = f.job.is_some_and(|id| {
-                // A read error (a slot being written, or inconsistent) says
-                // nothing: not ended. A reused slot reads as ended.
-                reader.status(id).is_ok_and(|s| s.is_terminal())
-            });
-            f.reusable(e, &words, ended)
-        })
-        .map(|(&e, _)| e)
+    // A read error (a slot being written, or inconsistent) says nothing:
+    // not ended. A reused slot reads as ended.
+    let ended: Vec<(u32, u32)> = jobs
+        .into_iter()
+        .filter(|&(_, _, id)| reader.status(id).is_ok_and(|s| s.is_terminal()))
+        .map(|(e, g, _)| (e, g))
         .collect();
-    for e in ended {
-        st.busy.remove(&e);
-        st.free.push_back(e);
+    let words = link.words();
+    let mut st = table.lock();
+    for (e, g) in ended {
+        if st
+            .busy
+            .get(&e)
+            .is_some_and(|f| f.generation == g && f.reusable(e, &words, true))
+        {
+            st.busy.remove(&e);
+            st.free.push_back(e);
+        }
     }
 }
 
@@ -372,14 +404,25 @@ fn watch(table: Weak<WordTable>, link: Weak<Link>) {
         let Some(table) = table.upgrade() else {
             return;
         };
-        let due = {
+        let pause = {
             let Some(link) = link.upgrade() else {
                 return;
             };
-            let mut st = table.lock();
-            settle(&mut st, &link);
+            settle(&table, &link);
+            let st = table.lock();
             let watched = st.busy.values().any(|f| f.watched && f.gave_up.is_none());
-            let gone = watched && link.server_gone();
+            if !watched {
+                // Nothing to watch: sleep until a stream waits again
+                // (bounded, so a dropped connection ends this thread), the
+                // connection not held meanwhile.
+                drop(link);
+                let _ = table
+                    .wake
+                    .wait_timeout(st, Duration::from_millis(100))
+                    .unwrap_or_else(|e| e.into_inner());
+                continue;
+            }
+            let gone = link.server_gone();
             let now = Instant::now();
             let due: Vec<(u32, u32, GaveUp)> = st
                 .busy
@@ -395,25 +438,24 @@ fn watch(table: Weak<WordTable>, link: Weak<Link>) {
                     }
                 })
                 .collect();
+            drop(st);
             if !due.is_empty() {
-                drop(st);
-                table.give_up_all(&link, &due);
-            } else if !watched {
-                // Nothing to watch: sleep until a stream waits again
-                // (bounded, so a dropped connection ends this thread), the
-                // connection not held meanwhile.
-                drop(link);
-                let _ = table
-                    .wake
-                    .wait_timeout(st, Duration::from_millis(100))
-                    .unwrap_or_else(|e| e.into_inner());
-                continue;
+                // On a thread of its own (it may wait up to the bound), so
+                // the watcher goes on seeing other deadlines and the
+                // server's death.
+                let (t, l) = (table.clone(), link.clone());
+                let spawned = std::thread::Builder::new()
+                    .name("kvring-give-up".into())
+                    .spawn(move || {
+                        t.give_up_all(&l, &due);
+                    });
+                if let Err(e) = spawned {
+                    tracing::warn!("spawn a give-up thread: {e}");
+                }
             }
-            due.len()
+            WATCH_EVERY
         };
         drop(table);
-        if due == 0 {
-            std::thread::sleep(WATCH_EVERY);
-        }
+        std::thread::sleep(pause);
     }
 }

@@ -413,6 +413,9 @@ impl ServerHandle {
         for w in self.workers.drain(..) {
             let _ = w.join();
         }
+        // Queued tasks go now, so their jobs' streams are released before
+        // the jobs are failed below.
+        sh.kv.copier.drop_queued();
         // Unfinished jobs end Failed(ServerShutdown) while their owners are
         // still connected, so a waiting owner reads that, not a bare
         // "server gone".

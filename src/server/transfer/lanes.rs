@@ -149,13 +149,27 @@ impl Copier {
         }
     }
 
-    /// Stops the workers of every lane; queued tasks are dropped (their
-    /// jobs are failed by the shutdown that follows, and their streams
-    /// released when a job's last task goes: `JobWord`'s drop).
+    /// Stops the workers of every lane (queued tasks stay: see
+    /// [`Copier::drop_queued`]).
     pub fn stop(&self) {
         for lane in &self.lanes {
             lane.lock().stop = true;
             lane.cv.notify_all();
+        }
+    }
+
+    /// Drops every queued task (the workers are stopped): a job whose last
+    /// task goes releases its streams (`JobWord`'s drop); the shutdown then
+    /// fails it.
+    pub fn drop_queued(&self) {
+        for lane in &self.lanes {
+            let taken = {
+                let mut q = lane.lock();
+                q.turn.clear();
+                q.per_client.iter_mut().map(std::mem::take).collect::<Vec<_>>()
+            };
+            // Dropped with the lane unlocked.
+            drop(taken);
         }
     }
 }

@@ -259,8 +259,13 @@ pub fn run(shared: &Shared, lane: usize, worker: u32) {
     // are failed (ServerShutdown) by the shutdown that follows, and their
     // streams released when the last task of each goes (`JobWord`'s drop).
     drop((held, ready));
-    // Never released: their copies may still run as the process exits.
-    std::mem::forget(wedged);
+    // Never released: their copies may still run as the process exits; nor
+    // is the executor then (its streams would be drained on drop, waiting
+    // for them).
+    if !wedged.is_empty() {
+        std::mem::forget(wedged);
+        std::mem::forget(executor);
+    }
 }
 
 /// Settles a task whose copy ended (or could not be queued). A copy that
@@ -321,10 +326,10 @@ fn finish(shared: &Shared, job: &JobRun) {
         }
     };
     // Every copy of the job is over (each was settled through its
-    // completion): streams ordered after the job go on. Before the job
-    // table says the job ended: once it does, its client may give the
-    // entry to its next job. Not if a copy may still run: its client gives
-    // it up (and sees the copy under way).
+    // completion): streams ordered after the job go on, before the job
+    // table says the job ended (a client that reads the end finds its
+    // streams released and can reuse the entry at once). Not if a copy may
+    // still run: its client gives it up (and sees the copy under way).
     // Relaxed: as `failed` above.
     if !job.wedged.load(Ordering::Relaxed) {
         job.word.release();

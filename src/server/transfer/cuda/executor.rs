@@ -30,9 +30,11 @@ enum SlotState {
         moved: u64,
         started: Instant,
     },
-    /// The device never finished a copy here: the slot's buffers may still
-    /// be in use, so it is never used again.
-    Wedged,
+    /// A copy here never finished, or queuing it failed part way: the
+    /// slot's buffers may still be in use. With `recorded`, its event was
+    /// recorded after whatever was queued, and the slot is free again once
+    /// that completes; without, it is never used again.
+    Wedged { recorded: bool },
 }
 
 /// One chunk in flight on a device: its staging buffer (grown to the
@@ -132,7 +134,10 @@ impl DeviceQueue {
     ///
     /// The kernel enters the job's words (`words`: their device address)
     /// and checks its `cancel` before it touches the engine's memory, and
-    /// the stream writes the job's `done[worker]` right after it.
+    /// the stream writes the job's `done[worker]` right after it. `gated`
+    /// is set once the gate is queued (from then on the job's words may be
+    /// written by the device).
+    #[allow(clippy::too_many_arguments)]
     fn enqueue_copy(
         &mut self,
         k: usize,
@@ -141,6 +146,7 @@ impl DeviceQueue {
         obj_bytes: u64,
         zero_copy_ctas: u32,
         words: u64,
+        gated: &mut bool,
     ) -> Result<(), CopyError> {
         let inst = c.inst;
         let n = c.blocks.len();
@@ -180,6 +186,7 @@ impl DeviceQueue {
         // the slot's event, recorded after this); `verdict` is the word
         // after the ids in `ids_dev`, which has room for it.
         unsafe { kernels.gate(stream, args) }?;
+        *gated = true;
         // Every address below stays valid until the slot's event completes
         // (recorded after them on this stream): the registration's memory
         // and its layer table (the worker holds the task, which
@@ -314,14 +321,20 @@ impl CopyExecutor for CudaExecutor {
         let zero_copy_ctas = self.backend.zero_copy_ctas;
         let queue = self.device_queue(&table.device)?;
         let k = queue.stage(c, obj_bytes, zero_copy_ctas > 0)?;
-        if let Err(e) = queue.enqueue_copy(k, c, table, obj_bytes, zero_copy_ctas, words) {
-            // Part of the copy may be queued (its gate, its kernel): the
-            // slot's buffers and the job's words may still be used by the
-            // device, so the slot is never used again and the job is never
-            // taken for over (`CopyError::may_still_run`).
-            queue.slots[k].state = SlotState::Wedged;
+        let mut gated = false;
+        let r = queue.enqueue_copy(k, c, table, obj_bytes, zero_copy_ctas, words, &mut gated);
+        if let Err(e) = r {
+            // Part of the copy may be queued: the slot is used again only
+            // once an event recorded after it completes (never, if that
+            // cannot be recorded). Once the gate is queued the job's words
+            // may still be written and its kernel may still run: the job is
+            // never taken for over (`CopyError::may_still_run`).
+            let stream = &queue.streams[usize::from(c.dir == Dir::FromPool)];
+            let slot = &mut queue.slots[k];
+            let recorded = slot.event.record(stream).is_ok();
+            slot.state = SlotState::Wedged { recorded };
             return Err(match e {
-                CopyError::Device(e) => CopyError::Unsettled(e),
+                CopyError::Device(e) if gated => CopyError::Unsettled(e),
                 other => other,
             });
         }
@@ -362,6 +375,14 @@ impl CopyExecutor for CudaExecutor {
             let mut any_busy = false;
             for q in self.per_dev.values_mut() {
                 for s in q.slots.iter_mut() {
+                    // A wedged slot whose work has finished after all is
+                    // used again (its copy's job stays wedged).
+                    if let SlotState::Wedged { recorded: true } = s.state {
+                        if s.event.query() == Ok(true) {
+                            s.state = SlotState::Free;
+                        }
+                        continue;
+                    }
                     let SlotState::Busy {
                         token,
                         moved,
@@ -376,14 +397,14 @@ impl CopyExecutor for CudaExecutor {
                             out.push((token, Ok(moved)));
                         }
                         Ok(false) if started.elapsed() > COPY_DEADLINE => {
-                            s.state = SlotState::Wedged;
+                            s.state = SlotState::Wedged { recorded: true };
                             out.push((token, Err(CopyError::Timeout(COPY_DEADLINE))));
                         }
                         Ok(false) => any_busy = true,
                         Err(e) => {
                             // Whether the copy ran is unknown: the slot's
                             // buffers may still be in use.
-                            s.state = SlotState::Wedged;
+                            s.state = SlotState::Wedged { recorded: false };
                             out.push((token, Err(CopyError::Unsettled(e))));
                         }
                     }
