@@ -314,6 +314,17 @@ fn serve(
         }
     }
     if served + rejected > 0 {
+        let sb = shared.seg.mapping.server_client(c.slot);
+        // Counters for observers only; Relaxed, single writer. Counted
+        // before the completions are published (the completion ring's
+        // Release store), so a client that has read a completion finds its
+        // request counted.
+        sb.requests_served
+            .fetch_add(served as u64, Ordering::Relaxed);
+        sb.requests_rejected
+            .fetch_add(rejected as u64, Ordering::Relaxed);
+        sb.completions_posted
+            .fetch_add(posted as u64, Ordering::Relaxed);
         c.req.release();
         if c.cq.publish() {
             wait::notify(Parking {
@@ -321,14 +332,6 @@ fn serve(
                 doorbell: c.doorbell,
             });
         }
-        let sb = shared.seg.mapping.server_client(c.slot);
-        // Counters for observers only; Relaxed, single writer.
-        sb.requests_served
-            .fetch_add(served as u64, Ordering::Relaxed);
-        sb.requests_rejected
-            .fetch_add(rejected as u64, Ordering::Relaxed);
-        sb.completions_posted
-            .fetch_add(posted as u64, Ordering::Relaxed);
     }
     Ok(served + rejected)
 }
