@@ -163,13 +163,21 @@ impl<'a> Words<'a> {
 
     /// Releases the streams waiting for generation `g` of `entry`: `go`
     /// only moves forward (cyclically), so a late or repeated release of
-    /// an older generation never takes a newer one back.
+    /// an older generation never takes a newer one back. The exchange is
+    /// tried a bounded number of times: the other side changes the word at
+    /// most once per generation, so only a party scribbling on it (a client
+    /// on its own words) keeps it failing, and the server must not spin on
+    /// memory a client writes.
     pub fn release(&self, entry: u32, g: u32) {
+        const TRIES: usize = 16;
         let go = self.go(entry);
         // Relaxed: only the value decides; the successful exchange is the
         // release.
         let mut cur = go.load(Ordering::Relaxed);
-        while !reached(cur, g) {
+        for _ in 0..TRIES {
+            if reached(cur, g) {
+                return;
+            }
             // Release (success): whatever the releasing side did before (the
             // server's copies, settled; the client's give-up) happens before
             // a host reader's Acquire load of `go` (a stream reads it on the
@@ -179,6 +187,7 @@ impl<'a> Words<'a> {
                 Err(now) => cur = now,
             }
         }
+        tracing::warn!(entry, "job word `go` kept changing under a release; left as it is");
     }
 
     /// Makes `entry` ready for generation `g`, whose predecessor in the

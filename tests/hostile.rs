@@ -519,6 +519,7 @@ fn a_client_cannot_stall_or_spin_the_ring_loop_through_its_doorbell() {
             unsafe { libc::fcntl(bell.as_raw_fd(), libc::F_SETPIPE_SZ, 1 << 20) };
             let block = vec![9u8; 64 << 10];
             let mut bytes = 0u64;
+            // Relaxed: a stop flag only; the join below orders the rest.
             while flooding.load(Ordering::Relaxed) {
                 bytes += nix::unistd::write(&bell, &block).unwrap_or(0) as u64;
             }
@@ -533,6 +534,7 @@ fn a_client_cannot_stall_or_spin_the_ring_loop_through_its_doorbell() {
             worst = worst.max(p.elapsed());
             std::thread::sleep(Duration::from_millis(20));
         }
+        // Relaxed: pairs with the writer's load of the stop flag (a hint).
         flooding.store(false, Ordering::Relaxed);
         let bytes = writer.join().unwrap();
         eprintln!(

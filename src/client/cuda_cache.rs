@@ -320,6 +320,9 @@ impl EngineStream {
             r.as_ref().expect("registered").device_ptr()?
         };
         let go = base + crate::job_words::Words::offset(entry, crate::job_words::GO) as u64;
+        // Watched before the wait is queued: a wait nobody would release at
+        // the job's deadline is never queued.
+        link.words.watch(link, entry, g)?;
         let mut jobs = self.jobs.lock().unwrap_or_else(|e| e.into_inner());
         // SAFETY: the word stays mapped and registered while this stream
         // lives (its link is kept in `jobs`), and it is released on drop
@@ -337,7 +340,6 @@ impl EngineStream {
             first || !l.words().released(*e, *g)
         });
         jobs.push((link.clone(), entry, g));
-        link.words.watch(link, entry, g)?;
         Ok(())
     }
 

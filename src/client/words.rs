@@ -94,6 +94,25 @@ struct State {
     watcher: bool,
 }
 
+impl State {
+    /// Generation `g` of `entry`, while in flight.
+    fn of(&self, entry: u32, g: u32) -> Option<&InFlight> {
+        self.busy.get(&entry).filter(|f| f.generation == g)
+    }
+
+    fn of_mut(&mut self, entry: u32, g: u32) -> Option<&mut InFlight> {
+        self.busy.get_mut(&entry).filter(|f| f.generation == g)
+    }
+
+    /// Frees `entry` if generation `g`, whose job ended, left it reusable.
+    fn free_ended(&mut self, entry: u32, g: u32, words: &crate::job_words::Words<'_>) {
+        if self.of(entry, g).is_some_and(|f| f.reusable(entry, words, true)) {
+            self.busy.remove(&entry);
+            self.free.push_back(entry);
+        }
+    }
+}
+
 /// One connection's job words table.
 pub(crate) struct WordTable {
     state: Mutex<State>,
@@ -174,11 +193,12 @@ impl WordTable {
 
     /// The request of generation `g` of `entry` got no answer (the call
     /// timed out, or the connection broke): the server may still run it.
-    /// It is given up at once (whatever of it runs later copies nothing)
-    /// and its entry is never reused, as no job id will say it ended.
+    /// It is given up at once (whatever of it runs later copies nothing);
+    /// its entry is reused only if a late answer names its job
+    /// ([`WordTable::bind`]) and that job ended, or the server refused it.
     pub fn abandon(&self, link: &Link, entry: u32, g: u32) {
         link.words().give_up(entry, g);
-        if let Some(f) = self.lock().busy.get_mut(&entry) {
+        if let Some(f) = self.lock().of_mut(entry, g) {
             f.gave_up = Some(GiveUp {
                 why: GaveUp::Asked,
                 quiet: false,
@@ -189,43 +209,22 @@ impl WordTable {
     /// The job of `entry` ended on the server: its entry can be reused
     /// (once it was released and no copy of it is under way).
     pub fn ended(&self, link: &Link, entry: u32, g: u32) {
-        let mut st = self.lock();
-        let words = link.words();
-        if st
-            .busy
-            .get(&entry)
-            .is_some_and(|f| f.generation == g && f.reusable(entry, &words, true))
-        {
-            st.busy.remove(&entry);
-            st.free.push_back(entry);
-        }
+        self.lock().free_ended(entry, g, &link.words());
     }
 
     /// Time since generation `g` of `entry` was submitted.
     pub fn age(&self, entry: u32, g: u32) -> Option<Duration> {
-        let st = self.lock();
-        st.busy
-            .get(&entry)
-            .filter(|f| f.generation == g)
-            .map(|f| f.submitted.elapsed())
+        self.lock().of(entry, g).map(|f| f.submitted.elapsed())
     }
 
     /// How generation `g` of `entry` was given up, if it was.
     pub fn given_up(&self, entry: u32, g: u32) -> Option<GiveUp> {
-        let st = self.lock();
-        st.busy
-            .get(&entry)
-            .filter(|f| f.generation == g)
-            .and_then(|f| f.gave_up)
+        self.lock().of(entry, g).and_then(|f| f.gave_up)
     }
 
     /// The job's deadline (for waits that must give it up there).
     pub fn deadline(&self, entry: u32, g: u32) -> Option<Instant> {
-        let st = self.lock();
-        st.busy
-            .get(&entry)
-            .filter(|f| f.generation == g)
-            .map(|f| f.deadline)
+        self.lock().of(entry, g).map(|f| f.deadline)
     }
 
     /// Gives generation `g` of `entry` up (once; later calls answer the
@@ -249,7 +248,7 @@ impl WordTable {
         {
             let mut st = self.lock();
             for (i, &(e, g, why)) in jobs.iter().enumerate() {
-                let Some(f) = st.busy.get_mut(&e).filter(|f| f.generation == g) else {
+                let Some(f) = st.of_mut(e, g) else {
                     continue;
                 };
                 if let Some(done) = f.gave_up {
@@ -291,7 +290,7 @@ impl WordTable {
         let mut st = self.lock();
         for (&(i, e, g, why), &q) in mine.iter().zip(&quiet) {
             let outcome = GiveUp { why, quiet: q };
-            if let Some(f) = st.busy.get_mut(&e).filter(|f| f.generation == g) {
+            if let Some(f) = st.of_mut(e, g) {
                 f.giving_up = false;
                 f.gave_up = Some(outcome);
             }
@@ -308,7 +307,7 @@ impl WordTable {
                 if out[i].is_some() {
                     continue;
                 }
-                match st.busy.get(&e).filter(|f| f.generation == g) {
+                match st.of(e, g) {
                     Some(f) if f.giving_up => waiting = true,
                     Some(f) => out[i] = f.gave_up,
                     None => {}
@@ -332,7 +331,7 @@ impl WordTable {
     pub fn watch(self: &Arc<Self>, link: &Arc<Link>, entry: u32, g: u32) -> Result<()> {
         let start = {
             let mut st = self.lock();
-            if let Some(f) = st.busy.get_mut(&entry).filter(|f| f.generation == g) {
+            if let Some(f) = st.of_mut(entry, g) {
                 f.watched = true;
             }
             !std::mem::replace(&mut st.watcher, true)
@@ -383,14 +382,7 @@ fn settle(table: &WordTable, link: &Link) {
     let words = link.words();
     let mut st = table.lock();
     for (e, g) in ended {
-        if st
-            .busy
-            .get(&e)
-            .is_some_and(|f| f.generation == g && f.reusable(e, &words, true))
-        {
-            st.busy.remove(&e);
-            st.free.push_back(e);
-        }
+        st.free_ended(e, g, &words);
     }
 }
 
