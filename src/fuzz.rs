@@ -598,7 +598,7 @@ pub fn registration(data: &[u8]) {
         .collect();
     let mut reg = crate::server::registry::Registry::default();
     let backend = crate::server::HostBackend;
-    if let Ok(inst) = reg.register(3, 1, chunk_tokens, &req, &table, &sent, &backend) {
+    if let Ok(inst) = reg.register(3, 1, None, chunk_tokens, &req, &table, &sent, &backend) {
         let l = &inst.layout;
         assert!(l.validate(chunk_tokens).is_ok());
         assert_eq!(inst.host.len(), l.allocations().len());

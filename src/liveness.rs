@@ -110,6 +110,11 @@ impl PidFd {
         Ok(PidFd(unsafe { OwnedFd::from_raw_fd(fd as i32) }))
     }
 
+    /// A second handle on the same process.
+    pub fn try_clone(&self) -> std::io::Result<PidFd> {
+        Ok(PidFd(self.0.try_clone()?))
+    }
+
     /// Whether the process has exited (non-blocking).
     pub fn exited(&self) -> bool {
         let mut pfd = libc::pollfd {

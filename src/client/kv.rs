@@ -121,6 +121,20 @@ impl Memory {
         m
     }
 
+    /// Memory in this process's own address space: each allocation at its
+    /// address here (any memory: a CPU tensor, a `Vec`). The server copies
+    /// it by cross-memory attach, which registering consents to (see
+    /// `shm_layout.md`, "KvAllocation"). It needs no descriptor and no
+    /// alignment; keep it mapped until the registration is unregistered
+    /// (an address unmapped under a copy fails that job, never the server).
+    pub fn process(addresses: impl IntoIterator<Item = u64>) -> Memory {
+        Memory {
+            kind: MemKind::ProcessVm,
+            allocs: addresses.into_iter().map(Memory::allocation).collect(),
+            pieces: Vec::new(),
+        }
+    }
+
     /// Device memory from `cuMemAlloc`: each allocation at `offset` of
     /// the allocation whose legacy IPC handle is given.
     pub fn cuda_ipc(handles: impl IntoIterator<Item = ([u8; 64], u64)>) -> Memory {
@@ -200,6 +214,39 @@ impl Memory {
             }
         }
         t
+    }
+}
+
+/// Lets the server (`server_pid`) read and write this process's memory by
+/// cross-memory attach: under Yama's `ptrace_scope` 1 only a process named
+/// with `PR_SET_PTRACER` may (it replaces an earlier name); scopes 2 and 3
+/// forbid it, which is said here rather than as the server's `EPERM`.
+fn consent_to_attach(server_pid: u32) -> Result<()> {
+    // SAFETY: PR_GET_DUMPABLE takes no pointer and returns 0, 1 or 2.
+    if unsafe { libc::prctl(libc::PR_GET_DUMPABLE) } == 0 {
+        return Err(Error::InvalidArgument(
+            "this process is not dumpable (prctl(PR_SET_DUMPABLE, 0)): no other process may access its memory".into(),
+        ));
+    }
+    let scope = std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope")
+        .ok()
+        .and_then(|s| s.trim().parse::<u32>().ok())
+        .unwrap_or(0);
+    match scope {
+        0 => Ok(()),
+        1 => {
+            // SAFETY: PR_SET_PTRACER takes a pid by value.
+            let r = unsafe { libc::prctl(libc::PR_SET_PTRACER, server_pid as libc::c_ulong) };
+            if r != 0 {
+                return Err(crate::error::io("prctl(PR_SET_PTRACER)")(
+                    std::io::Error::last_os_error(),
+                ));
+            }
+            Ok(())
+        }
+        n => Err(Error::InvalidArgument(format!(
+            "Yama ptrace_scope is {n}: no process may access another's memory, so memory in this process cannot be registered (use a memfd: HostKvCache)"
+        ))),
     }
 }
 
@@ -592,6 +639,9 @@ impl Client {
     /// Sends one registration as it is (no check here: the server's are
     /// the ones that count) and waits for the answer.
     pub(super) fn send_unchecked(&mut self, saved: &Saved) -> Result<(u32, u32)> {
+        if saved.mem_kind == MemKind::ProcessVm {
+            consent_to_attach(self.server_pid())?;
+        }
         let fds: Vec<BorrowedFd<'_>> = saved.fds.iter().map(|f| f.as_fd()).collect();
         let max_fds = crate::bootstrap::MAX_FDS;
         let (early, last) = fds.split_at(fds.len() - fds.len().min(max_fds));

@@ -308,6 +308,11 @@ impl Client {
         &self.link.seg
     }
 
+    /// The server's process id.
+    pub fn server_pid(&self) -> u32 {
+        self.link.seg.mapping.info().server_pid
+    }
+
     /// Whether the server has gone (its end of the connection closed).
     pub fn server_gone(&self) -> bool {
         self.link.conn.peer_closed()

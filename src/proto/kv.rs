@@ -169,14 +169,23 @@ wire_enum! {
         /// physical chunk), passed with the message; the server maps an
         /// allocation's chunks contiguously, in order.
         CudaVmmFd = 3 => "cuda_vmm_fd",
+        /// Host memory in the registering process's own address space (any
+        /// allocation: a CPU tensor, a malloc'd buffer): each allocation's
+        /// `offset` is its address there. No descriptor; the server copies
+        /// with cross-memory attach (`process_vm_readv`/`process_vm_writev`)
+        /// into the process on the other end of the connection, which
+        /// consents by registering.
+        ProcessVm = 4 => "process_vm",
     }
 }
 
 shm_struct! {
     /// One allocation a registration's layout addresses: the `bytes` at
     /// `offset` of some memory, which is the IPC allocation `ipc_handle`
-    /// (kind 2), or the concatenation of pieces `first_piece ..
-    /// first_piece + n_pieces` (kinds 1 and 3).
+    /// (kind 2), the concatenation of pieces `first_piece ..
+    /// first_piece + n_pieces` (kinds 1 and 3), or the registering
+    /// process's address space (kind 4: `offset` is the address; no
+    /// pieces).
     #[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
     pub struct KvAllocation {
         [0] pub ipc_handle: [u8; 64],

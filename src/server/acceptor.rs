@@ -35,6 +35,8 @@ enum Phase {
     Free,
     Active {
         conn: Conn,
+        /// The client's process (`SO_PEERCRED`), and a pidfd on it.
+        pid: u32,
         pidfd: Option<PidFd>,
         /// Descriptors sent (AttachFds) for the next registration.
         fds: Vec<OwnedFd>,
@@ -183,6 +185,7 @@ impl<'a> Acceptor<'a> {
         drop((memory_fd, client_bell));
         self.slots[slot as usize] = Phase::Active {
             conn,
+            pid: cred.pid,
             pidfd,
             fds: Vec::new(),
         };
@@ -289,7 +292,10 @@ impl<'a> Acceptor<'a> {
             return false;
         }
         let Phase::Active {
-            conn, fds: pending, ..
+            conn,
+            pid,
+            pidfd,
+            fds: pending,
         } = &mut self.slots[slot as usize]
         else {
             return false;
@@ -332,6 +338,7 @@ impl<'a> Acceptor<'a> {
                     reg.register(
                         slot,
                         session,
+                        pidfd.as_ref().map(|p| (*pid, p)),
                         chunk,
                         &req,
                         rest,

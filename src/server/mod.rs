@@ -21,6 +21,7 @@ mod cache;
 mod capacity;
 mod delay;
 mod kv_ops;
+mod peer_memory;
 mod pool;
 pub(crate) mod registry;
 mod ring_loop;

@@ -1,7 +1,9 @@
 //! Registrations: each an engine's KV cache whose memory the server has
 //! mapped once (host memory: sealed memfds received over the bootstrap
 //! socket; device memory: opened by the copy backend through
-//! [`DeviceOpener`]), with its layout, model, world size and rank.
+//! [`DeviceOpener`]) or reaches by cross-memory attach (memory in the
+//! engine process's own address space, [`PeerMemory`]), with its layout,
+//! model, world size and rank.
 //!
 //! A registration is shared (`Arc`) with the copy tasks that use it, so its
 //! mappings outlive an unregister or the client's death until the last copy
@@ -10,7 +12,9 @@
 //! This module knows no copy backend: the backend implements
 //! [`DeviceOpener`], and what it opens is kept here opaque.
 
+use super::peer_memory::PeerMemory;
 use crate::kv::{CopyPlan, KvLayout};
+use crate::liveness::PidFd;
 use crate::proto::kv::{KvAllocation, MemKind, MemoryPiece, RegisterKv, RegisterTables};
 use memmap2::{MmapOptions, MmapRaw};
 use std::any::Any;
@@ -80,8 +84,11 @@ pub struct Registration {
     /// How its chunks move (from `layout`).
     pub plan: CopyPlan,
     pub fingerprint: u64,
-    /// Host memory: each allocation's mapping (empty for device memory).
+    /// Host memory: each allocation's mapping (empty for device memory
+    /// and for memory in the engine's address space).
     pub host: Vec<MappedAllocation>,
+    /// Memory in the engine process's own address space.
+    pub process: Option<PeerMemory>,
     /// Device memory: what the copy backend opened.
     pub device: Option<DeviceMemory>,
     /// The device the registration named ([0; 16]: none): its copies go
@@ -188,7 +195,13 @@ fn check_memory(
             MemKind::CudaIpc if !own.is_empty() => {
                 return Err(bad(format!("allocation {i}: an IPC allocation has no pieces")));
             }
-            MemKind::CudaIpc => continue,
+            MemKind::ProcessVm if !own.is_empty() => {
+                return Err(bad(format!(
+                    "allocation {i}: memory in the engine's address space has no pieces"
+                )));
+            }
+            // Checked against the process's mappings when opened.
+            MemKind::CudaIpc | MemKind::ProcessVm => continue,
             MemKind::HostFd if own.len() != 1 || own[0].n_fds != 1 => {
                 return Err(bad(format!(
                     "allocation {i}: host memory is one memfd per allocation"
@@ -271,14 +284,16 @@ fn map_region(fd: &OwnedFd, offset: u64, bytes: u64) -> Result<MappedAllocation,
 }
 
 impl Registry {
-    /// Registers a KV cache for client `slot`/`session`: `req` and the
-    /// tables that followed it (`tables`), with the descriptors `fds`;
-    /// `backend` opens device memory.
+    /// Registers a KV cache for client `slot`/`session`, whose process is
+    /// `peer` (pid and pidfd, from the connection): `req` and the tables
+    /// that followed it (`tables`), with the descriptors `fds`; `backend`
+    /// opens device memory.
     #[allow(clippy::too_many_arguments)]
     pub fn register(
         &mut self,
         slot: u32,
         session: u32,
+        peer: Option<(u32, &PidFd)>,
         chunk_tokens: u32,
         req: &RegisterKv,
         tables: &[u8],
@@ -337,7 +352,22 @@ impl Registry {
                 ));
             }
         }
-        let (host, dev) = if kind == MemKind::HostFd {
+        if kind == MemKind::ProcessVm && !fds.is_empty() {
+            return Err(bad(
+                "memory in the engine's address space takes no descriptors",
+            ));
+        }
+        let mut process = None;
+        let (host, dev) = if kind == MemKind::ProcessVm {
+            let (pid, pidfd) = peer.ok_or_else(|| {
+                bad("the registering process is not known (its pidfd could not be opened)")
+            })?;
+            let pidfd = pidfd
+                .try_clone()
+                .map_err(|e| bad(format!("pidfd of process {pid}: {e}")))?;
+            process = Some(PeerMemory::open(pid, pidfd, &t.allocs)?);
+            (Vec::new(), None)
+        } else if kind == MemKind::HostFd {
             let mut maps = Vec::with_capacity(t.allocs.len());
             for (i, a) in t.allocs.iter().enumerate() {
                 let p = &t.pieces[a.first_piece as usize];
@@ -370,6 +400,7 @@ impl Registry {
             plan,
             fingerprint,
             host,
+            process,
             device: dev,
             device_uuid: req.device_uuid,
         });

@@ -62,6 +62,9 @@ pub enum CopyError {
     PinFailed(String),
     #[error("host copy of device memory")]
     NotHostMemory,
+    /// A copy to or from memory in the engine process's address space.
+    #[error(transparent)]
+    Peer(#[from] crate::server::peer_memory::PeerCopyError),
     #[error("{blocks} blocks per chunk exceed {capacity}")]
     TooManyBlocks { blocks: usize, capacity: usize },
     #[error("no free staging slot")]

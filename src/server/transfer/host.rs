@@ -1,10 +1,13 @@
 //! The host backend: run-by-run copies between mapped engine memory and
-//! the pool, done in `submit` with streaming stores ([`super::nt_copy`]).
+//! the pool, done in `submit` with streaming stores ([`super::nt_copy`]),
+//! or by cross-memory attach for memory in the engine's address space
+//! ([`PeerMemory`]).
 
 use super::backend::{Backend, BackendKind, ChunkCopy, CopyError, CopyExecutor, Dir};
 use super::nt_copy;
 use crate::kv::KvLayout;
 use crate::proto::kv::{KvAllocation, MemoryPiece, RegisterKv};
+use crate::server::peer_memory::{PeerMemory, Way};
 use crate::server::registry::{DeviceMemory, DeviceOpener, Refusal};
 use std::os::fd::OwnedFd;
 
@@ -69,10 +72,14 @@ impl CopyExecutor for HostExecutor {
 /// Runs gathered before each batch of streaming copies.
 const BATCH: usize = 4096;
 
-/// One executor's buffers of (destination, source) runs, per part, kept
+/// One executor's buffers of (destination, source) runs, per part, and of
+/// (pool, engine address, bytes) pairs for cross-memory attach, kept
 /// between chunks so a copy allocates nothing once they have grown.
 #[derive(Default)]
-pub(super) struct RunBuffers([Vec<(*mut u8, *const u8)>; 2]);
+pub(super) struct RunBuffers {
+    parts: [Vec<(*mut u8, *const u8)>; 2],
+    pairs: Vec<(*mut u8, u64, usize)>,
+}
 
 /// The host copy of one chunk: the registration's runs ([`CopyPlan`]),
 /// four at a time, streaming.
@@ -80,7 +87,7 @@ pub(super) struct RunBuffers([Vec<(*mut u8, *const u8)>; 2]);
 /// [`CopyPlan`]: crate::kv::CopyPlan
 pub(super) fn host_copy(c: &ChunkCopy<'_>, runs: &mut RunBuffers) -> Result<u64, CopyError> {
     // Device memory has no host mapping.
-    if c.inst.host.is_empty() {
+    if c.inst.host.is_empty() && c.inst.process.is_none() {
         return Err(CopyError::NotHostMemory);
     }
     let w = &c.word;
@@ -89,7 +96,10 @@ pub(super) fn host_copy(c: &ChunkCopy<'_>, runs: &mut RunBuffers) -> Result<u64,
     // Entered before `cancel` is read: a client that gives the job up
     // either stops this copy or sees it under way and waits for `leave`.
     let r = if words.enter(entry, g, w.worker, w.seq) {
-        copy_runs(c, runs)
+        match &c.inst.process {
+            Some(p) => copy_peer_runs(c, p, runs),
+            None => copy_runs(c, runs),
+        }
     } else {
         Ok(0)
     };
@@ -102,7 +112,7 @@ fn copy_runs(c: &ChunkCopy<'_>, runs: &mut RunBuffers) -> Result<u64, CopyError>
     let inst = c.inst;
     let (l, plan) = (&inst.layout, &inst.plan);
     let g = l.geometry();
-    let pieces = &mut runs.0;
+    let pieces = &mut runs.parts;
     let mut moved = 0u64;
     let flush = |pieces: &mut [Vec<(*mut u8, *const u8)>; 2]| {
         for (part, p) in pieces.iter_mut().enumerate() {
@@ -145,5 +155,51 @@ fn copy_runs(c: &ChunkCopy<'_>, runs: &mut RunBuffers) -> Result<u64, CopyError>
     // The streaming stores land before the job's completion is published
     // (a Release store after this returns).
     nt_copy::fence();
+    Ok(moved)
+}
+
+/// The runs of one chunk, moved by cross-memory attach: runs that follow
+/// each other on both sides are merged (a block of an opaque layout is one
+/// run, consecutive blocks often one), then handed to the kernel
+/// `IOV_MAX` at a time.
+fn copy_peer_runs(
+    c: &ChunkCopy<'_>,
+    peer: &PeerMemory,
+    runs: &mut RunBuffers,
+) -> Result<u64, CopyError> {
+    let inst = c.inst;
+    let (l, plan) = (&inst.layout, &inst.plan);
+    let pairs = &mut runs.pairs;
+    pairs.clear();
+    let mut moved = 0u64;
+    for layer in 0..l.geometry().layers {
+        let (base, _) = peer.window(l.layers()[layer as usize].alloc as usize);
+        for (j, &block) in c.blocks.iter().enumerate().skip(c.skip_blocks as usize) {
+            plan.for_each_run(l, c.chunk_tokens, layer, block, j as u32, |_, eng, obj, n| {
+                // SAFETY: as in `copy_runs`: the object run lies inside the
+                // pool range allocated for this chunk. Only an address here.
+                let local = unsafe { c.object.add(obj as usize) };
+                // Inside the allocation's window (validated layout, block
+                // checked at acceptance), which lies in the address space.
+                let remote = base + eng;
+                let n = n as usize;
+                match pairs.last_mut() {
+                    Some((l0, r0, len))
+                        // SAFETY: address arithmetic inside one pool object.
+                        if unsafe { l0.add(*len) } == local && *r0 + *len as u64 == remote =>
+                    {
+                        *len += n
+                    }
+                    _ => pairs.push((local, remote, n)),
+                }
+                moved += n as u64;
+            });
+        }
+    }
+    let way = match c.dir {
+        Dir::ToPool => Way::Read,
+        Dir::FromPool => Way::Write,
+    };
+    peer.transfer(way, pairs)?;
     Ok(moved)
 }

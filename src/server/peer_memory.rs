@@ -1,0 +1,173 @@
+//! Memory in an engine process's own address space (memory kind
+//! `process_vm`): a KV cache the engine could not put in a memfd (vLLM's
+//! CPU cache is one ordinary torch buffer), copied with cross-memory attach
+//! (`process_vm_readv` / `process_vm_writev`), so neither side copies it
+//! twice.
+//!
+//! The process is the one on the other end of the registering connection:
+//! its pid comes from `SO_PEERCRED` and is held as a pidfd from connect,
+//! never from a word the client sends. Every copy checks the pidfd first,
+//! so a pid reused after the engine died is never read or written. An
+//! address the engine has unmapped since registering fails that copy with
+//! `EFAULT` (the kernel checks every page); the server never faults.
+
+use super::registry::Refusal;
+use crate::liveness::PidFd;
+use crate::proto::kv::KvAllocation;
+
+/// Most (local, remote) pairs in one system call (`IOV_MAX`).
+const IOV_MAX: usize = 1024;
+
+/// Which way bytes move.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Way {
+    /// From the engine's memory into the server's (a store).
+    Read,
+    /// From the server's memory into the engine's (a retrieve).
+    Write,
+}
+
+/// Why a copy to or from an engine process failed.
+#[derive(Debug, thiserror::Error)]
+pub enum PeerCopyError {
+    #[error("the engine process {0} has exited")]
+    Exited(u32),
+    #[error("engine process {pid}: {source}")]
+    Os { pid: u32, source: std::io::Error },
+    #[error("engine process {pid}: {moved} of {wanted} bytes moved (memory unmapped under the copy)")]
+    Short { pid: u32, moved: usize, wanted: usize },
+}
+
+/// One engine process's registered allocations.
+pub struct PeerMemory {
+    pid: u32,
+    pidfd: PidFd,
+    /// Each allocation's (address, bytes) in the engine process.
+    windows: Vec<(u64, u64)>,
+}
+
+impl PeerMemory {
+    /// The allocations `allocs` (addresses in `offset`) of process `pid`,
+    /// known by `pidfd` since it connected. Refused when the process has
+    /// exited, when the server may not access its memory, or when an
+    /// allocation's first or last byte is not mapped there.
+    pub fn open(pid: u32, pidfd: PidFd, allocs: &[KvAllocation]) -> Result<PeerMemory, Refusal> {
+        let mem = PeerMemory {
+            pid,
+            pidfd,
+            windows: allocs.iter().map(|a| (a.offset, a.bytes)).collect(),
+        };
+        for (i, &(addr, bytes)) in mem.windows.iter().enumerate() {
+            if bytes == 0 || addr == 0 || addr.checked_add(bytes).is_none() {
+                return Err(Refusal::invalid(format!(
+                    "allocation {i}: [{addr:#x}, +{bytes}) is not an address range"
+                )));
+            }
+            for at in [addr, addr + bytes - 1] {
+                let mut byte = 0u8;
+                let pair = [(&mut byte as *mut u8, at, 1usize)];
+                mem.transfer(Way::Read, &pair).map_err(|e| {
+                    Refusal::invalid(format!(
+                        "allocation {i}: byte {at:#x} of the registering process: {}",
+                        explain(&e)
+                    ))
+                })?;
+            }
+        }
+        Ok(mem)
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// Allocation `i`'s address in the engine process and its size.
+    pub fn window(&self, i: usize) -> (u64, u64) {
+        self.windows[i]
+    }
+
+    /// Moves `pairs` of (server pointer, engine address, bytes) the `way`
+    /// given, up to `IOV_MAX` pairs per system call. The caller keeps every
+    /// server range valid and every engine range inside a window.
+    pub fn transfer(&self, way: Way, pairs: &[(*mut u8, u64, usize)]) -> Result<(), PeerCopyError> {
+        if self.pidfd.exited() {
+            return Err(PeerCopyError::Exited(self.pid));
+        }
+        let mut local = Vec::with_capacity(pairs.len().min(IOV_MAX));
+        let mut remote = Vec::with_capacity(pairs.len().min(IOV_MAX));
+        for batch in pairs.chunks(IOV_MAX) {
+            local.clear();
+            remote.clear();
+            let mut wanted = 0usize;
+            for &(ptr, addr, n) in batch {
+                local.push(libc::iovec {
+                    iov_base: ptr.cast(),
+                    iov_len: n,
+                });
+                remote.push(libc::iovec {
+                    iov_base: addr as *mut libc::c_void,
+                    iov_len: n,
+                });
+                wanted += n;
+            }
+            let pid = self.pid as libc::pid_t;
+            // SAFETY: `local` names server memory the caller keeps valid
+            // and unshared for the call (pool objects of this chunk, or a
+            // stack byte); the kernel checks every remote page against the
+            // engine's mappings and fails with EFAULT rather than touch
+            // anything else. Both arrays hold `batch.len()` iovecs.
+            let r = unsafe {
+                match way {
+                    Way::Read => libc::process_vm_readv(
+                        pid,
+                        local.as_ptr(),
+                        local.len() as libc::c_ulong,
+                        remote.as_ptr(),
+                        remote.len() as libc::c_ulong,
+                        0,
+                    ),
+                    Way::Write => libc::process_vm_writev(
+                        pid,
+                        local.as_ptr(),
+                        local.len() as libc::c_ulong,
+                        remote.as_ptr(),
+                        remote.len() as libc::c_ulong,
+                        0,
+                    ),
+                }
+            };
+            if r < 0 {
+                return Err(PeerCopyError::Os {
+                    pid: self.pid,
+                    source: std::io::Error::last_os_error(),
+                });
+            }
+            if r as usize != wanted {
+                return Err(PeerCopyError::Short {
+                    pid: self.pid,
+                    moved: r as usize,
+                    wanted,
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What a failed access at registration means, in the engine's terms.
+fn explain(e: &PeerCopyError) -> String {
+    match e {
+        PeerCopyError::Os { source, .. } if source.raw_os_error() == Some(libc::EPERM) => format!(
+            "{source}: the server may not access this process's memory (same user needed; \
+             a non-dumpable process, or Yama ptrace_scope 2 or 3, forbid it; under ptrace_scope 1 \
+             the client library names the server with prctl(PR_SET_PTRACER))"
+        ),
+        PeerCopyError::Os { source, .. } if source.raw_os_error() == Some(libc::EFAULT) => {
+            format!("{source}: not mapped")
+        }
+        PeerCopyError::Os { source, .. } if source.raw_os_error() == Some(libc::ENOSYS) => {
+            format!("{source}: this kernel has no cross-memory attach (CONFIG_CROSS_MEMORY_ATTACH)")
+        }
+        other => other.to_string(),
+    }
+}
