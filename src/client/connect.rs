@@ -133,12 +133,21 @@ impl Link {
 
 /// Connects with retry, shakes hands and attaches the rings.
 pub(super) fn connect(paths: &ServerPaths, opts: &ClientOptions) -> Result<Client> {
-    crate::rundir::check_runtime_dir(&paths.dir)?;
+    // A runtime directory that does not exist yet is a server not started
+    // yet (one may be starting): waited for like its socket. One that
+    // exists is checked before its socket is trusted.
+    let mut dir_checked = false;
     let deadline = Instant::now() + opts.connect_timeout;
     let mut backoff = Duration::from_millis(1);
     let conn = loop {
+        if !dir_checked && paths.dir.exists() {
+            crate::rundir::check_runtime_dir(&paths.dir)?;
+            dir_checked = true;
+        }
         match Conn::connect(&paths.socket) {
-            Ok(c) => break c,
+            Ok(c) if dir_checked => break c,
+            // The directory appeared between the check and the connect.
+            Ok(_) => continue,
             Err(e) => {
                 let retry = matches!(
                     e.kind(),

@@ -224,13 +224,18 @@ fn wait_done(job: Job) -> Result<kvring::jobs::JobResult> {
 
 /// Runs the demo; prints the table (and with `json`, one JSON object as the
 /// last line). Fails unless every retrieved byte matched.
-pub fn run(json: bool) -> Result<()> {
-    let exe = std::env::current_exe().map_err(io_err("find the kvring binary"))?;
+pub fn run(json: bool, this: &[std::ffi::OsString]) -> Result<()> {
+    let Some((exe, exe_args)) = this.split_first() else {
+        return Err(kvring::Error::Config(
+            "no command to start the demo's processes with".into(),
+        ));
+    };
     let name = format!("demo-{}", std::process::id());
     let dir = std::env::temp_dir().join(format!("kvring-demo-{}", std::process::id()));
     kvring::rundir::ensure_runtime_dir(&dir)?;
     let _cleanup = DirGuard(dir.clone());
-    let server = Command::new(&exe)
+    let server = Command::new(exe)
+        .args(exe_args)
         .args([
             "serve",
             "--name",
@@ -253,7 +258,8 @@ pub fn run(json: bool) -> Result<()> {
     let mut workers = Vec::new();
     let mut on_gpu = false;
     for rank in 0..WORLD {
-        let mut child = Command::new(&exe)
+        let mut child = Command::new(exe)
+            .args(exe_args)
             .args([
                 "demo-worker",
                 "--name",

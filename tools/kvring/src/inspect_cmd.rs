@@ -3,8 +3,6 @@
 //! a read-only descriptor, never writes, and never takes a lock the server
 //! could wait on, so it answers while the server is wedged and after it died.
 
-mod render;
-
 use clap::{Parser, Subcommand};
 use kvring::inspect::{self, Snapshot, Thresholds};
 use kvring::segment::ReadOnlySegment;
@@ -78,8 +76,19 @@ fn print_json(v: &impl serde::Serialize) {
     println!("{}", serde_json::to_string(v).expect("serializable"));
 }
 
-fn main() -> ExitCode {
-    let cli = Cli::parse();
+/// Runs `kvring-inspect` with `args` (the first is the program's name).
+pub fn main(args: Vec<std::ffi::OsString>) -> ExitCode {
+    let cli = match Cli::try_parse_from(args) {
+        Ok(cli) => cli,
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() {
+                ExitCode::from(2)
+            } else {
+                ExitCode::SUCCESS
+            };
+        }
+    };
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -104,7 +113,7 @@ fn run(cli: Cli) -> kvring::Result<()> {
             if json {
                 print_json(&serde_json::json!({ "segments": entries }));
             } else {
-                render::list(&entries);
+                crate::render::list(&entries);
             }
         }
         Cmd::Show {
@@ -119,7 +128,7 @@ fn run(cli: Cli) -> kvring::Result<()> {
             if json {
                 print_json(&snap);
             } else {
-                print!("{}", render::show(&snap, None));
+                print!("{}", crate::render::show(&snap, None));
             }
         }
         Cmd::Jobs {
@@ -143,7 +152,7 @@ fn run(cli: Cli) -> kvring::Result<()> {
             if json {
                 print_json(&serde_json::json!({ "name": snap.name, "jobs": rows }));
             } else {
-                print!("{}", render::jobs(&rows));
+                print!("{}", crate::render::jobs(&rows));
             }
         }
         Cmd::Watch {
@@ -152,7 +161,7 @@ fn run(cli: Cli) -> kvring::Result<()> {
             job_age_s,
         } => {
             let seg = open(&name)?;
-            render::watch(
+            crate::render::watch(
                 &seg,
                 Thresholds { job_age_s },
                 Duration::from_millis(interval_ms.max(50)),

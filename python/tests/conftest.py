@@ -1,0 +1,72 @@
+"""Fixtures of the Python API tests: a real kvring server (the package's own
+`python -m kvring serve`, host backend) under a unique name and runtime
+directory, stopped at the end of each test."""
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+import pytest
+
+import kvring
+
+
+class Server:
+    """A `kvring serve` child process."""
+
+    def __init__(self, *args: str) -> None:
+        self.name = f"pytest-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.dir = tempfile.mkdtemp(prefix="kvring-pytest-")
+        os.chmod(self.dir, 0o700)
+        self.log = open(os.path.join(self.dir, "server.log"), "w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvring", "serve", "--name", self.name,
+             "--runtime-dir", self.dir, "--backend", "host", *args],
+            stdout=self.log, stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                kvring.Client(self.name, runtime_dir=self.dir, connect_timeout=0.2).close()
+                return
+            except kvring.NoServer:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"server did not start: {self.output()}")
+
+    def client(self, **kw) -> kvring.Client:
+        return kvring.Client(self.name, runtime_dir=self.dir, **kw)
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+    def signal(self, sig: int) -> None:
+        os.kill(self.proc.pid, sig)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log.close()
+        subprocess.run(["rm", "-rf", self.dir], check=False)
+
+
+#: 64-token chunks, a 64 MiB pool, one copy thread: what the API tests use.
+SERVER_ARGS = ("--chunk-tokens", "64", "--pool-bytes", "64MiB", "--copy-threads", "1")
+
+
+@pytest.fixture
+def server():
+    s = Server(*SERVER_ARGS)
+    yield s
+    s.stop()
