@@ -9,9 +9,15 @@
 //!   two warm buffers with the same number of threads: the ceiling;
 //! * `lookup_us`: client-observed time from submitting a LOOKUP of a
 //!   128-chunk prompt whose prefix is stored to reading its answer.
+//!
+//! `--memory process` registers the same cache by its address in this
+//! process (memory kind `process_vm`, as vLLM's CPU cache is registered):
+//! the server then copies by cross-memory attach instead of through its
+//! mapping of the memfd, and the ratios to memcpy compare the two.
 
 use crate::peers::{cpus, kvring_client, kvring_server_with, pin, stop_server};
 use crate::stats::Summary;
+use kvring::client::Memory;
 use kvring::jobs::JobStatus;
 use kvring::kv::{
     chunk_hashes, model_id, pattern, Dtype, KvGeometry, KvLayout, KvShape, LayoutPreset,
@@ -132,6 +138,7 @@ pub fn run(
     lookups: usize,
     copy_threads: Option<u32>,
     preset: LayoutPreset,
+    process_memory: bool,
 ) {
     let ncpu = std::thread::available_parallelism().map_or(1, |n| n.get()) as u32;
     let threads = copy_threads.unwrap_or((ncpu - 1).clamp(1, kvring::job_words::WORD_WORKERS));
@@ -163,9 +170,15 @@ pub fn run(
     }
     let mut c = kvring_client(&name);
     let cache = HostKvCache::new(l.clone(), CHUNK).unwrap();
-    let inst = c
-        .register_host(&KvSpec::new(bench_model(preset), 1, 0), &cache)
-        .unwrap();
+    let spec = KvSpec::new(bench_model(preset), 1, 0);
+    let inst = if process_memory {
+        // The memfd's mapping in this process, by address.
+        let addrs = (0..l.allocations().len() as u32).map(|a| cache.at(a, 0, 1) as u64);
+        c.register(&spec, &l, &Memory::process(addrs), &[])
+    } else {
+        c.register_host(&spec, &cache)
+    }
+    .unwrap();
     let tokens: Vec<u32> = (0..CHUNKS * CHUNK).map(|i| i.wrapping_mul(7919)).collect();
     let hashes = chunk_hashes(&tokens, CHUNK);
     let bpc = inst.blocks_per_chunk() as usize;
@@ -275,6 +288,7 @@ pub fn run(
     let out = json!({
         "bench": "kv",
         "backend": "host",
+        "memory": if process_memory { "process_vm" } else { "memfd" },
         "layout": preset.name(),
         "geometry": geometry_json(&l, CHUNK),
         "chunks_per_job": CHUNKS,

