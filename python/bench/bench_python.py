@@ -54,7 +54,9 @@ def start_server(copy_threads: int, pool_mib: int):
     deadline = time.monotonic() + 60
     while True:
         try:
-            return proc, name, d, kvring.Client(name, runtime_dir=d, connect_timeout=0.5)
+            # Waits as the Rust benchmark's client does: spinning.
+            return proc, name, d, kvring.Client(name, runtime_dir=d, connect_timeout=0.5,
+                                                wait="spin")
         except kvring.NoServer:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise

@@ -36,6 +36,13 @@ from ._native import (
     salt_id,
 )
 
+try:  # built with the CUDA data plane (the published wheel is)
+    from ._native import EngineStream
+except ImportError:  # a wheel built without CUDA
+    _has_cuda = False
+else:
+    _has_cuda = True
+
 __all__ = [
     "DEFAULT_CHUNK_TOKENS",
     "DEFAULT_JOB_TIMEOUT",
@@ -61,3 +68,5 @@ __all__ = [
     "model_id",
     "salt_id",
 ]
+if _has_cuda:
+    __all__.append("EngineStream")

@@ -179,7 +179,12 @@ class Client:
         runtime_dir: Optional[str] = None,
         connect_timeout: float = 5.0,
         call_timeout: float = 10.0,
-    ) -> None: ...
+        wait: str = "default",
+    ) -> None:
+        """`engine`: the engine id (only its processes may use its leases);
+        `wait`: how a blocked call waits: "default" (spin 20 us, yield
+        200 us, then sleep on a futex), "spin" (busy until done: lowest
+        latency, a core busy) or "park" (sleep at once)."""
     name: str
     @property
     def server_gone(self) -> bool: ...
@@ -249,4 +254,23 @@ class Client:
         and ends with (value, aux): the job path end to end, without KV."""
     def close(self) -> None: ...
     def __enter__(self) -> "Client": ...
+    def __exit__(self, *exc: object) -> None: ...
+
+class EngineStream:
+    """An engine's CUDA stream (a torch stream) that waits on the device for
+    STORE and RETRIEVE jobs. The client releases a waited-for job itself when
+    it gives it up (its timeout, or the server gone), so the stream never
+    waits on something only the server could release. Closing it (or the
+    `with` block's end, or collection) gives up the jobs it waited for that
+    are not released yet and drains the stream."""
+
+    def __init__(self, device: int, stream: int) -> None:
+        """Stream `stream` (torch: `torch.cuda.current_stream().cuda_stream`;
+        0: the legacy default stream) of CUDA device `device`. It must
+        outlive this object."""
+    def wait_job(self, job: Job) -> None:
+        """Later work on the stream waits until `job` is over."""
+    def synchronize(self) -> None: ...
+    def close(self) -> None: ...
+    def __enter__(self) -> "EngineStream": ...
     def __exit__(self, *exc: object) -> None: ...

@@ -75,7 +75,7 @@ fn event(py: Python<'_>, after: Option<Vec<u8>>) -> PyResult<Option<IpcEventHand
 #[pymethods]
 impl PyClient {
     #[new]
-    #[pyo3(signature = (name = "default", *, engine = None, runtime_dir = None, connect_timeout = 5.0, call_timeout = 10.0))]
+    #[pyo3(signature = (name = "default", *, engine = None, runtime_dir = None, connect_timeout = 5.0, call_timeout = 10.0, wait = "default"))]
     fn new(
         py: Python<'_>,
         name: &str,
@@ -83,8 +83,22 @@ impl PyClient {
         runtime_dir: Option<std::path::PathBuf>,
         connect_timeout: f64,
         call_timeout: f64,
+        wait: &str,
     ) -> PyResult<PyClient> {
+        use kvring::wait::WaitPolicy;
+        let policy = match wait {
+            "default" => WaitPolicy::default(),
+            "spin" => WaitPolicy::SPIN,
+            "park" => WaitPolicy::PARK,
+            other => {
+                return Err(invalid(
+                    py,
+                    format!("wait {other:?}: \"default\", \"spin\" or \"park\""),
+                ))
+            }
+        };
         let mut b = Client::builder(name)
+            .wait_policy(policy)
             .connect_timeout(seconds(py, "connect_timeout", connect_timeout)?)
             .call_timeout(seconds(py, "call_timeout", call_timeout)?);
         if let Some(e) = engine {

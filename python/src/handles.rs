@@ -94,6 +94,11 @@ impl PyJob {
         }
     }
 
+    /// The job, for another handle's use (an engine stream's wait).
+    pub fn arc(&self) -> PyResult<Arc<Job>> {
+        self.get()
+    }
+
     fn get(&self) -> PyResult<Arc<Job>> {
         self.job
             .lock()

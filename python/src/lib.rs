@@ -9,6 +9,8 @@ mod client;
 mod errors;
 mod handles;
 mod layout;
+#[cfg(feature = "cuda")]
+mod stream;
 
 use pyo3::prelude::*;
 use std::ffi::OsString;
@@ -106,5 +108,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<handles::PyJobStatus>()?;
     m.add_class::<handles::PyLease>()?;
     m.add_class::<handles::PyRegistration>()?;
+    #[cfg(feature = "cuda")]
+    m.add_class::<stream::PyEngineStream>()?;
     Ok(())
 }

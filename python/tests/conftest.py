@@ -18,14 +18,14 @@ import kvring
 class Server:
     """A `kvring serve` child process."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, backend: str = "host") -> None:
         self.name = f"pytest-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.dir = tempfile.mkdtemp(prefix="kvring-pytest-")
         os.chmod(self.dir, 0o700)
         self.log = open(os.path.join(self.dir, "server.log"), "w+")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvring", "serve", "--name", self.name,
-             "--runtime-dir", self.dir, "--backend", "host", *args],
+             "--runtime-dir", self.dir, "--backend", backend, *args],
             stdout=self.log, stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + 20

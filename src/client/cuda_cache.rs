@@ -243,6 +243,26 @@ impl EngineStream {
         })
     }
 
+    /// Another library's stream (a torch stream's `cuda_stream`, any
+    /// engine's) on device `ordinal`, for [`EngineStream::wait_job`]:
+    /// dropping this gives up the jobs it waited for that are not released
+    /// yet and drains the stream, which stays its owner's.
+    ///
+    /// # Safety
+    ///
+    /// `raw` is a live stream of device `ordinal`'s primary context (0: the
+    /// legacy default stream) and outlives the returned value.
+    pub unsafe fn borrow(ordinal: i32, raw: u64) -> crate::Result<EngineStream> {
+        let ctx = crate::gpu::Context::by_ordinal(ordinal)
+            .map_err(|e| crate::Error::Config(format!("CUDA device {ordinal}: {e}")))?;
+        Ok(EngineStream {
+            // SAFETY: the caller's contract.
+            stream: unsafe { Stream::borrowed(&ctx, raw) },
+            gates: Default::default(),
+            jobs: Default::default(),
+        })
+    }
+
     /// A new word (holding 0) for [`EngineStream::wait_word`], in this
     /// stream's context.
     pub fn host_word(&self) -> crate::Result<Arc<HostWord>> {

@@ -9,6 +9,9 @@ use std::sync::Arc;
 pub struct Stream {
     ctx: Arc<Context>,
     stream: sys::CUstream,
+    /// Created here (destroyed on drop), or another library's (a torch
+    /// stream: only drained on drop).
+    owned: bool,
 }
 
 // SAFETY: a stream handle may be used from any thread with its context
@@ -36,7 +39,24 @@ impl Stream {
         Ok(Stream {
             ctx: ctx.clone(),
             stream,
+            owned: true,
         })
+    }
+
+    /// Another library's stream `raw` of `ctx` (a torch stream's
+    /// `cuda_stream`), used here without being owned: dropping this drains
+    /// it and leaves it to its owner.
+    ///
+    /// # Safety
+    ///
+    /// `raw` is a live stream of `ctx` (or 0, the legacy default stream)
+    /// and outlives the returned value.
+    pub unsafe fn borrowed(ctx: &Arc<Context>, raw: u64) -> Stream {
+        Stream {
+            ctx: ctx.clone(),
+            stream: raw as sys::CUstream,
+            owned: false,
+        }
     }
 
     pub fn context(&self) -> &Arc<Context> {
@@ -215,11 +235,14 @@ impl Stream {
 impl Drop for Stream {
     fn drop(&mut self) {
         let _ = self.ctx.bind();
-        // SAFETY: the stream created in `new`, destroyed once, after what
-        // was queued on it finished (its buffers may be freed right after).
+        // SAFETY: a live stream (`new`, or `borrowed`'s contract); one
+        // created here is destroyed once, after what was queued on it
+        // finished (its buffers may be freed right after).
         unsafe {
             let _ = sys::cuStreamSynchronize(self.stream);
-            let _ = sys::cuStreamDestroy_v2(self.stream);
+            if self.owned {
+                let _ = sys::cuStreamDestroy_v2(self.stream);
+            }
         }
     }
 }
