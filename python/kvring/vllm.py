@@ -1,0 +1,1175 @@
+"""kvring's KV connector for vLLM (V1 connector API; run against vLLM 0.32,
+written to follow 0.26 to 0.34 by feature tests).
+
+Load it with one line::
+
+    --kv-transfer-config '{"kv_connector":"KvringConnector",
+                           "kv_connector_module_path":"kvring.vllm",
+                           "kv_role":"kv_both"}'
+
+and tune it with `kv_connector_extra_config` keys: `kvring.name` (server
+name, default "default"), `kvring.autostart` (start a server of that name if
+none runs, default true), `kvring.pool_bytes` and `kvring.chunk_tokens` (for
+an autostarted server; a running server must have that chunk size),
+`kvring.timeout_s` (deadline of a store or retrieve, default 60) and
+`kvring.runtime_dir`.
+
+How vLLM's hooks map to kvring:
+
+- scheduler: `get_num_new_matched_tokens` LOOKUPs the prompt's full chunks
+  once per request (a lease holds the hits for every tensor-parallel rank)
+  and answers the hit beyond vLLM's local prefix hit as an asynchronous load;
+  `update_state_after_alloc` frees the holds on chunks that will not be
+  loaded and plans the RETRIEVE; `build_connector_meta` ships the retrieves
+  and the STOREs of newly complete prompt chunks to the workers;
+  `request_finished` ends the lease (END_SESSION).
+- worker: `register_kv_caches` registers the KV cache once;
+  `start_load_kv` / `wait_for_save` submit RETRIEVE / STORE jobs;
+  `get_finished` and `get_block_ids_with_load_errors` report them from
+  their job status in shared memory, never waiting on the server.
+
+A failed or timed-out retrieve is reported as a load error, which vLLM
+recomputes (the scheduler connector sets `kv_load_failure_policy` to
+"recompute"); a lost server turns lookups into misses and loads into
+failures at once, and is reconnected at most every few seconds.
+
+vLLM's scheduler and workers are separate (spawned) processes that import
+this module by name; each has its own kvring client.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+import kvring
+from kvring import Client, Job, KvringError, Lease, NoServer, Registration
+from kvring.tensors import KvCacheMemory, KvGeometry, describe_kv_caches, describe_opaque_blocks
+
+try:  # vLLM 0.32 and later attribute external hits to a cache tier.
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError:
+    CacheHitSource = None
+
+if TYPE_CHECKING:
+    from vllm.config import KVTransferConfig, VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("kvring")
+
+RECONNECT_INTERVAL_S = 5.0
+"""While the server is gone, a new connection is tried at most this often:
+every hook in between fails fast instead of waiting out a deadline."""
+
+_FIRST_CONNECT_S = 1.0
+_AUTOSTART_CONNECT_S = 10.0
+_RECONNECT_CONNECT_S = 0.1
+_CALL_TIMEOUT_S = 5.0
+_WARN_EVERY_S = 60.0
+
+# Call failures that mean the server is gone or not answering: the
+# connection is dropped so that later hooks fail fast.
+_LINK_ERRORS = (kvring.ServerGone, kvring.ServerTimeout, kvring.ProtocolError)
+
+
+# ---------------------------------------------------------------- settings
+
+
+@dataclass(frozen=True)
+class KvringSettings:
+    """The connector's `kvring.*` keys of `kv_connector_extra_config`."""
+
+    name: str = "default"
+    autostart: bool = True
+    pool_bytes: str | None = None
+    chunk_tokens: int | None = None
+    timeout_s: float = 60.0
+    runtime_dir: str | None = None
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any]) -> KvringSettings:
+        """Reads the settings; an unknown `kvring.` key is most likely a typo,
+        so it is refused rather than ignored."""
+        known = {
+            "kvring.name",
+            "kvring.autostart",
+            "kvring.pool_bytes",
+            "kvring.chunk_tokens",
+            "kvring.timeout_s",
+            "kvring.runtime_dir",
+        }
+        unknown = sorted(k for k in extra if k.startswith("kvring.") and k not in known)
+        if unknown:
+            raise KvringError(f"unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}")
+        chunk = extra.get("kvring.chunk_tokens")
+        pool = extra.get("kvring.pool_bytes")
+        runtime_dir = extra.get("kvring.runtime_dir")
+        settings = cls(
+            name=str(extra.get("kvring.name", cls.name)),
+            autostart=_as_bool("kvring.autostart", extra.get("kvring.autostart", cls.autostart)),
+            pool_bytes=None if pool is None else str(pool),
+            chunk_tokens=None if chunk is None else int(chunk),
+            timeout_s=float(extra.get("kvring.timeout_s", cls.timeout_s)),
+            runtime_dir=None if runtime_dir is None else str(runtime_dir),
+        )
+        if settings.chunk_tokens is not None and settings.chunk_tokens <= 0:
+            raise KvringError(f"kvring.chunk_tokens must be positive, not {settings.chunk_tokens}")
+        if settings.timeout_s <= 0:
+            raise KvringError(f"kvring.timeout_s must be positive, not {settings.timeout_s}")
+        return settings
+
+
+def _as_bool(key: str, value: Any) -> bool:
+    """A JSON bool, or the strings a command line gives (`true`, `0`, ...)."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise KvringError(f"{key} must be true or false, not {value!r}")
+
+
+# ---------------------------------------------------------------- identity
+
+
+def engine_model_id(vllm_config: VllmConfig) -> tuple[int, str]:
+    """The kvring model id of this engine's KV, and the text it hashes.
+
+    Engines share stored chunks only when their KV bytes are interchangeable:
+    same weights, KV dtype, block size, per-rank heads, and the same block
+    interior. The interior is the attention kernel's own: on CPU the ISA
+    vLLM picks decides it (K is stored transposed by the "vec" kernel, AMX
+    packs differently), so the platform and ISA are part of the id.
+
+    Computed from `vllm_config` alone, so the scheduler and every worker
+    (separate processes) get the same id.
+    """
+    mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+    kv_dtype = cc.cache_dtype if cc.cache_dtype != "auto" else str(mc.dtype).removeprefix("torch.")
+    text = "|".join(
+        (
+            "vllm-kv/1",
+            f"model={mc.model}",
+            f"revision={mc.revision}",
+            f"quantization={mc.quantization}",
+            f"kv_dtype={kv_dtype}",
+            f"block={cc.block_size}",
+            f"kv_heads={mc.get_num_kv_heads(pc)}",
+            f"head_size={mc.get_head_size()}",
+            f"mla={mc.use_mla}",
+            f"platform={_platform_tag(vllm_config)}",
+        )
+    )
+    return kvring.model_id(text), text
+
+
+def _platform_tag(vllm_config: VllmConfig) -> str:
+    """The device type, plus on CPU the attention ISA that lays out blocks."""
+    from vllm.platforms import current_platform
+
+    tag = current_platform.device_type
+    if current_platform.is_cpu():
+        tag += f"/isa={_cpu_attention_isa(vllm_config)}"
+    return tag
+
+
+def _cpu_attention_isa(vllm_config: VllmConfig) -> str:
+    """The ISA vLLM's CPU attention backend picks for this engine.
+
+    The backend's chooser is private and its parameters changed across
+    versions, so it is called with the parameters it declares; without it
+    the CPU capability torch dispatches to stands in (coarser, still
+    separating AVX-512 from AVX2 hosts).
+    """
+    try:
+        from vllm.v1.attention.backends import cpu_attn
+    except ImportError:
+        cpu_attn = None
+    choose = getattr(cpu_attn, "_get_attn_isa", None)
+    if choose is None:
+        return f"torch-{torch.backends.cpu.get_cpu_capability()}"
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
+    args = {
+        "dtype": mc.dtype,
+        "block_size": cc.block_size,
+        "head_size": mc.get_head_size(),
+        "kv_cache_dtype": cc.cache_dtype,
+    }
+    params = inspect.signature(choose).parameters
+    return str(choose(**{k: v for k, v in args.items() if k in params}))
+
+
+def _world_size(vllm_config: VllmConfig) -> int:
+    """Ranks that each hold a shard of every chunk: tensor x pipeline
+    parallel (a LOOKUP hits only where every one of them stored it)."""
+    pc = vllm_config.parallel_config
+    for attr in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if getattr(pc, attr, 1) > 1:
+            raise KvringError(f"kvring does not support {attr} > 1 (KV sharded by token)")
+    return pc.tensor_parallel_size * pc.pipeline_parallel_size
+
+
+def _request_salt(request: Request) -> int:
+    """The kvring salt of a request: its cache salt and LoRA adapter, both of
+    which change the KV of the same tokens."""
+    parts = []
+    if getattr(request, "cache_salt", None):
+        parts.append(f"salt={request.cache_salt}")
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        parts.append(f"lora={getattr(lora, 'lora_path', None) or lora.lora_name}")
+    return kvring.salt_id("|".join(parts) if parts else None)
+
+
+# ---------------------------------------------------------------- server link
+
+
+_last_warning: dict[str, float] = {}
+
+
+def _warn_throttled(key: str, msg: str, *args: object) -> None:
+    """A warning at most every `_WARN_EVERY_S` per `key`: per-request
+    failures must not flood the log."""
+    now = time.monotonic()
+    if now - _last_warning.get(key, -_WARN_EVERY_S) >= _WARN_EVERY_S:
+        _last_warning[key] = now
+        logger.warning(msg, *args)
+
+
+def _start_server(settings: KvringSettings) -> str:
+    """Starts a detached `kvring serve` for `settings.name`; returns its log.
+
+    The server outlives vLLM (a new session, so vLLM's shutdown signals do
+    not reach it). The scheduler and the workers may all start one at the
+    same moment: the server refuses a second instance of a name, and the
+    losers simply exit. The log goes to the temporary directory (the runtime
+    directory is the server's to create, with its own permissions).
+    """
+    log_path = os.path.join(tempfile.gettempdir(), f"kvring-{os.getuid()}-{settings.name}-serve.log")
+    cmd = [sys.executable, "-m", "kvring", "serve", "--name", settings.name]
+    if settings.pool_bytes is not None:
+        cmd += ["--pool-bytes", settings.pool_bytes]
+    if settings.chunk_tokens is not None:
+        cmd += ["--chunk-tokens", str(settings.chunk_tokens)]
+    if settings.runtime_dir is not None:
+        cmd += ["--runtime-dir", settings.runtime_dir]
+    with open(log_path, "ab") as log:
+        subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            close_fds=True,
+        )
+    logger.info("kvring: started a server named %r (%s); its log is %s", settings.name, " ".join(cmd), log_path)
+    return log_path
+
+
+class _ServerLink:
+    """One process's connection to the kvring server, for one connector.
+
+    `client()` is what every hook asks for: the client, or None while the
+    server is gone. A lost server is noticed from the connection (or a call
+    failing with ServerGone / ServerTimeout) and reconnected at most every
+    `RECONNECT_INTERVAL_S`, so hooks fail fast in between (an attempt costs
+    at most ~0.5 s, against a server that accepts but does not answer).
+    `on_connect`
+    readies each new client (the chunk size check; the worker's KV cache
+    registration) and refuses it by raising KvringError.
+    """
+
+    def __init__(self, settings: KvringSettings, engine_id: str | None, on_connect: Callable[[Client], None]) -> None:
+        self._settings = settings
+        self._engine_id = engine_id
+        self._on_connect = on_connect
+        self._retry_at = 0.0
+        self._client: Client | None = self._connect_first()
+
+    @property
+    def current(self) -> Client | None:
+        """The client as it is, without a reconnect attempt."""
+        return self._client
+
+    def _open(self, connect_timeout: float) -> Client:
+        s = self._settings
+        return Client(
+            s.name,
+            engine=self._engine_id,
+            runtime_dir=s.runtime_dir,
+            connect_timeout=connect_timeout,
+            call_timeout=min(_CALL_TIMEOUT_S, s.timeout_s),
+        )
+
+    def _connect_first(self) -> Client:
+        """Connects at start-up, starting a server if configured to; without
+        one the engine does not start (the error says how to get one)."""
+        s = self._settings
+        try:
+            client = self._open(_FIRST_CONNECT_S)
+        except NoServer:
+            if not s.autostart:
+                raise KvringError(
+                    f"no kvring server named {s.name!r} is running: start one "
+                    f"(`{sys.executable} -m kvring serve --name {s.name}`) or set "
+                    '"kvring.autostart": true in kv_connector_extra_config'
+                ) from None
+            log_path = _start_server(s)
+            try:
+                client = self._open(_AUTOSTART_CONNECT_S)
+            except NoServer as e:
+                raise KvringError(
+                    f"started a kvring server named {s.name!r} but could not connect to it "
+                    f"within {_AUTOSTART_CONNECT_S:.0f} s; see its log {log_path}"
+                ) from e
+        try:
+            self._on_connect(client)
+        except BaseException:
+            client.close()
+            raise
+        return client
+
+    def client(self) -> Client | None:
+        """The connected client, or None while the server is gone."""
+        c = self._client
+        if c is not None:
+            if not c.server_gone:
+                return c
+            self._drop("the server closed the connection")
+        now = time.monotonic()
+        if now < self._retry_at:
+            return None
+        self._retry_at = now + RECONNECT_INTERVAL_S
+        try:
+            c = self._open(_RECONNECT_CONNECT_S)
+        except KvringError:
+            return None
+        try:
+            self._on_connect(c)
+        except KvringError as e:
+            logger.error("kvring: the server %r is back but cannot be used: %s", self._settings.name, e)
+            c.close()
+            return None
+        logger.warning("kvring: reconnected to the server %r", self._settings.name)
+        self._client = c
+        return c
+
+    def failed(self, what: str, error: KvringError) -> None:
+        """Notes a failed call: a gone or unresponsive server drops the
+        connection; anything else is that one operation's failure."""
+        if isinstance(error, _LINK_ERRORS) or (self._client is not None and self._client.server_gone):
+            self._drop(f"{what}: {error}")
+        else:
+            _warn_throttled(what, "kvring: %s failed: %s", what, error)
+
+    def _drop(self, reason: str) -> None:
+        # The next `client()` tries once at once (a restarted server is
+        # found without delay), then at most every RECONNECT_INTERVAL_S.
+        c, self._client = self._client, None
+        if c is None:
+            return
+        logger.warning(
+            "kvring: lost the server %r (%s); until it is back, lookups miss, loads fail "
+            "(vLLM recomputes) and stores are skipped; retrying every %.0f s",
+            self._settings.name,
+            reason,
+            RECONNECT_INTERVAL_S,
+        )
+        with contextlib.suppress(KvringError):
+            c.close()
+
+    def close(self) -> None:
+        c, self._client = self._client, None
+        if c is not None:
+            c.close()
+
+
+def _checked_chunk_tokens(client: Client, settings: KvringSettings, expected: int | None) -> int:
+    """The server's chunk size, refused when it differs from
+    `kvring.chunk_tokens` or from the size this connector already uses."""
+    chunk = int(client.server_config()["chunk_tokens"])
+    want = expected if expected is not None else settings.chunk_tokens
+    if want is not None and chunk != want:
+        raise KvringError(
+            f"the kvring server {settings.name!r} uses {chunk}-token chunks, but this engine "
+            f"needs {want} (kvring.chunk_tokens); stop that server or drop the setting"
+        )
+    return chunk
+
+
+def _check_block_size(block_size: int, chunk_tokens: int) -> None:
+    if chunk_tokens % block_size:
+        raise KvringError(
+            f"vLLM's block size {block_size} does not divide kvring's chunk size {chunk_tokens}: "
+            "set kvring.chunk_tokens (for a new server) or vLLM's --block-size so that it does"
+        )
+
+
+# ---------------------------------------------------------------- metadata
+
+
+@dataclass
+class LoadOp:
+    """Retrieve chunks `first_chunk ..` of a lease into `block_ids` (whole
+    chunks; the first `skip_tokens` tokens are vLLM's local prefix hit and
+    stay untouched). `lease_id` None: the scheduler already knows the load
+    cannot happen; the worker reports it failed at once."""
+
+    req_id: str
+    lease_id: bytes | None
+    first_chunk: int
+    skip_tokens: int
+    block_ids: list[int]
+
+
+@dataclass
+class StoreOp:
+    """Store newly complete prompt chunks (`hashes`) from `block_ids`."""
+
+    req_id: str
+    hashes: list[bytes]
+    block_ids: list[int]
+    salt: int
+
+
+@dataclass
+class KvringMetadata(KVConnectorMetadata):
+    """One step's work for every worker (pickled into vLLM's SchedulerOutput):
+    chunk keys and block ids, never token lists."""
+
+    loads: list[LoadOp] = field(default_factory=list)
+    stores: list[StoreOp] = field(default_factory=list)
+    preempted: set[str] = field(default_factory=set)
+    """Requests preempted this step: the worker finishes their stores before
+    their blocks are reused, and neither side waits for them at finish."""
+
+
+# ---------------------------------------------------------------- stats
+
+_STAT_KEYS = (
+    "lookups",
+    "lookup_hit_tokens",
+    "load_chunks",
+    "load_failures",
+    "store_chunks",
+    "store_failures",
+)
+
+
+@dataclass
+class KvringStats(KVConnectorStats):
+    """Counters of one logging interval: lookups and lookup hit tokens (those
+    vLLM loads) from the scheduler; loads and stores in chunks from the
+    workers, summed over them (every rank counts its own shard)."""
+
+    def __post_init__(self) -> None:
+        for key in _STAT_KEYS:
+            self.data.setdefault(key, 0)
+
+    def count(self, key: str, n: int = 1) -> None:
+        self.data[key] += n
+
+    def reset(self) -> None:
+        self.data = dict.fromkeys(_STAT_KEYS, 0)
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key, value in other.data.items():
+            self.data[key] = self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+    def take(self) -> KvringStats | None:
+        """This interval's counters (None if nothing happened); starts the next."""
+        if self.is_empty():
+            return None
+        taken = KvringStats(data=dict(self.data))
+        self.reset()
+        return taken
+
+
+# ---------------------------------------------------------------- scheduler
+
+
+@dataclass
+class _Tracked:
+    """What the scheduler connector knows of one request."""
+
+    hashes: list[bytes]
+    salt: int
+    looked_up: bool = False
+    lease: Lease | None = None
+    lease_client: Client | None = None
+    hit_chunks: int = 0
+    local_tokens: int = 0
+    admitted: bool = False
+    block_ids: list[int] = field(default_factory=list)
+    stored_chunks: int = 0
+    stores_issued: bool = False
+    load_blocks: frozenset[int] = frozenset()
+    load_failed: bool = False
+
+
+class _SchedulerSide:
+    """The scheduler role: lookups, leases, and each step's load and store plan."""
+
+    def __init__(self, vllm_config: VllmConfig, settings: KvringSettings, model_id: int) -> None:
+        cfg = vllm_config.kv_transfer_config
+        self._settings = settings
+        self._model_id = model_id
+        self._world_size = _world_size(vllm_config)
+        self._loads_enabled = cfg.is_kv_consumer
+        self._stores_enabled = cfg.is_kv_producer
+        self._block_size = vllm_config.cache_config.block_size
+        if settings.chunk_tokens is not None:  # refused before a server is started for it
+            _check_block_size(self._block_size, settings.chunk_tokens)
+        self.chunk_tokens: int | None = None
+        self._link = _ServerLink(settings, cfg.engine_id, self._on_connect)
+        _check_block_size(self._block_size, self.chunk_tokens)
+        self._blocks_per_chunk = self.chunk_tokens // self._block_size
+        self._tracked: dict[str, _Tracked] = {}
+        self._fresh_blocks: set[str] = set()
+        self._pending_loads: list[LoadOp] = []
+        self.stats = KvringStats()
+
+    def _on_connect(self, client: Client) -> None:
+        self.chunk_tokens = _checked_chunk_tokens(client, self._settings, self.chunk_tokens)
+
+    # -- lookup
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """The prompt's hit beyond vLLM's local `num_computed_tokens`, loaded
+        asynchronously. One LOOKUP per admission: vLLM asks again while a
+        request waits, and gets the same lease's answer. Whole chunks only,
+        and never the whole request (vLLM computes at least its last token)."""
+        t = self._tracked.get(request.request_id)
+        if t is None:
+            t = self._track(request)
+            if t is None:
+                return 0, False
+        if not self._loads_enabled or t.load_failed or getattr(request, "skip_reading_prefix_cache", False):
+            # After a failed load the request is recomputed: its old answer
+            # must not be replayed (the load would fail again, forever).
+            return 0, False
+        if t.admitted:
+            # Asked again after an allocation: preempted and re-admitted. The
+            # retrieve consumed or freed the old holds; look up afresh.
+            self._end_lease(t)
+            t.admitted = False
+            t.looked_up = False
+        client = self._link.client()
+        if t.lease is not None and t.lease_client is not client:
+            t.lease, t.lease_client, t.looked_up = None, None, False
+        if not t.looked_up:
+            if client is None:
+                return 0, False
+            self._lookup(client, t)
+        usable = min(t.hit_chunks, (request.num_tokens - 1) // self.chunk_tokens)
+        t.local_tokens = num_computed_tokens
+        external = usable * self.chunk_tokens - num_computed_tokens
+        if external <= 0:
+            return 0, False
+        return external, True
+
+    def _track(self, request: Request) -> _Tracked | None:
+        """State for a request kvring can serve: a token prompt (multimodal
+        placeholders and embeddings do not key their KV) of one full chunk
+        or more."""
+        if request.prompt_token_ids is None or getattr(request, "mm_features", None):
+            return None
+        hashes = kvring.chunk_hashes(request.prompt_token_ids, self.chunk_tokens)
+        if not hashes:
+            return None
+        t = _Tracked(hashes=hashes, salt=_request_salt(request))
+        self._tracked[request.request_id] = t
+        return t
+
+    def _lookup(self, client: Client, t: _Tracked) -> None:
+        self.stats.count("lookups")
+        try:
+            lease = client.lookup(self._model_id, self._world_size, t.hashes, salt=t.salt)
+        except KvringError as e:
+            self._link.failed("lookup", e)
+            return
+        t.looked_up = True
+        t.hit_chunks = lease.hits
+        # Chunks present for every rank need no store.
+        t.stored_chunks = max(t.stored_chunks, lease.hits)
+        if lease.hits:
+            t.lease, t.lease_client = lease, client
+        # A lease without hits holds nothing: dropping it queues its end
+        # with the client's next call.
+
+    # -- allocation
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """Records the request's blocks; at admission also plans the load and
+        frees the holds on hit chunks that will not be loaded (vLLM has them
+        locally, or they would cover the whole prompt)."""
+        t = self._tracked.get(request.request_id)
+        if t is None:
+            return
+        t.block_ids = list(blocks.get_block_ids()[0])
+        self._fresh_blocks.add(request.request_id)
+        if t.admitted:
+            return  # The second call, once an asynchronous load is done.
+        t.admitted = True
+        if num_external_tokens <= 0:
+            self._end_lease(t)
+            return
+        c, bpc = self.chunk_tokens, self._blocks_per_chunk
+        start = t.local_tokens
+        end = start + num_external_tokens
+        first, last = start // c, end // c
+        op = LoadOp(
+            req_id=request.request_id,
+            lease_id=None,
+            first_chunk=first,
+            skip_tokens=start - first * c,
+            block_ids=t.block_ids[first * bpc : last * bpc],
+        )
+        client = self._link.client()
+        if end % c == 0 and t.lease is not None and t.lease_client is client:
+            op.lease_id = t.lease.id
+            self._release_unloaded(client, t, first, last)
+        self.stats.count("lookup_hit_tokens", num_external_tokens)
+        t.load_blocks = frozenset(op.block_ids[op.skip_tokens // self._block_size :])
+        self._pending_loads.append(op)
+
+    def _release_unloaded(self, client: Client, t: _Tracked, first: int, last: int) -> None:
+        """Frees the lease's holds outside chunks first..last-1 now rather
+        than at the request's end."""
+        try:
+            if first > 0:
+                client.release_lease_chunks(t.lease.id, 0, first)
+            if t.hit_chunks > last:
+                client.release_lease_chunks(t.lease.id, last, t.hit_chunks - last)
+        except KvringError as e:
+            self._link.failed("release_lease_chunks", e)
+
+    def _end_lease(self, t: _Tracked) -> None:
+        """END_SESSION: frees whatever the lease still holds."""
+        lease, t.lease = t.lease, None
+        if lease is not None and t.lease_client is self._link.current:
+            try:
+                lease.end()
+            except KvringError as e:
+                self._link.failed("end_lease", e)
+        t.lease_client = None
+
+    # -- each step
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvringMetadata:
+        """This step's loads (planned at allocation) and the stores of prompt
+        chunks that this step's forward completes."""
+        meta = KvringMetadata(loads=self._pending_loads)
+        self._pending_loads = []
+        meta.preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        for req_id in meta.preempted:
+            # Its stores so far are waited for by the workers before the
+            # blocks are reused (handle_preemptions), not at its finish.
+            t = self._tracked.get(req_id)
+            if t is not None:
+                t.stores_issued = False
+        scheduled = scheduler_output.num_scheduled_tokens
+        store = self._stores_enabled and self._link.client() is not None
+        for new in scheduler_output.scheduled_new_reqs:
+            t = self._tracked.get(new.req_id)
+            if t is not None:
+                t.block_ids = list(new.block_ids[0])
+                if store:
+                    self._plan_store(meta, new.req_id, t, new.num_computed_tokens + scheduled[new.req_id])
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            t = self._tracked.get(req_id)
+            if t is None:
+                continue
+            new_block_ids = cached.new_block_ids[i]
+            # A request allocated through update_state_after_alloc this step
+            # (resumed) has its whole block list already.
+            if new_block_ids is not None and req_id not in self._fresh_blocks:
+                t.block_ids.extend(new_block_ids[0])
+            if store:
+                self._plan_store(meta, req_id, t, cached.num_computed_tokens[i] + scheduled[req_id])
+        self._fresh_blocks.clear()
+        return meta
+
+    def _plan_store(self, meta: KvringMetadata, req_id: str, t: _Tracked, computed: int) -> None:
+        complete = min(computed // self.chunk_tokens, len(t.hashes))
+        if complete <= t.stored_chunks:
+            return
+        bpc = self._blocks_per_chunk
+        meta.stores.append(
+            StoreOp(
+                req_id=req_id,
+                hashes=t.hashes[t.stored_chunks : complete],
+                block_ids=t.block_ids[t.stored_chunks * bpc : complete * bpc],
+                salt=t.salt,
+            )
+        )
+        t.stored_chunks = complete
+        t.stores_issued = True
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Notes failed loads, so that the request's next lookup answers no
+        hit (vLLM resets a request whose load failed and asks again)."""
+        invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
+        failed = set(getattr(connector_output, "failed_recving", None) or ())
+        for req_id in connector_output.finished_recving or ():
+            t = self._tracked.get(req_id)
+            if t is None or not t.load_blocks:
+                continue
+            if req_id in failed or not invalid.isdisjoint(t.load_blocks):
+                t.load_failed = True
+                _warn_throttled("load", "kvring: a load failed (request %s); vLLM recomputes it", req_id)
+            t.load_blocks = frozenset()
+
+    def request_finished(self, request: Request) -> bool:
+        """Ends the lease; True (keep the blocks) when stores were issued for
+        the request since its last preemption: the workers report them in
+        finished_sending once their jobs end. (The scheduler cannot see job
+        completion, so any issued store counts as in flight.)"""
+        t = self._tracked.pop(request.request_id, None)
+        if t is None:
+            return False
+        self._end_lease(t)
+        return t.stores_issued
+
+    def reset_cache(self) -> bool:
+        client = self._link.client()
+        if client is None:
+            return False
+        try:
+            client.clear()
+        except KvringError as e:
+            self._link.failed("clear", e)
+            return False
+        return True
+
+    def shutdown(self) -> None:
+        """Closing the connection ends every lease still held."""
+        self._tracked.clear()
+        self._link.close()
+
+
+# ---------------------------------------------------------------- worker
+
+
+@dataclass
+class _Transfer:
+    """A submitted STORE or RETRIEVE: its job, its deadline, its size, and
+    (for a retrieve) the blocks that are invalid if it fails."""
+
+    job: Job
+    deadline: float
+    chunks: int
+    block_ids: list[int] = field(default_factory=list)
+
+
+class _WorkerSide:
+    """The worker role: the KV cache registration and the jobs of each step."""
+
+    def __init__(self, vllm_config: VllmConfig, settings: KvringSettings, model_id: int) -> None:
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+        mc, pc = vllm_config.model_config, vllm_config.parallel_config
+        self._settings = settings
+        self._model_id = model_id
+        self._world_size = _world_size(vllm_config)
+        self._rank = get_pp_group().rank_in_group * pc.tensor_parallel_size + get_tensor_model_parallel_rank()
+        self._block_size = vllm_config.cache_config.block_size
+        self._mla = bool(mc.use_mla)
+        head_size = mc.get_head_size()
+        self._geometry = KvGeometry(
+            block_tokens=self._block_size,
+            heads=1 if self._mla else mc.get_num_kv_heads(pc),
+            k_width=head_size,
+            v_width=0 if self._mla else head_size,
+        )
+        self._memory: KvCacheMemory | None = None
+        self._registration: Registration | None = None
+        if settings.chunk_tokens is not None:  # refused before a server is started for it
+            _check_block_size(self._block_size, settings.chunk_tokens)
+        self.chunk_tokens: int | None = None
+        self._link = _ServerLink(settings, vllm_config.kv_transfer_config.engine_id, self._on_connect)
+        _check_block_size(self._block_size, self.chunk_tokens)
+        self._loads: dict[str, _Transfer] = {}
+        self._stores: dict[str, list[_Transfer]] = {}
+        # Requests with stores since their last preemption: the scheduler
+        # keeps their blocks after they finish until this rank reports them
+        # in finished_sending.
+        self._store_reqs: set[str] = set()
+        self._finished_with_stores: set[str] = set()
+        self._recving: set[str] = set()
+        self._failed_blocks: set[int] = set()
+        self.stats = KvringStats()
+
+    def _on_connect(self, client: Client) -> None:
+        self.chunk_tokens = _checked_chunk_tokens(client, self._settings, self.chunk_tokens)
+        if self._memory is not None:
+            self._registration = self._register(client)
+
+    def _register(self, client: Client) -> Registration:
+        m = self._memory
+        return client.register_process_memory(
+            m.layout, m.addresses, model_id=self._model_id, world_size=self._world_size, rank=self._rank
+        )
+
+    # -- registration
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Registers the KV cache once: one kvring allocation per backing
+        storage, one placement per layer, sizes and strides from the tensors."""
+        first = next(iter(kv_caches.values()), None)
+        if first is not None and first.device.type == "cpu" and not self._mla:
+            # The CPU attention kernel's block interior is its own (and the
+            # engine id names its ISA): blocks are copied as opaque bytes,
+            # one run each.
+            memory = describe_opaque_blocks(kv_caches, self._block_size)
+        else:
+            memory = describe_kv_caches(kv_caches, self._geometry, shared=self._mla)
+        memory.layout.validate(self.chunk_tokens)
+        self._memory = memory
+        client = self._link.client()
+        if client is None:
+            logger.warning("kvring: no server to register the KV cache with yet; registering at reconnect")
+            return
+        self._registration = self._register(client)
+        logger.info(
+            "kvring: registered rank %d/%d: %d layers x %d blocks of %d tokens, %d allocation(s), %.1f MiB",
+            self._rank,
+            self._world_size,
+            memory.layout.layers,
+            memory.layout.blocks,
+            memory.layout.block_tokens,
+            len(memory.addresses),
+            sum(memory.layout.allocations) / 2**20,
+        )
+
+    def unregister_kv_caches(self) -> None:
+        """Sleep / weight update (vLLM 0.33+): the memory may change; no
+        transfer runs now."""
+        reg, self._registration = self._registration, None
+        client = self._link.current
+        if reg is not None and client is not None:
+            try:
+                client.unregister(reg)
+            except KvringError as e:
+                self._link.failed("unregister", e)
+
+    def restore_kv_caches(self) -> None:
+        client = self._link.client()
+        if self._memory is not None and self._registration is None and client is not None:
+            self._registration = self._register(client)
+
+    # -- jobs
+
+    def start_load_kv(self, meta: KvringMetadata) -> None:
+        """Submits this step's retrieves; failures are reported at once."""
+        client, reg = self._link.client(), self._registration
+        for op in meta.loads:
+            invalid = op.block_ids[op.skip_tokens // self._block_size :]
+            if op.lease_id is None or client is None or reg is None:
+                self._load_failed(op.req_id, invalid)
+                continue
+            try:
+                job = client.retrieve(
+                    reg,
+                    op.lease_id,
+                    op.block_ids,
+                    first_chunk=op.first_chunk,
+                    skip_tokens=op.skip_tokens,
+                    timeout=self._settings.timeout_s,
+                )
+            except KvringError as e:
+                self._link.failed("retrieve", e)
+                client = self._link.current
+                self._load_failed(op.req_id, invalid)
+                continue
+            chunks = len(op.block_ids) * self._block_size // self.chunk_tokens
+            self._loads[op.req_id] = _Transfer(job, time.monotonic() + self._settings.timeout_s, chunks, invalid)
+
+    def submit_stores(self, ops: list[StoreOp], after: bytes | None) -> None:
+        """Submits stores. `after` is the engine event the copies must wait
+        for (a GPU forward still running); None when the KV is complete."""
+        client, reg = self._link.client(), self._registration
+        for op in ops:
+            self._store_reqs.add(op.req_id)
+            if client is None or reg is None:
+                continue
+            try:
+                job = client.store(
+                    reg, op.hashes, op.block_ids, timeout=self._settings.timeout_s, salt=op.salt, after=after
+                )
+            except KvringError as e:
+                self._link.failed("store", e)
+                client = self._link.current
+                self.stats.count("store_failures")
+                continue
+            deadline = time.monotonic() + self._settings.timeout_s
+            self._stores.setdefault(op.req_id, []).append(_Transfer(job, deadline, len(op.hashes)))
+
+    def handle_preemptions(self, meta: KvringMetadata) -> None:
+        """Preempted requests' blocks are reused from this step on: their
+        stores must end first (each bounded by its deadline)."""
+        for req_id in meta.preempted:
+            self._store_reqs.discard(req_id)
+            self._finished_with_stores.discard(req_id)
+            for tr in self._stores.pop(req_id, ()):
+                try:
+                    tr.job.wait(timeout=max(0.0, tr.deadline - time.monotonic()))
+                except kvring.ServerTimeout:
+                    _give_up(tr.job)
+                except KvringError:
+                    pass
+                _release(tr.job)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Finished loads (failed ones too: vLLM must unpark them) and the
+        finished requests whose stores all ended, from job status reads."""
+        alive = self._link.client() is not None
+        self._poll_loads(alive)
+        self._poll_stores(alive)
+        self._finished_with_stores.update(r for r in finished_req_ids if r in self._store_reqs)
+        sending = {r for r in self._finished_with_stores if r not in self._stores}
+        self._finished_with_stores -= sending
+        self._store_reqs -= sending
+        recving, self._recving = self._recving, set()
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks of failed loads. Polls too, so a failure's blocks are never
+        reported after its request appears in finished_recving, whatever
+        order a vLLM version calls the two in."""
+        self._poll_loads(self._link.current is not None)
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    def _poll_loads(self, alive: bool) -> None:
+        for req_id, tr in list(self._loads.items()):
+            ok = _outcome(tr, alive)
+            if ok is None:
+                continue
+            del self._loads[req_id]
+            _release(tr.job)
+            if ok:
+                self.stats.count("load_chunks", tr.chunks)
+                self._recving.add(req_id)
+            else:
+                self._load_failed(req_id, tr.block_ids)
+
+    def _load_failed(self, req_id: str, block_ids: Iterable[int]) -> None:
+        self.stats.count("load_failures")
+        self._recving.add(req_id)
+        self._failed_blocks.update(block_ids)
+
+    def _poll_stores(self, alive: bool) -> None:
+        for req_id, transfers in list(self._stores.items()):
+            running = []
+            for tr in transfers:
+                ok = _outcome(tr, alive)
+                if ok is None:
+                    running.append(tr)
+                    continue
+                _release(tr.job)
+                if ok:
+                    self.stats.count("store_chunks", tr.chunks)
+                else:
+                    self.stats.count("store_failures")
+            if running:
+                self._stores[req_id] = running
+            else:
+                del self._stores[req_id]
+
+    def shutdown(self) -> None:
+        """Gives up what is still running (no copy lands after this) and
+        closes the connection (the server unregisters the KV cache with it)."""
+        for tr in [*self._loads.values(), *(t for ts in self._stores.values() for t in ts)]:
+            _give_up(tr.job)
+            _release(tr.job)
+        self._loads.clear()
+        self._stores.clear()
+        self._link.close()
+
+
+def _outcome(tr: _Transfer, alive: bool) -> bool | None:
+    """True: done; False: failed, timed out, or its server is gone (given up
+    first, so no copy lands later); None: still running. Never waits."""
+    try:
+        st = tr.job.status()
+    except KvringError:
+        return False
+    if st.finished:
+        return st.ok
+    if alive and time.monotonic() < tr.deadline:
+        return None
+    _give_up(tr.job)
+    return False
+
+
+def _give_up(job: Job) -> None:
+    with contextlib.suppress(KvringError):
+        job.give_up()
+
+
+def _release(job: Job) -> None:
+    with contextlib.suppress(KvringError):
+        job.release()
+
+
+# ---------------------------------------------------------------- connector
+
+
+def _ensure_recompute_policy(cfg: KVTransferConfig) -> None:
+    """A failed load must end in recompute, not in a failed request: vLLM
+    0.32 defaults `kv_load_failure_policy` to "fail". The scheduler reads the
+    policy right after constructing its connector, so setting it here, in
+    the config this connector is handed, takes effect."""
+    if getattr(cfg, "kv_load_failure_policy", "recompute") != "recompute":
+        logger.warning(
+            "kvring: set kv_load_failure_policy to 'recompute' (was %r): a failed kvring load "
+            "is recomputed, never an error",
+            cfg.kv_load_failure_policy,
+        )
+        cfg.kv_load_failure_policy = "recompute"
+
+
+class KvringConnector(KVConnectorBase_V1):
+    """vLLM KV connector backed by a node-local kvring server (see the module
+    docstring). One instance per role and process."""
+
+    if CacheHitSource is not None:
+        _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        settings = KvringSettings.from_extra_config(self._kv_transfer_config.kv_connector_extra_config or {})
+        model_id, identity = engine_model_id(vllm_config)
+        self._scheduler: _SchedulerSide | None = None
+        self._worker: _WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            _ensure_recompute_policy(self._kv_transfer_config)
+            self._scheduler = _SchedulerSide(vllm_config, settings, model_id)
+            chunk = self._scheduler.chunk_tokens
+        else:
+            self._worker = _WorkerSide(vllm_config, settings, model_id)
+            chunk = self._worker.chunk_tokens
+        logger.info(
+            "kvring: %s connector on server %r, %d-token chunks, model id %016x (%s)",
+            role.name.lower(),
+            settings.name,
+            chunk,
+            model_id,
+            identity,
+        )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A best-effort cache: a store lost to a preemption is a later miss,
+        never a reason to recompute the request."""
+        return False
+
+    # -- scheduler hooks
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request), None
+
+    def reset_cache(self) -> bool | None:
+        return self._scheduler.reset_cache() if self._scheduler is not None else None
+
+    # -- worker hooks
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def unregister_kv_caches(self) -> None:
+        self._worker.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        self._worker.restore_kv_caches()
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if isinstance(kv_connector_metadata, KvringMetadata):
+            self._worker.handle_preemptions(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if isinstance(meta, KvringMetadata):
+            self._worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Whole-request loads, finished before the request is scheduled:
+        nothing to wait for per layer."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        """Stores are whole chunks after the forward (`wait_for_save`)."""
+
+    def wait_for_save(self) -> None:
+        """Submits this step's stores without waiting for them: the scheduler
+        keeps a finished request's blocks until its stores are reported.
+        The KV cache is host memory written by a synchronous CPU forward, so
+        it is complete now and the copies need no engine event."""
+        meta = self._connector_metadata
+        if isinstance(meta, KvringMetadata) and meta.stores:
+            self._worker.submit_stores(meta.stores, after=None)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._worker.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.get_block_ids_with_load_errors()
+
+    # -- both roles
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        side = self._scheduler or self._worker
+        return side.stats.take()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KvringStats(data=dict(data or {}))
+
+    def shutdown(self) -> None:
+        (self._scheduler or self._worker).shutdown()

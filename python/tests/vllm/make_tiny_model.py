@@ -1,0 +1,148 @@
+"""Makes a tiny random Llama checkpoint plus a locally trained tokenizer, for
+running a real vLLM engine on a CPU in tests. Needs no network: the tokenizer
+is a byte-level BPE trained on a corpus generated here from a seeded RNG, so
+the same arguments give byte-identical files on any machine.
+
+    python make_tiny_model.py OUT_DIR [--seed 0]
+
+OUT_DIR is a cache: when OUT_DIR/.complete exists and records the same
+parameters, nothing is done. The files are written to a temporary sibling
+directory and renamed into place, so concurrent runs do not see half a model.
+
+Only the weights depend on --seed: two models of different seeds share
+config.json and the tokenizer files, so one can stand in for the other at the
+same path (the negative-control test relies on that).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+
+VOCAB = 1024
+# Bump when anything below changes what is written.
+FORMAT = 1
+
+
+def params(seed: int) -> dict:
+    return {
+        "format": FORMAT,
+        "seed": seed,
+        "vocab": VOCAB,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 4096,
+    }
+
+
+def _corpus(n_lines: int = 4000) -> list[str]:
+    """Pseudo-words from a fixed syllable list: deterministic text to train
+    the tokenizer on (its content does not matter, only that it is fixed)."""
+    rng = random.Random(1234)
+    syllables = [a + b for a in "bcdfghklmnprstvz" for b in "aeiou"] + list("0123456789")
+    punct = [" ", " ", " ", " ", ", ", ". ", "(", ")", " = ", "\n"]
+    lines = []
+    for _ in range(n_lines):
+        words = []
+        for _ in range(rng.randint(4, 14)):
+            words.append("".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))))
+            words.append(rng.choice(punct))
+        lines.append("".join(words))
+    return lines
+
+
+def _write_tokenizer(out: str) -> int:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=["<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    hf.save_pretrained(out)
+    return tok.get_vocab_size()
+
+
+def _write_model(out: str, p: dict) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(p["seed"])
+    cfg = LlamaConfig(
+        vocab_size=p["vocab"],
+        hidden_size=p["hidden_size"],
+        intermediate_size=p["intermediate_size"],
+        num_hidden_layers=p["num_hidden_layers"],
+        num_attention_heads=p["num_attention_heads"],
+        num_key_value_heads=p["num_key_value_heads"],
+        max_position_embeddings=p["max_position_embeddings"],
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(out, safe_serialization=True)
+
+
+def make(out: str, seed: int = 0) -> str:
+    """Creates (or reuses) the model at `out`; returns `out`."""
+    out = os.path.abspath(out)
+    p = params(seed)
+    marker = os.path.join(out, ".complete")
+    if os.path.exists(marker):
+        with open(marker) as f:
+            if json.load(f) == p:
+                return out
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tiny-model-", dir=parent)
+    try:
+        n = _write_tokenizer(tmp)
+        if n != VOCAB:
+            raise RuntimeError(f"tokenizer has {n} entries, expected {VOCAB}")
+        _write_model(tmp, p)
+        with open(os.path.join(tmp, ".complete"), "w") as f:
+            json.dump(p, f)
+        if os.path.exists(out):
+            shutil.rmtree(out)
+        try:
+            os.rename(tmp, out)
+        except OSError:
+            # Another process finished first; use its copy if it is complete.
+            if not os.path.exists(marker):
+                raise
+    finally:
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    print(make(a.out, a.seed))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
