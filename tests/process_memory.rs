@@ -136,6 +136,38 @@ fn unmapped_memory_is_refused_at_registration_and_fails_a_copy_not_the_server() 
         other => panic!("registration of unmapped memory: {other:?}"),
     }
 
+    // A file's mapping: a page fault there is the file system's to serve
+    // (FUSE, NFS could block the server), so it is refused.
+    let path = s.dir.join("kv-file");
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&path)
+        .unwrap();
+    file.set_len(len as u64).unwrap();
+    // SAFETY: a shared mapping of our own file, unmapped below.
+    let fm = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            std::os::fd::AsRawFd::as_raw_fd(&file),
+            0,
+        )
+    };
+    assert_ne!(fm, libc::MAP_FAILED);
+    match c.register(&spec, &layout, &Memory::process([fm as u64]), &[]) {
+        Err(Error::Registration { reason, .. }) => {
+            assert!(reason.contains("mapping of the file"), "{reason}")
+        }
+        other => panic!("registration of a file's mapping: {other:?}"),
+    }
+    // SAFETY: our own mapping, not used again.
+    unsafe { libc::munmap(fm, len) };
+
     // A whole small cache, registered, then its memory unmapped: the
     // store fails `copy_failed`, the server still answers.
     let small = small_layout();
@@ -170,4 +202,45 @@ fn unmapped_memory_is_refused_at_registration_and_fails_a_copy_not_the_server() 
     assert_eq!(c.ping(b"still here", far()).unwrap(), b"still here");
     let lease = c.lookup(Lookup::new(model_id(MODEL), 1, &hashes)).unwrap();
     assert_eq!(lease.hits(), 0, "a failed store commits nothing");
+}
+
+#[test]
+fn an_unregistered_cache_is_never_written_again() {
+    let s = Fixture::new("procmem-revoke", Duration::from_secs(60), &KV_SERVER_ARGS);
+    let mut c = s.client();
+    let cache = HeapCache::new(kv_layout(LayoutPreset::Lbnhc, 2, 512, 64), 0);
+    let spec = KvSpec::new(model_id(MODEL), 1, 0);
+    let reg = c
+        .register(&spec, &cache.layout, &Memory::process([cache.addr()]), &[])
+        .unwrap();
+    let bpc = reg.blocks_per_chunk();
+    let chunks = 120;
+    let hashes = prompt_hashes(51, chunks);
+    let blocks: Vec<u32> = (0..chunks as u32 * bpc).collect();
+    for (h, b) in hashes.iter().zip(blocks.chunks(bpc as usize)) {
+        pattern::write_chunk(&cache, 0, h, b);
+    }
+    done(c.store(Store::new(&reg, &hashes, &blocks)).unwrap());
+    let lease = c.lookup(Lookup::new(model_id(MODEL), 1, &hashes)).unwrap();
+    cache.poison(0x5a);
+    // A long retrieve, then the cache unregistered at once: once the
+    // unregister is answered, the memory is the engine's again.
+    let job = c.retrieve(Retrieve::new(&reg, &lease, &blocks)).unwrap();
+    c.unregister(reg).unwrap();
+    // SAFETY: a read of the test's own buffer; no copy may run now.
+    let after_unregister = unsafe { (&*cache.buf.get()).clone() };
+    let st = job.wait(far()).unwrap();
+    assert!(
+        matches!(
+            st,
+            JobStatus::Done(_) | JobStatus::Failed(FailReason::CopyFailed)
+        ),
+        "{st:?}"
+    );
+    // SAFETY: as above.
+    let now = unsafe { &*cache.buf.get() };
+    assert!(
+        *now == after_unregister,
+        "the server wrote the engine's memory after it was unregistered ({st:?})"
+    );
 }

@@ -1,11 +1,12 @@
 """The vLLM connector's cost when nothing hits: a real vLLM engine (CPU, the
 tiny test model) generating for prompts it has never seen, with and without
-kvring's connector, in one run. Engines alternate (baseline, kvring,
-baseline, kvring, ...), each running a warm-up phase and then `--phases`
+kvring's connector, in one run. Engines alternate (baseline, a connector that does nothing, kvring, ...), each running a warm-up phase and then `--phases`
 phases of `--prompts` fresh prompts; a phase's wall time covers its
 prefills, decode steps and, with the connector, every lookup (all misses)
 and every store of the prompts' full chunks. Reported: median phase
-throughput (generated tokens/s) per side and kvring / baseline.
+throughput (generated tokens/s) per side, kvring / baseline and kvring /
+no-op connector (what vLLM itself spends on having a connector is not
+kvring's).
 
     VENV/bin/python bench/bench_vllm_overhead.py [--rounds 2] [--json]
 
@@ -28,11 +29,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 VLLM_TESTS = os.path.join(HERE, "..", "tests", "vllm")
 
 
-def run_engine(model, prompts_file, out, server=None):
+def run_engine(model, prompts_file, out, server=None, noop=False):
     cmd = [sys.executable, os.path.join(VLLM_TESTS, "engine.py"), "--model", model,
            "--prompts", prompts_file, "--out", out, "--max-tokens", str(ARGS.max_tokens)]
     if server:
         cmd += ["--connector", server[0], "--runtime-dir", server[1]]
+    if noop:
+        cmd += ["--noop-connector"]
     env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     subprocess.run(cmd, check=True, env=env, timeout=900, stdout=subprocess.DEVNULL,
                    stderr=subprocess.DEVNULL)
@@ -65,10 +68,13 @@ def main():
     model = os.path.join(tempfile.gettempdir(), "kvring-vllm-tests", "models", "tiny-seed0")
     subprocess.run([sys.executable, os.path.join(VLLM_TESTS, "make_tiny_model.py"), model],
                    check=True, stdout=subprocess.DEVNULL)
-    base, kv, hits = [], [], 0
+    base, noop, kv, hits = [], [], [], 0
     for r in range(ARGS.rounds):
-        res = run_engine(model, phases_file(1000 + 2 * r, d), os.path.join(d, f"base-{r}.json"))
+        res = run_engine(model, phases_file(1000 + 3 * r, d), os.path.join(d, f"base-{r}.json"))
         base += throughputs(res)
+        res = run_engine(model, phases_file(1002 + 3 * r, d), os.path.join(d, f"noop-{r}.json"),
+                         noop=True)
+        noop += throughputs(res)
         name = f"bench-vllm-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         rd = tempfile.mkdtemp(prefix="kvring-bench-rt-")
         os.chmod(rd, 0o700)
@@ -76,22 +82,26 @@ def main():
                                 "--runtime-dir", rd, "--backend", "host", "--pool-bytes",
                                 "1GiB"], stdout=subprocess.DEVNULL)
         try:
-            res = run_engine(model, phases_file(1001 + 2 * r, d),
+            res = run_engine(model, phases_file(1001 + 3 * r, d),
                              os.path.join(d, f"kvring-{r}.json"), (name, rd))
             kv += throughputs(res)
             hits += sum(r2["num_cached_tokens"] or 0 for r2 in res["requests"])
         finally:
             srv.terminate()
             srv.wait(30)
-        print(f"round {r}: baseline {statistics.median(base):.1f} tok/s, "
-              f"kvring {statistics.median(kv):.1f} tok/s", file=sys.stderr)
+        print(f"round {r}: baseline {statistics.median(base):.1f} tok/s, no-op connector "
+              f"{statistics.median(noop):.1f}, kvring {statistics.median(kv):.1f}", file=sys.stderr)
     out = {
         "bench": "vllm_connector_overhead",
         "prompts_per_phase": ARGS.prompts, "prompt_tokens": ARGS.prompt_tokens,
         "max_tokens": ARGS.max_tokens, "phases": len(base),
         "baseline_tok_s": {"median": statistics.median(base), "min": min(base), "max": max(base)},
+        "noop_connector_tok_s": {"median": statistics.median(noop), "min": min(noop),
+                                 "max": max(noop)},
         "kvring_tok_s": {"median": statistics.median(kv), "min": min(kv), "max": max(kv)},
         "kvring_over_baseline": statistics.median(kv) / statistics.median(base),
+        "kvring_over_noop_connector": statistics.median(kv) / statistics.median(noop),
+        "noop_connector_over_baseline": statistics.median(noop) / statistics.median(base),
         "cached_tokens_with_kvring": hits,
     }
     print(json.dumps(out) if ARGS.json else json.dumps(out, indent=1))

@@ -94,14 +94,8 @@ def describe_kv_caches(
             raise KvringError(
                 f"layer {name}: {t.dtype} on {t.device}, but the first layer is {first.dtype} on {first.device}"
             )
-        storage = t.untyped_storage()
-        base = storage.data_ptr()
-        if base not in storage_index:
-            storage_index[base] = len(allocations)
-            allocations.append(storage.nbytes())
-            addresses.append(base)
-        alloc = storage_index[base]
-        layer_blocks, placement = _placement(name, t, geometry, t.data_ptr() - base)
+        alloc, offset = _allocation_of(t, storage_index, allocations, addresses)
+        layer_blocks, placement = _placement(name, t, geometry, offset)
         if blocks is None:
             blocks = layer_blocks
         elif layer_blocks != blocks:
@@ -120,6 +114,20 @@ def describe_kv_caches(
         shared=shared,
     )
     return KvCacheMemory(layout, addresses, first.device, tensors)
+
+
+def _allocation_of(
+    t: torch.Tensor, storage_index: dict[int, int], allocations: list[int], addresses: list[int]
+) -> tuple[int, int]:
+    """(allocation index, byte offset) of `t` in its backing storage; a
+    storage not seen yet becomes the next allocation."""
+    storage = t.untyped_storage()
+    base = storage.data_ptr()
+    if base not in storage_index:
+        storage_index[base] = len(allocations)
+        allocations.append(storage.nbytes())
+        addresses.append(base)
+    return storage_index[base], t.data_ptr() - base
 
 
 def describe_opaque_blocks(kv_caches: Mapping[str, torch.Tensor], block_tokens: int) -> KvCacheMemory:
@@ -162,14 +170,8 @@ def describe_opaque_blocks(kv_caches: Mapping[str, torch.Tensor], block_tokens: 
             row, blocks = layer_row, t.shape[0]
         elif (layer_row, t.shape[0]) != (row, blocks):
             raise KvringError(f"layer {name}: {t.shape[0]} blocks of {block_bytes} bytes, unlike the first")
-        storage = t.untyped_storage()
-        base = storage.data_ptr()
-        if base not in storage_index:
-            storage_index[base] = len(allocations)
-            allocations.append(storage.nbytes())
-            addresses.append(base)
-        offset = t.data_ptr() - base
-        placements.append((storage_index[base], offset, offset + row // 2, t.stride(0) * es, 0, row))
+        alloc, offset = _allocation_of(t, storage_index, allocations, addresses)
+        placements.append((alloc, offset, offset + row // 2, t.stride(0) * es, 0, row))
     half = row // (2 * es)
     layout = Layout(
         layers=len(placements),

@@ -297,16 +297,24 @@ class _ServerLink:
     server is gone. A lost server is noticed from the connection (or a call
     failing with ServerGone / ServerTimeout) and reconnected at most every
     `RECONNECT_INTERVAL_S`, so hooks fail fast in between (an attempt costs
-    at most ~0.5 s, against a server that accepts but does not answer).
+    at most the connect timeout, plus the call timeout of its first calls
+    against a server that accepts but does not answer).
     `on_connect`
     readies each new client (the chunk size check; the worker's KV cache
     registration) and refuses it by raising KvringError.
     """
 
-    def __init__(self, settings: KvringSettings, engine_id: str | None, on_connect: Callable[[Client], None]) -> None:
+    def __init__(
+        self,
+        settings: KvringSettings,
+        engine_id: str | None,
+        on_connect: Callable[[Client], None],
+        on_drop: Callable[[], None] | None = None,
+    ) -> None:
         self._settings = settings
         self._engine_id = engine_id
         self._on_connect = on_connect
+        self._on_drop = on_drop
         self._retry_at = 0.0
         self._client: Client | None = self._connect_first()
 
@@ -389,9 +397,14 @@ class _ServerLink:
     def _drop(self, reason: str) -> None:
         # The next `client()` tries once at once (a restarted server is
         # found without delay), then at most every RECONNECT_INTERVAL_S.
-        c, self._client = self._client, None
+        c = self._client
         if c is None:
             return
+        # Jobs are given up while their connection is still there: a server
+        # that is slow, not dead, must not copy into blocks vLLM reuses.
+        if self._on_drop is not None:
+            self._on_drop()
+        self._client = None
         logger.warning(
             "kvring: lost the server %r (%s); until it is back, lookups miss, loads fail "
             "(vLLM recomputes) and stores are skipped; retrying every %.0f s",
@@ -558,6 +571,8 @@ class _SchedulerSide:
         self._tracked: dict[str, _Tracked] = {}
         self._fresh_blocks: set[str] = set()
         self._pending_loads: list[LoadOp] = []
+        # Requests whose load is planned and not reported finished yet.
+        self._loading: set[str] = set()
         self.stats = KvringStats()
 
     def _on_connect(self, client: Client) -> None:
@@ -584,10 +599,11 @@ class _SchedulerSide:
             # retrieve consumed or freed the old holds; look up afresh.
             self._end_lease(t)
             t.admitted = False
-            t.looked_up = False
+            t.looked_up, t.hit_chunks = False, 0
         client = self._link.client()
         if t.lease is not None and t.lease_client is not client:
-            t.lease, t.lease_client, t.looked_up = None, None, False
+            t.lease, t.lease_client = None, None
+            t.looked_up, t.hit_chunks = False, 0
         if not t.looked_up:
             if client is None:
                 return 0, False
@@ -662,6 +678,7 @@ class _SchedulerSide:
             self._release_unloaded(client, t, first, last)
         self.stats.count("lookup_hit_tokens", num_external_tokens)
         t.load_blocks = frozenset(op.block_ids[op.skip_tokens // self._block_size :])
+        self._loading.add(request.request_id)
         self._pending_loads.append(op)
 
     def _release_unloaded(self, client: Client, t: _Tracked, first: int, last: int) -> None:
@@ -740,17 +757,29 @@ class _SchedulerSide:
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Notes failed loads, so that the request's next lookup answers no
-        hit (vLLM resets a request whose load failed and asks again)."""
+        hit (vLLM resets a request whose load failed and asks again).
+
+        With several ranks, one rank's failed blocks may come back steps
+        before the load is finished on every rank (vLLM merges invalid
+        blocks as they come, finished loads once all ranks report them), so
+        every load still in flight is checked against every step's invalid
+        blocks, and forgotten only once it finished."""
         invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
         failed = set(getattr(connector_output, "failed_recving", None) or ())
+        if invalid or failed:
+            for req_id in list(self._loading):
+                t = self._tracked.get(req_id)
+                if t is None:
+                    self._loading.discard(req_id)
+                elif req_id in failed or not invalid.isdisjoint(t.load_blocks):
+                    if not t.load_failed:
+                        _warn_throttled("load", "kvring: a load failed (request %s); vLLM recomputes it", req_id)
+                    t.load_failed = True
         for req_id in connector_output.finished_recving or ():
+            self._loading.discard(req_id)
             t = self._tracked.get(req_id)
-            if t is None or not t.load_blocks:
-                continue
-            if req_id in failed or not invalid.isdisjoint(t.load_blocks):
-                t.load_failed = True
-                _warn_throttled("load", "kvring: a load failed (request %s); vLLM recomputes it", req_id)
-            t.load_blocks = frozenset()
+            if t is not None:
+                t.load_blocks = frozenset()
 
     def request_finished(self, request: Request) -> bool:
         """Ends the lease; True (keep the blocks) when stores were issued for
@@ -758,6 +787,7 @@ class _SchedulerSide:
         finished_sending once their jobs end. (The scheduler cannot see job
         completion, so any issued store counts as in flight.)"""
         t = self._tracked.pop(request.request_id, None)
+        self._loading.discard(request.request_id)
         if t is None:
             return False
         self._end_lease(t)
@@ -819,10 +849,12 @@ class _WorkerSide:
         if settings.chunk_tokens is not None:  # refused before a server is started for it
             _check_block_size(self._block_size, settings.chunk_tokens)
         self.chunk_tokens: int | None = None
-        self._link = _ServerLink(settings, vllm_config.kv_transfer_config.engine_id, self._on_connect)
-        _check_block_size(self._block_size, self.chunk_tokens)
         self._loads: dict[str, _Transfer] = {}
         self._stores: dict[str, list[_Transfer]] = {}
+        self._link = _ServerLink(
+            settings, vllm_config.kv_transfer_config.engine_id, self._on_connect, self._abandon_jobs
+        )
+        _check_block_size(self._block_size, self.chunk_tokens)
         # Requests with stores since their last preemption: the scheduler
         # keeps their blocks after they finish until this rank reports them
         # in finished_sending.
@@ -875,8 +907,9 @@ class _WorkerSide:
         )
 
     def unregister_kv_caches(self) -> None:
-        """Sleep / weight update (vLLM 0.33+): the memory may change; no
-        transfer runs now."""
+        """Sleep / weight update (vLLM 0.33+): the memory may change, so
+        nothing may copy into it from here on."""
+        self._abandon_jobs()
         reg, self._registration = self._registration, None
         client = self._link.current
         if reg is not None and client is not None:
@@ -1009,14 +1042,25 @@ class _WorkerSide:
             else:
                 del self._stores[req_id]
 
-    def shutdown(self) -> None:
-        """Gives up what is still running (no copy lands after this) and
-        closes the connection (the server unregisters the KV cache with it)."""
-        for tr in [*self._loads.values(), *(t for ts in self._stores.values() for t in ts)]:
+    def _abandon_jobs(self) -> None:
+        """Gives up every job still running (no copy of it lands afterwards)
+        and counts it failed: loads are reported as load errors."""
+        for req_id, tr in list(self._loads.items()):
             _give_up(tr.job)
             _release(tr.job)
+            self._load_failed(req_id, tr.block_ids)
         self._loads.clear()
+        for transfers in self._stores.values():
+            for tr in transfers:
+                _give_up(tr.job)
+                _release(tr.job)
+                self.stats.count("store_failures")
         self._stores.clear()
+
+    def shutdown(self) -> None:
+        """Gives up what is still running and closes the connection (the
+        server unregisters the KV cache with it)."""
+        self._abandon_jobs()
         self._link.close()
 
 

@@ -1,13 +1,14 @@
 //! `kvring.Client`: a connection to a server, usable from any Python
 //! thread; every call that may block runs without the GIL.
 
-use crate::errors::{invalid, to_py, ClientClosed};
+use crate::errors::{invalid, to_py};
 use crate::handles::{PyJob, PyLease, PyRegistration};
 use crate::layout::PyLayout;
 use kvring::client::Memory;
 use kvring::kv::ChunkHash;
 use kvring::{Client, DeviceUuid, IpcEventHandle, KvSpec, LeaseId, Lookup, Retrieve, Store};
 use pyo3::prelude::*;
+use pyo3::pybacked::PyBackedBytes;
 use pyo3::types::{PyBytes, PyDict};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -21,28 +22,60 @@ pub struct PyClient {
 impl PyClient {
     /// Runs `f` on the client (closed: `ClientClosed`), turning its error
     /// into the Python exception.
+    ///
+    /// The error becomes a Python exception only once the client's lock is
+    /// released: making some exceptions takes the GIL, and a thread holding
+    /// the GIL may be waiting for this lock.
     pub fn with<T>(&self, f: impl FnOnce(&mut Client) -> kvring::Result<T>) -> PyResult<T> {
-        let mut guard = self.client.lock().expect("client");
-        let c = guard
-            .as_mut()
-            .ok_or_else(|| ClientClosed::new_err("the client was closed"))?;
-        f(c).map_err(to_py)
+        let r = {
+            let mut guard = self.client.lock().unwrap_or_else(|e| e.into_inner());
+            match guard.as_mut() {
+                Some(c) => f(c),
+                None => Err(kvring::Error::ClientClosed),
+            }
+        };
+        r.map_err(to_py)
+    }
+
+    /// Runs `f` on the client and registration `reg` (client first, then
+    /// the registration: the one lock order).
+    fn with_registration<T>(
+        &self,
+        reg: &PyRegistration,
+        f: impl FnOnce(&mut Client, &kvring::Registration) -> kvring::Result<T>,
+    ) -> PyResult<T> {
+        self.with(|c| {
+            let guard = reg.reg.lock().unwrap_or_else(|e| e.into_inner());
+            let r = guard.as_ref().ok_or(kvring::Error::InvalidArgument(
+                "the registration was unregistered".into(),
+            ))?;
+            f(c, r)
+        })
     }
 }
 
-fn seconds(py: Python<'_>, what: &str, s: f64) -> PyResult<Duration> {
-    if s >= 0.0 && s.is_finite() {
+/// The longest timeout taken (a year): beyond it a deadline could
+/// overflow the clock.
+pub const MAX_SECONDS: f64 = 365.0 * 24.0 * 3600.0;
+
+pub fn seconds(py: Python<'_>, what: &str, s: f64) -> PyResult<Duration> {
+    if (0.0..=MAX_SECONDS).contains(&s) {
         Ok(Duration::from_secs_f64(s))
     } else {
-        Err(invalid(py, format!("{what} {s}: seconds, at least 0")))
+        Err(invalid(
+            py,
+            format!("{what} {s}: seconds, from 0 to {MAX_SECONDS} (a year)"),
+        ))
     }
 }
 
-fn hashes(py: Python<'_>, hs: Vec<Vec<u8>>) -> PyResult<Vec<ChunkHash>> {
-    hs.into_iter()
+/// Chunk hashes from Python `bytes` (read in place: a 128-chunk prompt's
+/// hashes cost no allocation each).
+fn hashes(py: Python<'_>, hs: Vec<PyBackedBytes>) -> PyResult<Vec<ChunkHash>> {
+    hs.iter()
         .enumerate()
         .map(|(i, h)| {
-            <ChunkHash>::try_from(h.as_slice()).map_err(|_| {
+            <ChunkHash>::try_from(&h[..]).map_err(|_| {
                 invalid(
                     py,
                     format!("hash {i}: {} bytes, chunk hashes are 16", h.len()),
@@ -121,16 +154,24 @@ impl PyClient {
 
     /// Whether the server is known to be gone.
     #[getter]
-    fn server_gone(&self) -> bool {
-        match self.client.lock().expect("client").as_ref() {
-            Some(c) => c.server_gone(),
-            None => true,
-        }
+    fn server_gone(&self, py: Python<'_>) -> bool {
+        // Without the GIL: another thread may hold the client for a call.
+        py.detach(|| {
+            match self
+                .client
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .as_ref()
+            {
+                Some(c) => c.server_gone(),
+                None => true,
+            }
+        })
     }
 
     #[getter]
-    fn server_pid(&self) -> PyResult<u32> {
-        self.with(|c| Ok(c.server_pid()))
+    fn server_pid(&self, py: Python<'_>) -> PyResult<u32> {
+        py.detach(|| self.with(|c| Ok(c.server_pid())))
     }
 
     /// What engines must agree with: chunk_tokens, pool_bytes, copy_threads,
@@ -240,7 +281,7 @@ impl PyClient {
         slf: &Bound<'_, Self>,
         model_id: u64,
         world_size: u32,
-        hashes: Vec<Vec<u8>>,
+        hashes: Vec<PyBackedBytes>,
         salt: u64,
     ) -> PyResult<PyLease> {
         let py = slf.py();
@@ -278,7 +319,7 @@ impl PyClient {
         &self,
         py: Python<'_>,
         reg: &Bound<'_, PyRegistration>,
-        hashes: Vec<Vec<u8>>,
+        hashes: Vec<PyBackedBytes>,
         blocks: Vec<u32>,
         timeout: Option<f64>,
         salt: u64,
@@ -289,11 +330,7 @@ impl PyClient {
         let timeout = timeout.map(|t| seconds(py, "timeout", t)).transpose()?;
         let reg = reg.get();
         let job = py.detach(|| {
-            self.with(|c| {
-                let guard = reg.reg.lock().expect("registration handle");
-                let r = guard.as_ref().ok_or(kvring::Error::InvalidArgument(
-                    "the registration was unregistered".into(),
-                ))?;
+            self.with_registration(reg, |c, r| {
                 let mut s = Store::new(r, &hs, &blocks).salt(salt);
                 if let Some(t) = timeout {
                     s = s.timeout(t);
@@ -327,11 +364,7 @@ impl PyClient {
         let timeout = timeout.map(|t| seconds(py, "timeout", t)).transpose()?;
         let reg = reg.get();
         let job = py.detach(|| {
-            self.with(|c| {
-                let guard = reg.reg.lock().expect("registration handle");
-                let r = guard.as_ref().ok_or(kvring::Error::InvalidArgument(
-                    "the registration was unregistered".into(),
-                ))?;
+            self.with_registration(reg, |c, r| {
                 let mut q = Retrieve::new(r, id, &blocks)
                     .first_chunk(first_chunk)
                     .skip_tokens(skip_tokens);
@@ -369,10 +402,12 @@ impl PyClient {
 
     /// Says goodbye; the server reclaims what the connection held.
     fn close(&self, py: Python<'_>) {
-        let c = self.client.lock().expect("client").take();
-        if let Some(c) = c {
-            py.detach(|| c.close());
-        }
+        py.detach(|| {
+            let c = self.client.lock().unwrap_or_else(|e| e.into_inner()).take();
+            if let Some(c) = c {
+                c.close();
+            }
+        })
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {

@@ -3,7 +3,7 @@
 //! released explicitly, at the end of a `with` block, or when collected.
 
 use crate::client::PyClient;
-use crate::errors::{invalid, to_py};
+use crate::errors::to_py;
 use crate::layout::PyLayout;
 use kvring::jobs::{JobResult, JobStatus};
 use kvring::{Job, Lease, LeaseId, Registration};
@@ -102,7 +102,7 @@ impl PyJob {
     fn get(&self) -> PyResult<Arc<Job>> {
         self.job
             .lock()
-            .expect("job handle")
+            .unwrap_or_else(|e| e.into_inner())
             .clone()
             .ok_or_else(|| crate::errors::KvringError::new_err("the job was released"))
     }
@@ -140,12 +140,9 @@ impl PyJob {
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<PyJobStatus> {
         let job = self.get()?;
         let deadline = match timeout {
-            Some(t) if !(t >= 0.0 && t.is_finite()) => {
-                return Err(invalid(py, format!("timeout {t}: seconds, at least 0")))
-            }
-            Some(t) => Instant::now() + Duration::from_secs_f64(t),
+            Some(t) => Instant::now() + crate::client::seconds(py, "timeout", t)?,
             // Far enough that the job's own deadline comes first.
-            None => Instant::now() + Duration::from_secs(365 * 24 * 3600),
+            None => Instant::now() + Duration::from_secs_f64(crate::client::MAX_SECONDS),
         };
         loop {
             let slice = deadline.min(Instant::now() + WAIT_SLICE);
@@ -172,7 +169,9 @@ impl PyJob {
 
     /// Releases its slot (sent with the client's next request).
     fn release(&self) {
-        self.job.lock().expect("job handle").take();
+        // Dropped after the lock: a Job's drop only queues its release.
+        let job = self.job.lock().unwrap_or_else(|e| e.into_inner()).take();
+        drop(job);
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -225,7 +224,7 @@ impl PyLease {
 
     /// Ends it now (END_SESSION): frees what it still holds.
     fn end(&self, py: Python<'_>) -> PyResult<()> {
-        let Some(lease) = self.lease.lock().expect("lease handle").take() else {
+        let Some(lease) = self.lease.lock().unwrap_or_else(|e| e.into_inner()).take() else {
             return Ok(());
         };
         let client = self.client.get();
@@ -234,7 +233,7 @@ impl PyLease {
 
     /// Keeps the holds past this handle; returns the id.
     fn detach<'py>(&self, py: Python<'py>) -> Bound<'py, pyo3::types::PyBytes> {
-        if let Some(lease) = self.lease.lock().expect("lease handle").take() {
+        if let Some(lease) = self.lease.lock().unwrap_or_else(|e| e.into_inner()).take() {
             let _ = lease.into_id();
         }
         self.id(py)

@@ -15,12 +15,18 @@ pub struct PyEngineStream {
 }
 
 impl PyEngineStream {
+    /// Runs `f` on the stream; called without the GIL (a synchronize may
+    /// hold the stream a while), and its error becomes an exception after
+    /// the lock is released.
     fn with<T>(&self, f: impl FnOnce(&EngineStream) -> kvring::Result<T>) -> PyResult<T> {
-        let g = self.stream.lock().expect("engine stream");
-        let s = g
-            .as_ref()
-            .ok_or_else(|| KvringError::new_err("the engine stream was closed"))?;
-        f(s).map_err(to_py)
+        let r = {
+            let g = self.stream.lock().unwrap_or_else(|e| e.into_inner());
+            g.as_ref().map(f)
+        };
+        match r {
+            Some(r) => r.map_err(to_py),
+            None => Err(KvringError::new_err("the engine stream was closed")),
+        }
     }
 }
 
@@ -46,9 +52,9 @@ impl PyEngineStream {
     /// over (released by the server once its copies ended, or by this
     /// client when it gives the job up: at its timeout, or when the server
     /// is gone).
-    fn wait_job(&self, job: &Bound<'_, PyJob>) -> PyResult<()> {
+    fn wait_job(&self, py: Python<'_>, job: &Bound<'_, PyJob>) -> PyResult<()> {
         let j = job.get().arc()?;
-        self.with(|s| s.wait_job(&j))
+        py.detach(|| self.with(|s| s.wait_job(&j)))
     }
 
     /// Waits (on the host, without the GIL) for everything queued.
@@ -59,8 +65,10 @@ impl PyEngineStream {
     /// Gives up the jobs it waited for that are not released yet and
     /// drains the stream.
     fn close(&self, py: Python<'_>) {
-        let s = self.stream.lock().expect("engine stream").take();
-        py.detach(move || drop(s));
+        py.detach(|| {
+            let s = self.stream.lock().unwrap_or_else(|e| e.into_inner()).take();
+            drop(s)
+        });
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {

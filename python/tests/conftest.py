@@ -29,14 +29,17 @@ class Server:
             stdout=self.log, stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + 20
-        while True:
-            try:
-                kvring.Client(self.name, runtime_dir=self.dir, connect_timeout=0.2).close()
-                return
-            except kvring.NoServer:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"server did not start: {self.output()}")
+        try:
+            while True:
+                try:
+                    kvring.Client(self.name, runtime_dir=self.dir, connect_timeout=0.2).close()
+                    return
+                except kvring.NoServer:
+                    if self.proc.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"server did not start: {self.output()}") from None
+        except BaseException:
+            self.stop()
+            raise
 
     def client(self, **kw) -> kvring.Client:
         return kvring.Client(self.name, runtime_dir=self.dir, **kw)

@@ -104,6 +104,9 @@ def test_a_lease_frees_chunks_that_will_not_be_loaded_and_ends(server):
         assert c.stats()["leases"] == 1
         c.release_lease_chunks(lease.id, 1, 1)
         # Chunk 1's hold is gone: retrieving it is refused, chunk 0 works.
+        with pytest.raises(kvring.StatusError) as e:
+            c.retrieve(reg, lease.id, list(range(12, 16)), first_chunk=1)
+        assert e.value.status == "no_lease"
         assert c.retrieve(reg, lease.id, list(range(8, 12))).wait(10).ok
         lease.end()
         assert c.stats()["leases"] == 0
@@ -250,7 +253,7 @@ def test_poll_reads_a_job_without_blocking(server):
         job = c.delay_job(0.0, 0.5, value=3)
         t0 = time.monotonic()
         assert job.poll().state in ("pending", "running")
-        assert time.monotonic() - t0 < 0.1
+        assert time.monotonic() - t0 < 0.4  # no wait for the 0.5 s job
         assert job.wait(10).value == 3
         assert job.poll().state == "done"
         # Released: its slot is a tombstone that still says how it ended.

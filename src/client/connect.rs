@@ -31,6 +31,8 @@ pub(crate) struct Link {
     /// The server process (opened at connect, its start time checked), to
     /// prove its exit: a process that has exited copies nothing more.
     server: Option<crate::liveness::PidFd>,
+    /// The process that connected (the server knows this one's memory).
+    pub pid: u32,
     pub conn: Conn,
     pub seg: ClientSegment,
     pub slot: u32,
@@ -222,6 +224,7 @@ pub(super) fn connect(paths: &ServerPaths, opts: &ClientOptions) -> Result<Clien
         words_registered: std::sync::Mutex::new(None),
         words: Arc::new(super::words::WordTable::new()),
         server,
+        pid: std::process::id(),
         conn,
         seg,
         slot: w.slot,

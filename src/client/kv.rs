@@ -125,8 +125,10 @@ impl Memory {
     /// address here (any memory: a CPU tensor, a `Vec`). The server copies
     /// it by cross-memory attach, which registering consents to (see
     /// `shm_layout.md`, "KvAllocation"). It needs no descriptor and no
-    /// alignment; keep it mapped until the registration is unregistered
-    /// (an address unmapped under a copy fails that job, never the server).
+    /// alignment, only anonymous or shared memory (not a file's mapping).
+    /// Once [`Client::unregister`] returns (or the client closed), no copy
+    /// touches it; an address unmapped under a copy fails that job, never
+    /// the server.
     pub fn process(addresses: impl IntoIterator<Item = u64>) -> Memory {
         Memory {
             kind: MemKind::ProcessVm,
@@ -640,7 +642,24 @@ impl Client {
     /// the ones that count) and waits for the answer.
     pub(super) fn send_unchecked(&mut self, saved: &Saved) -> Result<(u32, u32)> {
         if saved.mem_kind == MemKind::ProcessVm {
-            consent_to_attach(self.server_pid())?;
+            // The server copies into the process that connected (its
+            // credentials on the socket): after a fork that is not this one.
+            if self.link.pid != std::process::id() {
+                return Err(Error::InvalidArgument(format!(
+                    "this connection was made by process {}, not this one ({}): memory in this process's address space needs a connection of its own",
+                    self.link.pid,
+                    std::process::id()
+                )));
+            }
+            // The server as the socket names it (its pid in this process's
+            // namespace), not as its segment says.
+            let server = self
+                .link
+                .conn
+                .peer_cred()
+                .map_err(crate::error::io("the server's credentials"))?
+                .pid;
+            consent_to_attach(server)?;
         }
         let fds: Vec<BorrowedFd<'_>> = saved.fds.iter().map(|f| f.as_fd()).collect();
         let max_fds = crate::bootstrap::MAX_FDS;

@@ -6,14 +6,19 @@
 //!
 //! The process is the one on the other end of the registering connection:
 //! its pid comes from `SO_PEERCRED` and is held as a pidfd from connect,
-//! never from a word the client sends. Every copy checks the pidfd first,
-//! so a pid reused after the engine died is never read or written. An
-//! address the engine has unmapped since registering fails that copy with
-//! `EFAULT` (the kernel checks every page); the server never faults.
+//! never from a word the client sends. Every copy checks the pidfd first: a
+//! pid is reused only after its process was reaped, so the window is that
+//! between the check and the system call. An address the engine has
+//! unmapped since registering fails that copy (`EFAULT`, or a short count
+//! when it goes under the copy; the kernel checks every page); the server
+//! never faults. Unregistering, or the client going, revokes the memory:
+//! the revocation waits for copies under way and no copy starts after it,
+//! so the engine may free the memory once its unregister is answered.
 
 use super::registry::Refusal;
 use crate::liveness::PidFd;
 use crate::proto::kv::KvAllocation;
+use std::sync::RwLock;
 
 /// Most (local, remote) pairs in one system call (`IOV_MAX`).
 const IOV_MAX: usize = 1024;
@@ -32,6 +37,8 @@ pub enum Way {
 pub enum PeerCopyError {
     #[error("the engine process {0} has exited")]
     Exited(u32),
+    #[error("the engine's memory was unregistered")]
+    Revoked,
     #[error("engine process {pid}: {source}")]
     Os { pid: u32, source: std::io::Error },
     #[error("engine process {pid}: {moved} of {wanted} bytes moved (memory unmapped under the copy)")]
@@ -44,6 +51,9 @@ pub struct PeerMemory {
     pidfd: PidFd,
     /// Each allocation's (address, bytes) in the engine process.
     windows: Vec<(u64, u64)>,
+    /// Set once unregistered; copies hold it shared while they run, so the
+    /// revocation (exclusive) waits for them.
+    revoked: RwLock<bool>,
 }
 
 impl PeerMemory {
@@ -56,13 +66,18 @@ impl PeerMemory {
             pid,
             pidfd,
             windows: allocs.iter().map(|a| (a.offset, a.bytes)).collect(),
+            revoked: RwLock::new(false),
         };
+        let maps = std::fs::read_to_string(format!("/proc/{pid}/maps"))
+            .map_err(|e| Refusal::invalid(format!("the mappings of process {pid}: {e}")))?;
         for (i, &(addr, bytes)) in mem.windows.iter().enumerate() {
             if bytes == 0 || addr == 0 || addr.checked_add(bytes).is_none() {
                 return Err(Refusal::invalid(format!(
                     "allocation {i}: [{addr:#x}, +{bytes}) is not an address range"
                 )));
             }
+            check_backing(&maps, addr, addr + bytes)
+                .map_err(|why| Refusal::invalid(format!("allocation {i}: {why}")))?;
             for at in [addr, addr + bytes - 1] {
                 let mut byte = 0u8;
                 let pair = [(&mut byte as *mut u8, at, 1usize)];
@@ -81,6 +96,13 @@ impl PeerMemory {
         self.pid
     }
 
+    /// No copy starts after this returns, and none is under way: the
+    /// memory is the engine's again. (Waits for copies in progress: each
+    /// is one chunk.)
+    pub fn revoke(&self) {
+        *self.revoked.write().unwrap_or_else(|e| e.into_inner()) = true;
+    }
+
     /// Allocation `i`'s address in the engine process and its size.
     pub fn window(&self, i: usize) -> (u64, u64) {
         self.windows[i]
@@ -90,6 +112,11 @@ impl PeerMemory {
     /// given, up to `IOV_MAX` pairs per system call. The caller keeps every
     /// server range valid and every engine range inside a window.
     pub fn transfer(&self, way: Way, pairs: &[(*mut u8, u64, usize)]) -> Result<(), PeerCopyError> {
+        // Held until the copy is over: a revocation waits for it.
+        let revoked = self.revoked.read().unwrap_or_else(|e| e.into_inner());
+        if *revoked {
+            return Err(PeerCopyError::Revoked);
+        }
         if self.pidfd.exited() {
             return Err(PeerCopyError::Exited(self.pid));
         }
@@ -152,6 +179,50 @@ impl PeerMemory {
         }
         Ok(())
     }
+}
+
+/// Checks that `[start, end)` lies in mappings of `maps` (a
+/// `/proc/PID/maps` text) that no file system serves: anonymous memory
+/// (the heap, a stack, `mmap` of nothing) or shared memory (memfds,
+/// `/dev/shm`, System V). A page fault in a file another process serves
+/// (FUSE, a network file system) could block the server's copy for as long
+/// as that process likes.
+fn check_backing(maps: &str, start: u64, end: u64) -> Result<(), String> {
+    let mut at = start;
+    for line in maps.lines() {
+        let mut f = line.split_whitespace();
+        let (Some(range), Some(_perms), Some(_off), Some(_dev), Some(inode)) =
+            (f.next(), f.next(), f.next(), f.next(), f.next())
+        else {
+            continue;
+        };
+        let path = f.collect::<Vec<_>>().join(" ");
+        let Some((lo, hi)) = range.split_once('-') else {
+            continue;
+        };
+        let (Ok(lo), Ok(hi)) = (u64::from_str_radix(lo, 16), u64::from_str_radix(hi, 16)) else {
+            continue;
+        };
+        if hi <= at {
+            continue;
+        }
+        if lo > at {
+            break;
+        }
+        let shared_memory = path.starts_with("/memfd:")
+            || path.starts_with("/dev/shm/")
+            || path.starts_with("/SYSV");
+        if inode != "0" && !shared_memory {
+            return Err(format!(
+                "bytes {at:#x}.. are a mapping of the file {path}: only anonymous or shared memory can be registered by address"
+            ));
+        }
+        at = hi;
+        if at >= end {
+            return Ok(());
+        }
+    }
+    Err(format!("byte {at:#x} is not mapped in the registering process"))
 }
 
 /// What a failed access at registration means, in the engine's terms.

@@ -420,6 +420,12 @@ impl Registry {
         let Some(inst) = self.instances.remove(&id) else {
             return;
         };
+        // Memory in the engine's address space is the engine's again once
+        // it unregisters or goes: copies still queued with the registration
+        // must not touch it (a mapped memfd stays valid; this does not).
+        if let Some(p) = &inst.process {
+            p.revoke();
+        }
         let gkey = (inst.model_id, inst.world_size);
         if let Some(g) = self.groups.get_mut(&gkey) {
             g.members -= 1;

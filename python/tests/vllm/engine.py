@@ -37,6 +37,8 @@ def _parse_args(argv):
     ap.add_argument("--prompts", required=True, help="JSON file of phases of prompts")
     ap.add_argument("--out", required=True)
     ap.add_argument("--connector", metavar="NAME", help="kvring server name (enables KvringConnector)")
+    ap.add_argument("--noop-connector", action="store_true",
+                    help="a connector that does nothing (noop_connector.py): vLLM's own cost of one")
     ap.add_argument("--runtime-dir", help="kvring runtime directory")
     ap.add_argument("--timeout-s", type=float, default=10.0, help="kvring.timeout_s")
     ap.add_argument("--extra", action="append", default=[], metavar="KEY=JSON",
@@ -179,7 +181,15 @@ def main(argv=None) -> int:
     }
 
     kw = {}
-    if args.connector:
+    if args.noop_connector:
+        from vllm.config import KVTransferConfig
+
+        # Spawned engine processes import the module by name.
+        here = os.path.dirname(os.path.abspath(__file__))
+        os.environ["PYTHONPATH"] = here + os.pathsep + os.environ.get("PYTHONPATH", "")
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="NoopConnector", kv_connector_module_path="noop_connector", kv_role="kv_both")
+    elif args.connector:
         from vllm.config import KVTransferConfig
 
         extra = {

@@ -78,16 +78,9 @@ fn print_json(v: &impl serde::Serialize) {
 
 /// Runs `kvring-inspect` with `args` (the first is the program's name).
 pub fn main(args: Vec<std::ffi::OsString>) -> ExitCode {
-    let cli = match Cli::try_parse_from(args) {
+    let cli = match crate::parse::<Cli>(args) {
         Ok(cli) => cli,
-        Err(e) => {
-            let _ = e.print();
-            return if e.use_stderr() {
-                ExitCode::from(2)
-            } else {
-                ExitCode::SUCCESS
-            };
-        }
+        Err(code) => return code,
     };
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,

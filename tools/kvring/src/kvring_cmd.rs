@@ -266,16 +266,9 @@ impl Drop for StopSignals {
 /// how to start this same command line from a child process (the demo's
 /// server and workers): the binary, or a Python interpreter and `-m kvring`.
 pub fn main(args: Vec<OsString>, this: Vec<OsString>) -> ExitCode {
-    let cli = match Cli::try_parse_from(args) {
+    let cli = match crate::parse::<Cli>(args) {
         Ok(cli) => cli,
-        Err(e) => {
-            let _ = e.print();
-            return if e.use_stderr() {
-                ExitCode::from(2)
-            } else {
-                ExitCode::SUCCESS
-            };
-        }
+        Err(code) => return code,
     };
     // Logs go to stderr through `tracing`: warnings and errors by default,
     // more with RUST_LOG (e.g. RUST_LOG=kvring=debug). Already set when the

@@ -8,3 +8,16 @@ mod demo;
 pub mod inspect_cmd;
 pub mod kvring_cmd;
 mod render;
+
+/// Parses a command line; on `--help`, `--version` or an error, prints
+/// what clap says and gives the exit status (0, or 2 for a usage error).
+fn parse<C: clap::Parser>(args: Vec<std::ffi::OsString>) -> Result<C, std::process::ExitCode> {
+    C::try_parse_from(args).map_err(|e| {
+        let _ = e.print();
+        if e.use_stderr() {
+            std::process::ExitCode::from(2)
+        } else {
+            std::process::ExitCode::SUCCESS
+        }
+    })
+}
