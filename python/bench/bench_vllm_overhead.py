@@ -1,14 +1,15 @@
 """The vLLM connector's cost when nothing hits: a real vLLM engine (CPU, the
-tiny test model) generating for prompts it has never seen, with and without
-kvring's connector, in one run. Engines alternate (baseline, a connector that does nothing, kvring, ...), each running a warm-up phase and then `--phases`
-phases of `--prompts` fresh prompts; a phase's wall time covers its
-prefills, decode steps and, with the connector, every lookup (all misses)
-and every store of the prompts' full chunks. Reported: median phase
-throughput (generated tokens/s) per side, kvring / baseline and kvring /
-no-op connector (what vLLM itself spends on having a connector is not
-kvring's).
+tiny test model) generating for prompts it has never seen, without a
+connector, with a connector that does nothing (`tests/vllm/noop_connector.py`:
+what vLLM itself spends on having one) and with kvring's, in one run.
+Engines alternate (baseline, no-op, kvring, baseline, ...), each running a
+warm-up phase and then `--phases` phases of `--prompts` fresh prompts; a
+phase's wall time covers its prefills, decode steps and, with kvring, every
+lookup (all misses) and every store of the prompts' full chunks. Reported:
+per side the median phase throughput (generated tokens/s), and kvring over
+the baseline and over the no-op connector.
 
-    VENV/bin/python bench/bench_vllm_overhead.py [--rounds 2] [--json]
+    VENV/bin/python bench/bench_vllm_overhead.py [--rounds 3] [--json]
 
 VENV is the vLLM environment of tests/vllm/ensure_env.sh, with the kvring
 wheel installed. A benchmark: nothing is asserted.
@@ -80,7 +81,7 @@ def main():
         os.chmod(rd, 0o700)
         srv = subprocess.Popen([sys.executable, "-m", "kvring", "serve", "--name", name,
                                 "--runtime-dir", rd, "--backend", "host", "--pool-bytes",
-                                "1GiB"], stdout=subprocess.DEVNULL)
+                                "1GiB", *ARGS.server_arg], stdout=subprocess.DEVNULL)
         try:
             res = run_engine(model, phases_file(1001 + 3 * r, d),
                              os.path.join(d, f"kvring-{r}.json"), (name, rd))
@@ -94,7 +95,7 @@ def main():
     out = {
         "bench": "vllm_connector_overhead",
         "prompts_per_phase": ARGS.prompts, "prompt_tokens": ARGS.prompt_tokens,
-        "max_tokens": ARGS.max_tokens, "phases": len(base),
+        "max_tokens": ARGS.max_tokens, "phases": len(base), "server_args": ARGS.server_arg,
         "baseline_tok_s": {"median": statistics.median(base), "min": min(base), "max": max(base)},
         "noop_connector_tok_s": {"median": statistics.median(noop), "min": min(noop),
                                  "max": max(noop)},
@@ -114,6 +115,8 @@ if __name__ == "__main__":
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=600)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--server-arg", action="append", default=[],
+                    help="an argument for the kvring server (repeat), e.g. --server-arg=--spin-us=0")
     ap.add_argument("--json", action="store_true")
     ARGS = ap.parse_args()
     main()

@@ -822,6 +822,19 @@ class _Transfer:
     deadline: float
     chunks: int
     block_ids: list[int] = field(default_factory=list)
+    outcome: bool | None = None
+    """Once known: done (True) or failed; its job is released then. A
+    step's stores share one STORE, and so one transfer."""
+
+    def settle(self, ok: bool, stats: KvringStats) -> None:
+        """Records the outcome once (the job released, the chunks counted)."""
+        if self.outcome is None:
+            self.outcome = ok
+            _release(self.job)
+            if ok:
+                stats.count("store_chunks", self.chunks)
+            else:
+                stats.count("store_failures")
 
 
 class _WorkerSide:
@@ -951,24 +964,33 @@ class _WorkerSide:
             self._loads[op.req_id] = _Transfer(job, time.monotonic() + self._settings.timeout_s, chunks, invalid)
 
     def submit_stores(self, ops: list[StoreOp], after: bytes | None) -> None:
-        """Submits stores. `after` is the engine event the copies must wait
-        for (a GPU forward still running); None when the KV is complete."""
+        """Submits a step's stores as one STORE per salt (chunk keys are
+        independent: one request to the server instead of one per vLLM
+        request, so the server wakes once per step). `after` is the engine
+        event the copies must wait for (a GPU forward still running); None
+        when the KV is complete."""
         client, reg = self._link.client(), self._registration
+        by_salt: dict[int, list[StoreOp]] = {}
         for op in ops:
             self._store_reqs.add(op.req_id)
-            if client is None or reg is None:
-                continue
+            by_salt.setdefault(op.salt, []).append(op)
+        if client is None or reg is None:
+            return
+        for salt, group in by_salt.items():
+            hashes = [h for op in group for h in op.hashes]
+            blocks = [b for op in group for b in op.block_ids]
             try:
-                job = client.store(
-                    reg, op.hashes, op.block_ids, timeout=self._settings.timeout_s, salt=op.salt, after=after
-                )
+                job = client.store(reg, hashes, blocks, timeout=self._settings.timeout_s, salt=salt, after=after)
             except KvringError as e:
                 self._link.failed("store", e)
-                client = self._link.current
                 self.stats.count("store_failures")
+                client = self._link.current
+                if client is None:
+                    return
                 continue
-            deadline = time.monotonic() + self._settings.timeout_s
-            self._stores.setdefault(op.req_id, []).append(_Transfer(job, deadline, len(op.hashes)))
+            shared = _Transfer(job, time.monotonic() + self._settings.timeout_s, len(hashes))
+            for op in group:
+                self._stores.setdefault(op.req_id, []).append(shared)
 
     def handle_preemptions(self, meta: KvringMetadata) -> None:
         """Preempted requests' blocks are reused from this step on: their
@@ -977,13 +999,16 @@ class _WorkerSide:
             self._store_reqs.discard(req_id)
             self._finished_with_stores.discard(req_id)
             for tr in self._stores.pop(req_id, ()):
+                if tr.outcome is not None:
+                    continue
                 try:
-                    tr.job.wait(timeout=max(0.0, tr.deadline - time.monotonic()))
+                    ok = tr.job.wait(timeout=max(0.0, tr.deadline - time.monotonic())).ok
                 except kvring.ServerTimeout:
                     _give_up(tr.job)
+                    ok = False
                 except KvringError:
-                    pass
-                _release(tr.job)
+                    ok = False
+                tr.settle(ok, self.stats)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Finished loads (failed ones too: vLLM must unpark them) and the
@@ -1028,15 +1053,12 @@ class _WorkerSide:
         for req_id, transfers in list(self._stores.items()):
             running = []
             for tr in transfers:
-                ok = _outcome(tr, alive)
-                if ok is None:
-                    running.append(tr)
-                    continue
-                _release(tr.job)
-                if ok:
-                    self.stats.count("store_chunks", tr.chunks)
-                else:
-                    self.stats.count("store_failures")
+                if tr.outcome is None:
+                    ok = _outcome(tr, alive)
+                    if ok is None:
+                        running.append(tr)
+                        continue
+                    tr.settle(ok, self.stats)
             if running:
                 self._stores[req_id] = running
             else:
@@ -1052,9 +1074,9 @@ class _WorkerSide:
         self._loads.clear()
         for transfers in self._stores.values():
             for tr in transfers:
-                _give_up(tr.job)
-                _release(tr.job)
-                self.stats.count("store_failures")
+                if tr.outcome is None:
+                    _give_up(tr.job)
+                    tr.settle(False, self.stats)
         self._stores.clear()
 
     def shutdown(self) -> None:
