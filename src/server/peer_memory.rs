@@ -80,8 +80,15 @@ impl PeerMemory {
                 .map_err(|why| Refusal::invalid(format!("allocation {i}: {why}")))?;
             for at in [addr, addr + bytes - 1] {
                 let mut byte = 0u8;
-                let pair = [(&mut byte as *mut u8, at, 1usize)];
-                mem.transfer(Way::Read, &pair).map_err(|e| {
+                let local = [libc::iovec {
+                    iov_base: (&mut byte as *mut u8).cast(),
+                    iov_len: 1,
+                }];
+                let remote = [libc::iovec {
+                    iov_base: at as *mut libc::c_void,
+                    iov_len: 1,
+                }];
+                mem.transfer(Way::Read, &local, &remote).map_err(|e| {
                     Refusal::invalid(format!(
                         "allocation {i}: byte {at:#x} of the registering process: {}",
                         explain(&e)
@@ -90,10 +97,6 @@ impl PeerMemory {
             }
         }
         Ok(mem)
-    }
-
-    pub fn pid(&self) -> u32 {
-        self.pid
     }
 
     /// No copy starts after this returns, and none is under way: the
@@ -108,10 +111,18 @@ impl PeerMemory {
         self.windows[i]
     }
 
-    /// Moves `pairs` of (server pointer, engine address, bytes) the `way`
-    /// given, up to `IOV_MAX` pairs per system call. The caller keeps every
-    /// server range valid and every engine range inside a window.
-    pub fn transfer(&self, way: Way, pairs: &[(*mut u8, u64, usize)]) -> Result<(), PeerCopyError> {
+    /// Moves `local[i]` (server memory) to or from `remote[i]` (engine
+    /// addresses), the `way` given, up to `IOV_MAX` of each per system
+    /// call; `local[i]` and `remote[i]` have the same length. The caller
+    /// keeps every server range valid and every engine range inside a
+    /// window.
+    pub fn transfer(
+        &self,
+        way: Way,
+        local: &[libc::iovec],
+        remote: &[libc::iovec],
+    ) -> Result<(), PeerCopyError> {
+        debug_assert_eq!(local.len(), remote.len());
         // Held until the copy is over: a revocation waits for it.
         let revoked = self.revoked.read().unwrap_or_else(|e| e.into_inner());
         if *revoked {
@@ -120,59 +131,37 @@ impl PeerMemory {
         if self.pidfd.exited() {
             return Err(PeerCopyError::Exited(self.pid));
         }
-        let mut local = Vec::with_capacity(pairs.len().min(IOV_MAX));
-        let mut remote = Vec::with_capacity(pairs.len().min(IOV_MAX));
-        for batch in pairs.chunks(IOV_MAX) {
-            local.clear();
-            remote.clear();
-            let mut wanted = 0usize;
-            for &(ptr, addr, n) in batch {
-                local.push(libc::iovec {
-                    iov_base: ptr.cast(),
-                    iov_len: n,
-                });
-                remote.push(libc::iovec {
-                    iov_base: addr as *mut libc::c_void,
-                    iov_len: n,
-                });
-                wanted += n;
-            }
-            let pid = self.pid as libc::pid_t;
-            // SAFETY: `local` names server memory the caller keeps valid
-            // and unshared for the call (pool objects of this chunk, or a
-            // stack byte); the kernel checks every remote page against the
-            // engine's mappings and fails with EFAULT rather than touch
-            // anything else. Both arrays hold `batch.len()` iovecs.
-            let r = unsafe {
-                match way {
-                    Way::Read => libc::process_vm_readv(
-                        pid,
-                        local.as_ptr(),
-                        local.len() as libc::c_ulong,
-                        remote.as_ptr(),
-                        remote.len() as libc::c_ulong,
-                        0,
-                    ),
-                    Way::Write => libc::process_vm_writev(
-                        pid,
-                        local.as_ptr(),
-                        local.len() as libc::c_ulong,
-                        remote.as_ptr(),
-                        remote.len() as libc::c_ulong,
-                        0,
-                    ),
-                }
+        let call = match way {
+            Way::Read => libc::process_vm_readv,
+            Way::Write => libc::process_vm_writev,
+        };
+        for (l, r) in local.chunks(IOV_MAX).zip(remote.chunks(IOV_MAX)) {
+            let wanted: usize = l.iter().map(|v| v.iov_len).sum();
+            // SAFETY: `l` names server memory the caller keeps valid and
+            // unshared for the call (pool objects of this chunk, or a stack
+            // byte); the kernel checks every remote page against the
+            // engine's mappings and fails rather than touch anything else.
+            // Both arrays hold `l.len()` iovecs.
+            let moved = unsafe {
+                call(
+                    self.pid as libc::pid_t,
+                    l.as_ptr(),
+                    l.len() as libc::c_ulong,
+                    r.as_ptr(),
+                    r.len() as libc::c_ulong,
+                    0,
+                )
             };
-            if r < 0 {
+            if moved < 0 {
                 return Err(PeerCopyError::Os {
                     pid: self.pid,
                     source: std::io::Error::last_os_error(),
                 });
             }
-            if r as usize != wanted {
+            if moved as usize != wanted {
                 return Err(PeerCopyError::Short {
                     pid: self.pid,
-                    moved: r as usize,
+                    moved: moved as usize,
                     wanted,
                 });
             }

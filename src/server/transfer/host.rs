@@ -73,12 +73,13 @@ impl CopyExecutor for HostExecutor {
 const BATCH: usize = 4096;
 
 /// One executor's buffers of (destination, source) runs, per part, and of
-/// (pool, engine address, bytes) pairs for cross-memory attach, kept
+/// pool and engine iovecs for cross-memory attach (pairwise), kept
 /// between chunks so a copy allocates nothing once they have grown.
 #[derive(Default)]
 pub(super) struct RunBuffers {
     parts: [Vec<(*mut u8, *const u8)>; 2],
-    pairs: Vec<(*mut u8, u64, usize)>,
+    local: Vec<libc::iovec>,
+    remote: Vec<libc::iovec>,
 }
 
 /// The host copy of one chunk: the registration's runs ([`CopyPlan`]),
@@ -169,8 +170,9 @@ fn copy_peer_runs(
 ) -> Result<u64, CopyError> {
     let inst = c.inst;
     let (l, plan) = (&inst.layout, &inst.plan);
-    let pairs = &mut runs.pairs;
-    pairs.clear();
+    let (locals, remotes) = (&mut runs.local, &mut runs.remote);
+    locals.clear();
+    remotes.clear();
     let mut moved = 0u64;
     for layer in 0..l.geometry().layers {
         let (base, _) = peer.window(l.layers()[layer as usize].alloc as usize);
@@ -181,16 +183,26 @@ fn copy_peer_runs(
                 let local = unsafe { c.object.add(obj as usize) };
                 // Inside the allocation's window (validated layout, block
                 // checked at acceptance), which lies in the address space.
-                let remote = base + eng;
+                let remote = (base + eng) as *mut u8;
                 let n = n as usize;
-                match pairs.last_mut() {
-                    Some((l0, r0, len))
-                        // SAFETY: address arithmetic inside one pool object.
-                        if unsafe { l0.add(*len) } == local && *r0 + *len as u64 == remote =>
+                match (locals.last_mut(), remotes.last_mut()) {
+                    (Some(l0), Some(r0))
+                        if l0.iov_base.cast::<u8>().wrapping_add(l0.iov_len) == local
+                            && r0.iov_base.cast::<u8>().wrapping_add(r0.iov_len) == remote =>
                     {
-                        *len += n
+                        l0.iov_len += n;
+                        r0.iov_len += n;
                     }
-                    _ => pairs.push((local, remote, n)),
+                    _ => {
+                        locals.push(libc::iovec {
+                            iov_base: local.cast(),
+                            iov_len: n,
+                        });
+                        remotes.push(libc::iovec {
+                            iov_base: remote.cast(),
+                            iov_len: n,
+                        });
+                    }
                 }
                 moved += n as u64;
             });
@@ -200,6 +212,6 @@ fn copy_peer_runs(
         Dir::ToPool => Way::Read,
         Dir::FromPool => Way::Write,
     };
-    peer.transfer(way, pairs)?;
+    peer.transfer(way, locals, remotes)?;
     Ok(moved)
 }
