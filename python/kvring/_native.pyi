@@ -220,6 +220,25 @@ class Client:
     ) -> Registration:
         """Registers device memory: allocation i is `offset` bytes into the
         cuMemAlloc allocation whose 64-byte IPC handle is given."""
+    def register_cuda_memory(
+        self,
+        layout: Layout,
+        addresses: Sequence[int],
+        *,
+        model_id: int,
+        world_size: int = 1,
+        rank: int = 0,
+    ) -> Registration:
+        """Registers an engine's own device memory where it is: allocation i
+        of `layout` starts at device address `addresses[i]` (a torch CUDA
+        tensor's `data_ptr()`). The driver says which allocation holds each
+        and how to share it: a cudaMalloc block (torch's caching allocator)
+        by its IPC handle, VMM memory (torch's expandable segments, vLLM's
+        extensible KV cache) as one POSIX fd per mapping; the device is the
+        memory's (by UUID). Raises `InvalidArgument` with the reason for
+        memory that cannot be shared (host memory, a cudaMallocAsync pool,
+        VMM memory made without POSIX-fd handles, allocations on two
+        devices)."""
     def unregister(self, reg: Registration) -> None: ...
     def lookup(
         self, model_id: int, world_size: int, hashes: Sequence[bytes], *, salt: int = 0

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvring import KvringError, Layout
+from kvring import Client, KvringError, Layout, Registration
 
 Placement = tuple[int, int, int, int, int, int]
 
@@ -69,20 +69,20 @@ def describe_kv_caches(
 ) -> KvCacheMemory:
     """The layout of `kv_caches` (layer name -> tensor, in layer order).
 
-    One kvring allocation per distinct backing storage (vLLM 0.32 gives every
-    layer a view of a single buffer; older versions one buffer per layer) and
-    one placement per layer. Raises `KvCacheUnsupported` for device memory
-    (GPU KV caches come with the torch GPU path) and for shapes this module
-    does not know, `KvringError` when the layers disagree with each other.
+    One kvring allocation per distinct backing storage (vLLM 0.32 and later
+    give every layer a view of a single buffer; older versions one buffer
+    per layer) and one placement per layer. The tensors may be host (CPU)
+    or CUDA tensors; `register_kv_cache_memory` registers either. Raises
+    `KvCacheUnsupported` for other devices and for shapes this module does
+    not know, `KvringError` when the layers disagree with each other.
     """
     if not kv_caches:
         raise KvringError("no KV cache tensors to register")
     tensors = tuple(kv_caches.values())
     first = tensors[0]
-    if first.device.type != "cpu":
+    if first.device.type not in ("cpu", "cuda"):
         raise KvCacheUnsupported(
-            f"the KV cache is on {first.device}: kvring registers host (CPU) KV caches "
-            "for now; GPU KV caches come with the torch GPU path"
+            f"the KV cache is on {first.device}: kvring registers host (CPU) and CUDA KV caches"
         )
     storage_index: dict[int, int] = {}
     allocations: list[int] = []
@@ -114,6 +114,21 @@ def describe_kv_caches(
         shared=shared,
     )
     return KvCacheMemory(layout, addresses, first.device, tensors)
+
+
+def register_kv_cache_memory(
+    client: Client, memory: KvCacheMemory, *, model_id: int, world_size: int = 1, rank: int = 0
+) -> Registration:
+    """Registers a described KV cache where it lives: host tensors as this
+    process's memory, CUDA tensors as the engine's own device memory (the
+    driver finds each allocation and how to share it)."""
+    if memory.device.type == "cuda":
+        return client.register_cuda_memory(
+            memory.layout, memory.addresses, model_id=model_id, world_size=world_size, rank=rank
+        )
+    return client.register_process_memory(
+        memory.layout, memory.addresses, model_id=model_id, world_size=world_size, rank=rank
+    )
 
 
 def _allocation_of(

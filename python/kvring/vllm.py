@@ -23,8 +23,12 @@ How vLLM's hooks map to kvring:
   loaded and plans the RETRIEVE; `build_connector_meta` ships the retrieves
   and the STOREs of newly complete prompt chunks to the workers;
   `request_finished` ends the lease (END_SESSION).
-- worker: `register_kv_caches` registers the KV cache once;
-  `start_load_kv` / `wait_for_save` submit RETRIEVE / STORE jobs;
+- worker: `register_kv_caches` registers the KV cache once (a host cache
+  as the worker's own memory, a CUDA cache where torch or vLLM allocated
+  it: a cudaMalloc block by IPC handle, VMM memory by POSIX fds);
+  `start_load_kv` / `wait_for_save` submit RETRIEVE / STORE jobs (on a GPU,
+  after an interprocess event recorded on the engine's stream, which the
+  server polls from the host: the engine never waits on the device);
   `get_finished` and `get_block_ids_with_load_errors` report them from
   their job status in shared memory, never waiting on the server.
 
@@ -61,7 +65,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 import kvring
 from kvring import Client, Job, KvringError, Lease, NoServer, Registration
-from kvring.tensors import KvCacheMemory, KvGeometry, describe_kv_caches, describe_opaque_blocks
+from kvring.tensors import (
+    KvCacheMemory,
+    KvGeometry,
+    describe_kv_caches,
+    describe_opaque_blocks,
+    register_kv_cache_memory,
+)
 
 try:  # vLLM 0.32 and later attribute external hits to a cache tier.
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -822,6 +832,9 @@ class _Transfer:
     deadline: float
     chunks: int
     block_ids: list[int] = field(default_factory=list)
+    event: Any = None
+    """The engine event the server's copies wait for (a GPU cache), kept
+    alive until the job is over."""
     outcome: bool | None = None
     """Once known: done (True) or failed; its job is released then. A
     step's stores share one STORE, and so one transfer."""
@@ -831,6 +844,7 @@ class _Transfer:
         if self.outcome is None:
             self.outcome = ok
             _release(self.job)
+            self.event = None
             if ok:
                 stats.count("store_chunks", self.chunks)
             else:
@@ -883,9 +897,8 @@ class _WorkerSide:
             self._registration = self._register(client)
 
     def _register(self, client: Client) -> Registration:
-        m = self._memory
-        return client.register_process_memory(
-            m.layout, m.addresses, model_id=self._model_id, world_size=self._world_size, rank=self._rank
+        return register_kv_cache_memory(
+            client, self._memory, model_id=self._model_id, world_size=self._world_size, rank=self._rank
         )
 
     # -- registration
@@ -938,9 +951,24 @@ class _WorkerSide:
 
     # -- jobs
 
+    def engine_event(self) -> tuple[Any, bytes | None]:
+        """For a GPU cache: an interprocess event recorded now on the
+        engine's current stream, and its handle (the server's copies wait
+        for it, polled from the host: the engine's work queued so far on
+        the blocks comes first). For a host cache (None, None): a CPU
+        forward is over when the hook runs."""
+        if self._memory is None or self._memory.device.type != "cuda":
+            return None, None
+        ev = torch.cuda.Event(interprocess=True)
+        ev.record(torch.cuda.current_stream(self._memory.device))
+        return ev, bytes(ev.ipc_handle())
+
     def start_load_kv(self, meta: KvringMetadata) -> None:
-        """Submits this step's retrieves; failures are reported at once."""
+        """Submits this step's retrieves, after the work the engine queued
+        so far (a GPU cache's blocks may still be read by an earlier step);
+        failures are reported at once."""
         client, reg = self._link.client(), self._registration
+        event, after = self.engine_event() if meta.loads and client is not None and reg is not None else (None, None)
         for op in meta.loads:
             invalid = op.block_ids[op.skip_tokens // self._block_size :]
             if op.lease_id is None or client is None or reg is None:
@@ -954,6 +982,7 @@ class _WorkerSide:
                     first_chunk=op.first_chunk,
                     skip_tokens=op.skip_tokens,
                     timeout=self._settings.timeout_s,
+                    after=after,
                 )
             except KvringError as e:
                 self._link.failed("retrieve", e)
@@ -961,15 +990,17 @@ class _WorkerSide:
                 self._load_failed(op.req_id, invalid)
                 continue
             chunks = len(op.block_ids) * self._block_size // self.chunk_tokens
-            self._loads[op.req_id] = _Transfer(job, time.monotonic() + self._settings.timeout_s, chunks, invalid)
+            self._loads[op.req_id] = _Transfer(
+                job, time.monotonic() + self._settings.timeout_s, chunks, invalid, event=event
+            )
 
-    def submit_stores(self, ops: list[StoreOp], after: bytes | None) -> None:
+    def submit_stores(self, ops: list[StoreOp]) -> None:
         """Submits a step's stores as one STORE per salt (chunk keys are
         independent: one request to the server instead of one per vLLM
-        request, so the server wakes once per step). `after` is the engine
-        event the copies must wait for (a GPU forward still running); None
-        when the KV is complete."""
+        request, so the server wakes once per step), ordered after the
+        forward the engine queued (`engine_event`)."""
         client, reg = self._link.client(), self._registration
+        event, after = self.engine_event() if client is not None and reg is not None else (None, None)
         by_salt: dict[int, list[StoreOp]] = {}
         for op in ops:
             self._store_reqs.add(op.req_id)
@@ -988,7 +1019,7 @@ class _WorkerSide:
                 if client is None:
                     return
                 continue
-            shared = _Transfer(job, time.monotonic() + self._settings.timeout_s, len(hashes))
+            shared = _Transfer(job, time.monotonic() + self._settings.timeout_s, len(hashes), event=event)
             for op in group:
                 self._stores.setdefault(op.req_id, []).append(shared)
 
@@ -1159,6 +1190,15 @@ class KvringConnector(KVConnectorBase_V1):
             identity,
         )
 
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: KVTransferConfig) -> Any:
+        """vLLM 0.34+: the server maps a GPU KV cache from POSIX fds (VMM
+        memory, so vLLM's extensible KV cache stays on) or from legacy IPC
+        handles (cudaMalloc memory); either way it is another process."""
+        from vllm.config.kv_transfer import KVCacheAccess
+
+        return KVCacheAccess.EXPORTS_FD
+
     @property
     def requires_kv_delivery(self) -> bool:
         """A best-effort cache: a store lost to a preemption is a later miss,
@@ -1214,12 +1254,12 @@ class KvringConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         """Submits this step's stores without waiting for them: the scheduler
-        keeps a finished request's blocks until its stores are reported.
-        The KV cache is host memory written by a synchronous CPU forward, so
-        it is complete now and the copies need no engine event."""
+        keeps a finished request's blocks until its stores are reported. On
+        a GPU the copies wait for an event recorded after the forward
+        queued on the engine's stream; the engine never waits here."""
         meta = self._connector_metadata
         if isinstance(meta, KvringMetadata) and meta.stores:
-            self._worker.submit_stores(meta.stores, after=None)
+            self._worker.submit_stores(meta.stores)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._worker.get_finished(finished_req_ids)

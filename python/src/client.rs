@@ -270,6 +270,48 @@ impl PyClient {
         register(slf, layout, &spec, &Memory::cuda_ipc(handles))
     }
 
+    /// Registers an engine's own device memory where it is (torch CUDA
+    /// tensors): allocation i of `layout` starts at device address
+    /// addresses[i] (a tensor's `data_ptr()`). The driver says which
+    /// allocation holds it and how to share it (a cudaMalloc block's IPC
+    /// handle, or VMM memory's POSIX fds) and on which device.
+    #[cfg(feature = "cuda")]
+    #[pyo3(signature = (layout, addresses, *, model_id, world_size = 1, rank = 0))]
+    fn register_cuda_memory(
+        slf: &Bound<'_, Self>,
+        layout: Bound<'_, PyLayout>,
+        addresses: Vec<u64>,
+        model_id: u64,
+        world_size: u32,
+        rank: u32,
+    ) -> PyResult<PyRegistration> {
+        let py = slf.py();
+        let l = layout.get().layout.clone();
+        let sizes = l.allocations();
+        if sizes.len() != addresses.len() {
+            return Err(invalid(
+                py,
+                format!(
+                    "the layout has {} allocations, {} addresses were given",
+                    sizes.len(),
+                    addresses.len()
+                ),
+            ));
+        }
+        let ranges: Vec<(u64, u64)> = addresses.into_iter().zip(sizes.iter().copied()).collect();
+        let spec = KvSpec::new(model_id, world_size, rank);
+        let me = slf.get();
+        let reg = py.detach(|| {
+            let memory = kvring::client::CudaMemory::of(&ranges).map_err(to_py)?;
+            me.with(|c| c.register_cuda_memory(&spec, &l, &memory))
+        })?;
+        Ok(PyRegistration::new(
+            reg,
+            layout.unbind(),
+            slf.clone().unbind(),
+        ))
+    }
+
     /// Unregisters now (the server unmaps once copies in flight finished).
     fn unregister(&self, py: Python<'_>, reg: &Bound<'_, PyRegistration>) -> PyResult<()> {
         reg.get().unregister(py)

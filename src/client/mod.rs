@@ -32,6 +32,7 @@
 mod channel;
 mod connect;
 pub mod cuda_cache;
+mod cuda_memory;
 mod host_cache;
 mod jobs;
 mod kv;
@@ -40,6 +41,8 @@ mod reconnect;
 mod words;
 
 pub use channel::{Completion, RawChannel};
+#[cfg(feature = "cuda")]
+pub use cuda_memory::CudaMemory;
 pub use host_cache::HostKvCache;
 pub use jobs::{DelayJob, Job, ToRelease};
 pub use kv::{KvSpec, Memory, Registration, Retrieve, Store, DEFAULT_JOB_TIMEOUT};

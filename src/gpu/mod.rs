@@ -16,6 +16,9 @@
 //!   [`ExportedVmm`]: memory the process allocates or pins;
 //! * [`HostWord`]: a pinned host word a stream waits on and the host sets
 //!   (a device-side wait its holder can always release);
+//! * [`export_range`]: device memory the process already has (a torch
+//!   tensor's), found from its address and exported (legacy IPC handle or
+//!   VMM fds);
 //! * [`OpenedMemory`]: another process's device memory
 //!   opened here (legacy IPC handle, or a VMM allocation imported from a
 //!   POSIX fd), closed when the last tensor using it goes;
@@ -27,6 +30,7 @@
 
 mod context;
 mod event;
+mod export;
 pub mod kernels;
 mod memory;
 mod module;
@@ -36,6 +40,7 @@ mod word;
 pub use context::{device_uuid, probe, Context, DeviceInfo};
 pub use cudarc::driver::sys::CUresult;
 pub use event::{Event, EventKind};
+pub use export::{export_range, ExportedRange, RangeExport};
 pub use memory::{DeviceBuffer, ExportedVmm, HostRegistration, OpenedMemory, PinnedHostBuffer};
 pub use module::{Function, LaunchConfig, Module};
 pub use stream::Stream;
@@ -75,6 +80,9 @@ pub enum GpuError {
     /// The kernels could not be compiled or loaded.
     #[error("{0}")]
     Kernels(String),
+    /// Device memory that cannot be shared with another process, and why.
+    #[error("{0}")]
+    NotExportable(String),
 }
 
 impl From<CudaError> for crate::Error {
@@ -85,7 +93,10 @@ impl From<CudaError> for crate::Error {
 
 impl From<GpuError> for crate::Error {
     fn from(e: GpuError) -> Self {
-        crate::Error::Cuda(e.to_string())
+        match e {
+            GpuError::NotExportable(m) => crate::Error::InvalidArgument(m),
+            e => crate::Error::Cuda(e.to_string()),
+        }
     }
 }
 
