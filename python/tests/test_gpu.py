@@ -1,11 +1,12 @@
 """The Python API with real torch CUDA tensors and streams (skipped without
-a GPU): an engine's torch stream ordered after a RETRIEVE by the job's word,
-and never held by a server that was killed."""
+a GPU): torch memory registered where it is, an engine's torch stream
+ordered after a RETRIEVE by the job's word, and never held by a server that
+was killed. (Expandable segments, one cuMemCreate allocation and vLLM's
+layouts: `engine/`; a real model's KV: `test_gpu_model.py`.)"""
 
 import os
 import signal
 import time
-import uuid
 
 import pytest
 
@@ -28,25 +29,14 @@ def cuda_server():
     s.stop()
 
 
-def device_uuid(index: int) -> bytes:
-    u = torch.cuda.get_device_properties(index).uuid
-    return bytes(u.bytes) if hasattr(u, "bytes") else uuid.UUID(str(u)).bytes
-
-
 def cache_and_lease(c):
-    """A KV cache in a torch CUDA tensor, registered by its CUDA IPC
-    handle; one chunk stored from blocks 0-3 (bytes 0x11), a lease on it."""
+    """A KV cache in a torch CUDA tensor, registered where it is (the
+    driver finds its cudaMalloc block from the address); one chunk stored
+    from blocks 0-3 (bytes 0x11), a lease on it."""
     layout = kvring.Layout.preset("lbnhc", layers=2, blocks=64, block_tokens=16, heads=2,
                                   head_dim=32, elem_bytes=2)
     cache = torch.zeros(layout.allocations[0], dtype=torch.uint8, device="cuda")
-    storage = cache.untyped_storage()
-    # torch's versioned handle: version, type ('c': a cudaMalloc block),
-    # then the block's 64-byte cudaIpcMemHandle; the storage's offset in it.
-    _, handle, _, offset, *_ = storage._share_cuda_()
-    assert handle[1:2] == b"c", handle[:2]
-    offset += cache.data_ptr() - storage.data_ptr()
-    reg = c.register_cuda_ipc(layout, [(bytes(handle[2:66]), offset)], model_id=MODEL,
-                              device=device_uuid(cache.device.index))
+    reg = c.register_cuda_memory(layout, [cache.data_ptr()], model_id=MODEL)
     page = layout.page_bytes
     for layer in range(2):
         base = layer * 64 * page
@@ -57,6 +47,53 @@ def cache_and_lease(c):
     lease = c.lookup(MODEL, 1, hashes)
     assert lease.hits == 1
     return cache, page, reg, lease
+
+
+def test_a_tensor_inside_a_larger_cudamalloc_block_round_trips(cuda_server):
+    """The cache is a view 1 MiB + 512 bytes into a larger tensor (as the
+    caching allocator places tensors in its blocks): the registration
+    finds the block and the offset; stored blocks come back byte for byte
+    into other block ids, and nothing else in the block changes."""
+    c = cuda_server.client()
+    layout = kvring.Layout.preset("lbnhc", layers=3, blocks=32, block_tokens=16, heads=2,
+                                  head_dim=64, elem_bytes=2)
+    size = layout.allocations[0]
+    big = torch.randint(0, 256, (size + 4 * 2**20,), dtype=torch.uint8, device="cuda")
+    at = 2**20 + 512
+    cache = big[at:at + size]
+    before = big.clone()
+    reg = c.register_cuda_memory(layout, [cache.data_ptr()], model_id=MODEL)
+    hashes = kvring.chunk_hashes(list(range(2 * CHUNK)), CHUNK)
+    assert c.store(reg, hashes, list(range(8))).wait(10).ok
+    lease = c.lookup(MODEL, 1, hashes)
+    assert lease.hits == 2
+    dst = [20, 9, 31, 12, 8, 25, 14, 30]
+    assert c.retrieve(reg, lease.id, dst).wait(10).ok
+    torch.cuda.synchronize()
+    page = layout.page_bytes
+    expect = before.clone()
+    for layer in range(3):
+        base = at + layer * 32 * page
+        for src, d in zip(range(8), dst):
+            expect[base + d * page:base + (d + 1) * page] = before[base + src * page:base + (src + 1) * page]
+    assert torch.equal(big, expect)
+    c.unregister(reg)
+    c.close()
+
+
+def test_memory_that_is_not_device_memory_is_refused_with_the_reason(cuda_server):
+    c = cuda_server.client()
+    layout = kvring.Layout.preset("lbnhc", layers=1, blocks=8, block_tokens=16, heads=1,
+                                  head_dim=32, elem_bytes=2)
+    host = torch.zeros(layout.allocations[0], dtype=torch.uint8)
+    with pytest.raises(kvring.InvalidArgument, match="not CUDA device memory|not device memory"):
+        c.register_cuda_memory(layout, [host.data_ptr()], model_id=MODEL)
+    # A tensor of 64 MiB is a cudaMalloc block of its own: a layout that
+    # starts 1 KiB before its end runs past it.
+    block = torch.zeros(64 * 2**20, dtype=torch.uint8, device="cuda")
+    with pytest.raises(kvring.InvalidArgument, match="runs past its allocation"):
+        c.register_cuda_memory(layout, [block.data_ptr() + block.numel() - 1024], model_id=MODEL)
+    c.close()
 
 
 def busy_event(seconds):
