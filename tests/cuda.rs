@@ -22,6 +22,7 @@ mod common;
 
 use common::*;
 use kvring::client::cuda_cache::{CudaKvCache, EngineStream, Export, IpcEvent};
+use kvring::client::CudaMemory;
 use kvring::jobs::{JobResult, JobStatus};
 use kvring::kv::pattern::{self, KvMemory};
 use kvring::kv::{chunk_hashes, model_id, ChunkHash, KvLayout, LayoutPreset};
@@ -144,6 +145,83 @@ fn vmm_exported_caches_and_realistic_rows_round_trip_through_the_gpu_path() {
     }
     let st = sched.stats().unwrap();
     assert_eq!(st.leases, 0);
+    assert_eq!(st.instances, 0);
+}
+
+/// A cache registered as an engine registers memory it allocated itself
+/// (a torch tensor's): from its addresses alone, the driver finding each
+/// allocation and how to share it, not from the handles the cache made.
+struct FoundByAddress(CudaKvCache);
+
+impl KvMemory for FoundByAddress {
+    fn kv_layout(&self) -> &KvLayout {
+        self.0.layout()
+    }
+    fn write_runs(&self, runs: &[pattern::Run], src: &[u8]) {
+        self.0.write_runs(runs, src)
+    }
+    fn read_runs(&self, runs: &[pattern::Run], dst: &mut [u8]) {
+        self.0.read_runs(runs, dst)
+    }
+}
+
+impl EngineCache for FoundByAddress {
+    fn poison(&self, byte: u8) {
+        self.0.fill(byte).expect("fill a device cache")
+    }
+    fn register_with(&self, c: &mut Client, spec: &KvSpec) -> kvring::Result<kvring::Registration> {
+        let ranges: Vec<(u64, u64)> = self
+            .0
+            .addresses()
+            .into_iter()
+            .zip(self.0.layout().allocations().iter().copied())
+            .collect();
+        let memory = CudaMemory::of(&ranges)?;
+        assert_eq!(memory.device(), self.0.device_uuid());
+        c.register_cuda_memory(spec, self.0.layout(), &memory)
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU (run with --include-ignored on a GPU machine)"]
+fn caches_found_by_their_addresses_round_trip_whatever_allocated_them() {
+    require_gpu();
+    let s = Fixture::new("cuda-found", Duration::from_secs(300), &CUDA_ARGS);
+    let mut sched = s.client();
+    // cuMemAlloc (legacy IPC handle), one VMM allocation (vLLM's
+    // extensible cache), 20 MiB VMM chunks (torch's expandable segments):
+    // one buffer, and per-layer tensors starting inside chunks.
+    let exports = [Export::Ipc, Export::VmmFd, Export::VmmChunks(20 << 20)];
+    for (i, export) in exports.into_iter().enumerate() {
+        for (j, preset) in [LayoutPreset::Lbnhc, LayoutPreset::FlashAttn]
+            .into_iter()
+            .enumerate()
+        {
+            let l = kv_layout(preset, 2, 2048, 128);
+            round_trip(
+                &s,
+                &mut sched,
+                l.clone(),
+                || FoundByAddress(CudaKvCache::new(l.clone(), CHUNK, 0, export).unwrap()),
+                130 + 2 * i as u32 + j as u32,
+            );
+        }
+    }
+    // A range that runs past its cuMemAlloc allocation, and host memory.
+    let l = kv_layout(LayoutPreset::Lbnhc, 2, 64, 128);
+    let cache = CudaKvCache::new(l.clone(), CHUNK, 0, Export::Ipc).unwrap();
+    let past = CudaMemory::of(&[(cache.device_base() + 4096, cache.bytes())]);
+    assert!(
+        matches!(&past, Err(kvring::Error::InvalidArgument(m)) if m.contains("runs past its allocation")),
+        "{past:?}"
+    );
+    let host = vec![0u8; 4096];
+    let r = CudaMemory::of(&[(host.as_ptr() as u64, 4096)]);
+    assert!(
+        matches!(&r, Err(kvring::Error::InvalidArgument(m)) if m.contains("device memory")),
+        "{r:?}"
+    );
+    let st = sched.stats().unwrap();
     assert_eq!(st.instances, 0);
 }
 

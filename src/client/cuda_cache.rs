@@ -183,6 +183,11 @@ impl CudaKvCache {
     pub fn device_base(&self) -> u64 {
         self.base
     }
+
+    /// Device address of each allocation of the layout, in order.
+    pub fn addresses(&self) -> Vec<u64> {
+        self.offsets.iter().map(|o| self.base + o).collect()
+    }
 }
 
 impl KvMemory for CudaKvCache {
