@@ -89,3 +89,9 @@ def test_shapes_it_does_not_know_are_refused_with_their_reason():
     strided = {"l0": torch.zeros((HEADS, BLOCKS, BS, 2 * D), dtype=torch.bfloat16).transpose(0, 1)}
     with pytest.raises(KvCacheUnsupported, match="not contiguous"):
         describe_opaque_blocks(strided, BS)
+
+
+def test_a_cache_on_a_device_kvring_cannot_reach_is_refused():
+    on_meta = {"l0": torch.zeros((BLOCKS, HEADS, BS, 2 * D), dtype=torch.bfloat16, device="meta")}
+    with pytest.raises(KvCacheUnsupported, match="host .CPU. and CUDA"):
+        describe_kv_caches(on_meta, GEOM)
