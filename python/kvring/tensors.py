@@ -145,14 +145,18 @@ def _allocation_of(
     return storage_index[base], t.data_ptr() - base
 
 
-def describe_opaque_blocks(kv_caches: Mapping[str, torch.Tensor], block_tokens: int) -> KvCacheMemory:
+def describe_opaque_blocks(kv_caches: Mapping[str, torch.Tensor], geometry: KvGeometry) -> KvCacheMemory:
     """The layout of `kv_caches` when each block of each layer is opaque
     bytes: every layer's tensor is `[blocks, ...]` with each block contiguous
-    (vLLM's CPU cache, `[B, H, N, 2D]`, whose interior only its kernel
-    knows). A block is described as `block_tokens` rows of equal size (one
-    "head", the row's halves as K and V), so the server copies it as one run
-    and puts it back byte for byte; only engines whose block bytes mean the
-    same (the connector's model id says so) share the objects."""
+    and exactly one block of `geometry` (vLLM's CPU cache, `[B, H, N, 2D]`,
+    whose interior only its kernel knows). A block is described as
+    `block_tokens` rows of equal size (one "head", the row's halves as K and
+    V), so the server copies it as one run and puts it back byte for byte;
+    only engines whose block bytes mean the same (the connector's model id
+    says so) share the objects. Raises `KvCacheUnsupported` when a block is
+    not contiguous or not one block's bytes (K and V outermost, say: then
+    `describe_kv_caches`)."""
+    block_tokens = geometry.block_tokens
     if not kv_caches:
         raise KvringError("no KV cache tensors to register")
     first = next(iter(kv_caches.values()))
@@ -176,9 +180,11 @@ def describe_opaque_blocks(kv_caches: Mapping[str, torch.Tensor], block_tokens: 
                 f"layer {name}: shape {tuple(t.shape)} strides {t.stride()}: a block is not contiguous"
             )
         block_bytes = inner.numel() * es
-        if block_bytes % (2 * block_tokens * es):
+        want = geometry.heads * block_tokens * (geometry.k_width + geometry.v_width) * es
+        if block_bytes != want or block_bytes % (2 * block_tokens * es):
             raise KvCacheUnsupported(
-                f"layer {name}: a block of {block_bytes} bytes is not {block_tokens} rows of K and V"
+                f"layer {name}: shape {tuple(t.shape)}: t[b] is {block_bytes} bytes, one block of "
+                f"{geometry} is {want}"
             )
         layer_row = block_bytes // block_tokens
         if row is None:
@@ -210,8 +216,10 @@ def _placement(name: str, t: torch.Tensor, g: KvGeometry, offset: int) -> tuple[
     shape, stride = tuple(t.shape), tuple(s * es for s in t.stride())
     width = g.k_width + g.v_width
     if t.dim() == 4 and shape[1:] == (g.heads, g.block_tokens, width) and t.stride(3) == 1:
-        # [B, H, N, K|V]: V starts k_width elements into each row.
-        return shape[0], (offset, offset + g.k_width * es, stride[0], stride[1], stride[2])
+        # [B, H, N, K|V]: V starts k_width elements into each row (MLA,
+        # [B, 1, N, latent]: no V, whose offset is then 0 by the layout's rule).
+        v = offset + g.k_width * es if g.v_width else 0
+        return shape[0], (offset, v, stride[0], stride[1], stride[2])
     if (
         t.dim() == 3
         and g.heads == 1
@@ -219,8 +227,8 @@ def _placement(name: str, t: torch.Tensor, g: KvGeometry, offset: int) -> tuple[
         and shape[1:] == (g.block_tokens, g.k_width)
         and t.stride(2) == 1
     ):
-        # [B, N, K] (MLA): one "head"; its stride is never used.
-        return shape[0], (offset, offset, stride[0], 0, stride[1])
+        # [B, N, K] (MLA): one "head"; its stride is never used; no V.
+        return shape[0], (offset, 0, stride[0], 0, stride[1])
     row = (g.block_tokens, g.heads, g.k_width)
     if t.dim() == 5 and g.k_width == g.v_width and t.stride(4) == 1:
         if shape[0] == 2 and shape[2:] == row:

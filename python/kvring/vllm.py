@@ -67,6 +67,7 @@ import kvring
 from kvring import Client, Job, KvringError, Lease, NoServer, Registration
 from kvring.tensors import (
     KvCacheMemory,
+    KvCacheUnsupported,
     KvGeometry,
     describe_kv_caches,
     describe_opaque_blocks,
@@ -907,12 +908,14 @@ class _WorkerSide:
         """Registers the KV cache once: one kvring allocation per backing
         storage, one placement per layer, sizes and strides from the tensors."""
         first = next(iter(kv_caches.values()), None)
+        memory = None
         if first is not None and first.device.type == "cpu" and not self._mla:
             # The CPU attention kernel's block interior is its own (and the
             # engine id names its ISA): blocks are copied as opaque bytes,
-            # one run each.
-            memory = describe_opaque_blocks(kv_caches, self._block_size)
-        else:
+            # one run each, where each block is one run.
+            with contextlib.suppress(KvCacheUnsupported):
+                memory = describe_opaque_blocks(kv_caches, self._geometry)
+        if memory is None:
             memory = describe_kv_caches(kv_caches, self._geometry, shared=self._mla)
         memory.layout.validate(self.chunk_tokens)
         self._memory = memory

@@ -64,7 +64,7 @@ def test_a_torch_kv_cache_round_trips_through_the_server(server, case):
     for i, t in enumerate(caches.values()):
         t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8,
                                                 generator=torch.Generator().manual_seed(i)))
-    mem = describe_opaque_blocks(caches, BS) if opaque else describe_kv_caches(caches, GEOM)
+    mem = describe_opaque_blocks(caches, GEOM) if opaque else describe_kv_caches(caches, GEOM)
     assert len(mem.addresses) == (1 if "one-buffer" in case or "opaque" in case else LAYERS)
     with server.client() as c:
         model = kvring.model_id(f"tensors-{case}")
@@ -88,7 +88,11 @@ def test_shapes_it_does_not_know_are_refused_with_their_reason():
         describe_kv_caches(odd, GEOM)
     strided = {"l0": torch.zeros((HEADS, BLOCKS, BS, 2 * D), dtype=torch.bfloat16).transpose(0, 1)}
     with pytest.raises(KvCacheUnsupported, match="not contiguous"):
-        describe_opaque_blocks(strided, BS)
+        describe_opaque_blocks(strided, GEOM)
+    # K and V outermost: dim 0 is not the blocks.
+    kv_outer = {"l0": torch.zeros((2, BLOCKS, BS, HEADS, D), dtype=torch.bfloat16)}
+    with pytest.raises(KvCacheUnsupported, match="one block of"):
+        describe_opaque_blocks(kv_outer, GEOM)
 
 
 def test_a_cache_on_a_device_kvring_cannot_reach_is_refused():

@@ -1,0 +1,237 @@
+"""kvring's vLLM connector driven by the mini engine (mini_engine.py) in
+vLLM's call order, against a real kvring server, with every loaded byte
+compared with what the engine's forward wrote.
+
+On CUDA the caches are bigger (8 layers, more than 60 MiB per rank, so that
+torch's expandable segments span several 20 MiB chunks); on CPU they are
+small, and the CUDA-only allocation kinds are skipped. Every scenario ends
+with no lease held on the server, stores and loads counted, no load or
+store failure, no block left allocated, and bytes checked.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+from dataclasses import replace
+
+import pytest
+
+import kvring
+import standin_vllm
+from kv_layouts import CUDA_ONLY_KINDS, LAYOUT_CASES, LayoutCase
+from mini_engine import CHUNK_TOKENS, DEVICE, EngineError, Report, RequestSpec, Scenario
+
+MiB = 2**20
+TIMEOUT_S = 180.0 if DEVICE == "cuda" else 120.0
+if DEVICE == "cuda":
+    GEOMETRY = {"layers": 8, "heads": 8, "head_size": 128, "min_blocks": 128, "min_bytes": 72 * MiB}
+    DEFAULT_LAYOUT = LAYOUT_CASES["0.33-LBNHC-bf16"]  # vLLM 0.33's default preference
+else:
+    GEOMETRY = {"layers": 2, "heads": 4, "head_size": 64, "min_blocks": 128, "min_bytes": 0}
+    DEFAULT_LAYOUT = LAYOUT_CASES["0.33-LBHNC-bf16"]  # vLLM's CPU attention: [B, H, N, 2D]
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, 32000) for _ in range(n)]
+
+
+def scenario(name, requests, server, *, layout: LayoutCase = DEFAULT_LAYOUT, tp=1, **kw) -> Scenario:
+    """A scenario on `server` with the device's geometry; the cache has
+    enough blocks to hold `min_bytes` per rank."""
+    head_size = 576 if layout.mla else GEOMETRY["head_size"]  # MLA: latent 512 + rope 64
+    sc = Scenario(
+        name=name,
+        requests=requests,
+        server_name=server.name,
+        runtime_dir=server.dir,
+        device=DEVICE,
+        layout=layout,
+        layers=GEOMETRY["layers"],
+        heads=GEOMETRY["heads"],
+        head_size=head_size,
+        blocks=1,
+        tp=tp,
+        **kw,
+    )
+    per_block = sc.kv_spec().block_bytes
+    return replace(sc, blocks=max(GEOMETRY["min_blocks"], -(-GEOMETRY["min_bytes"] // per_block)))
+
+
+def run(engines, sc: Scenario) -> tuple[Report, dict[str, int]]:
+    """Runs `sc`; returns its report and the server's stats afterwards."""
+    report = engines(sc.kind).run(sc, TIMEOUT_S)
+    with kvring.Client(sc.server_name, runtime_dir=sc.runtime_dir) as c:
+        return report, c.stats()
+
+
+def assert_clean_end(report: Report, stats: dict[str, int]) -> None:
+    """What every scenario ends with."""
+    assert stats["leases"] == 0, f"leases still held: {stats}"
+    assert report.leaked_blocks == 0, "blocks never freed (a finished_sending missing?)"
+    ws = report.worker_stats
+    assert ws["store_chunks"] > 0 and stats["stored_chunks"] > 0, (ws, stats)
+    assert ws["load_chunks"] > 0 and stats["retrieved_chunks"] > 0, (ws, stats)
+    assert ws["load_failures"] == 0 and ws["store_failures"] == 0, ws
+    assert stats["store_no_space_chunks"] == 0, stats
+    assert stats["stored_chunks"] == ws["store_chunks"] and stats["retrieved_chunks"] == ws["load_chunks"], (ws, stats)
+    assert report.checked_bytes > 0
+    for name, t in report.requests.items():
+        assert t.load_failures == 0, name
+        assert t.finished or t.aborted, name
+    assert report.kv_load_failure_policy == "recompute", "the connector must make failed loads recompute"
+
+
+def store_then_load(rng: random.Random) -> list[RequestSpec]:
+    """r0 stores a 300-token prompt (4 full chunks); then, at once, r1
+    (r0's first 256 tokens and 100 more) and r2 (r0's first 200 tokens and
+    150 more, with an 80-token local prefix hit: its load starts 16 tokens
+    into chunk 1)."""
+    p = _tokens(rng, 300)
+    return [
+        RequestSpec("r0", p),
+        RequestSpec("r1", p[:256] + _tokens(rng, 100), after=("r0",)),
+        RequestSpec("r2", p[:200] + _tokens(rng, 150), after=("r0",), local_hit=80),
+    ]
+
+
+def assert_store_then_load(report: Report, stats: dict[str, int], tp: int) -> None:
+    r0, r1, r2 = (report.requests[n] for n in ("r0", "r1", "r2"))
+    assert r0.asks == [(0, 0, False, 0)] and r0.allocs == [0]
+    assert r0.delayed_free, "r0 stored chunks: its blocks must wait for finished_sending"
+    # r1: 4 chunks hit, loaded asynchronously; update_state_after_alloc once
+    # at admission and again when the load is done.
+    assert r1.asks == [(0, 256, True, 0)]
+    assert r1.allocs == [256, 0]
+    assert r1.loaded_tokens == 256
+    # r2: chunks 0-2 hit, 80 tokens local: 112 loaded from token 80.
+    assert r2.asks == [(80, 112, True, 0)]
+    assert r2.allocs == [112, 0]
+    assert r2.loaded_tokens == 112
+    for name, t in (("r1", r1), ("r2", r2)):
+        assert sorted(t.verified) == list(range(tp)), f"{name}'s load not verified by every rank: {t.verified}"
+    assert r1.load_blocks[0][:16] != r0.block_ids[:16], "r1 loaded into the blocks r0 stored from"
+    # every rank's shard of r0's 4 chunks, r1's 5th, r2's 4th and 5th; loaded:
+    # r1's chunks 0-3, r2's 1-2
+    assert stats["objects"] == 7 * tp and stats["retrieved_chunks"] == 6 * tp, stats
+    assert_clean_end(report, stats)
+
+
+def test_the_engine_uses_the_vllm_the_environment_provides(engines):
+    """Real vLLM where it is importable, unless the stand-in is forced."""
+    provider = engines("caching").info["vllm"]
+    if os.environ.get(standin_vllm.FORCE_ENV) == "1" or importlib.util.find_spec("vllm") is None:
+        assert provider == "stand-in"
+    else:
+        assert provider.startswith("vllm "), provider
+
+
+def test_stores_then_async_loads_into_other_blocks(engines, kv_server):
+    """r1 and r2 load r0's chunks into blocks of their own (r2 after a
+    local hit that ends inside a chunk), every byte checked."""
+    report, stats = run(engines, scenario("store-load", store_then_load(random.Random(1)), kv_server))
+    assert_store_then_load(report, stats, tp=1)
+
+
+def test_tensor_parallel_two_worker_processes(engines, kv_server):
+    """Two ranks with half the heads each: every rank stores and loads its
+    own shard, and a transfer is over once both reported it."""
+    report, stats = run(engines, scenario("tp2", store_then_load(random.Random(2)), kv_server, tp=2))
+    assert_store_then_load(report, stats, tp=2)
+
+
+@pytest.mark.parametrize("case", list(LAYOUT_CASES))
+def test_layouts(engines, kv_server, case):
+    """The store-then-load scenario on each KV cache layout of
+    kv_layouts.LAYOUT_CASES (vLLM 0.33/0.34 physical orders, fp8, MLA, and
+    the per-layer tensors of 0.26 and 0.21)."""
+    layout = LAYOUT_CASES[case]
+    sc = scenario(f"layout-{case}", store_then_load(random.Random(3)), kv_server, layout=layout)
+    report, stats = run(engines, sc)
+    assert_store_then_load(report, stats, tp=1)
+
+
+@pytest.mark.parametrize("kind", CUDA_ONLY_KINDS)
+def test_allocation_kinds(engines, kv_server, kind):
+    """The store-then-load scenario on a cache in torch's expandable
+    segments (VMM, several 20 MiB chunks) and in one cuMemCreate allocation
+    made exportable because the connector declares EXPORTS_FD."""
+    if DEVICE != "cuda":
+        pytest.skip(f"{kind} allocations are CUDA memory")
+    report, stats = run(engines, scenario(f"alloc-{kind}", store_then_load(random.Random(4)), kv_server, kind=kind))
+    assert_store_then_load(report, stats, tp=1)
+    (info,) = report.workers
+    assert info["allocations"] == 1, info
+    if kind == "expandable":
+        assert info["expandable"] == [True], info
+        assert info["cache_bytes"] > 60 * MiB, "the cache must span several 20 MiB chunks"
+    else:
+        assert info["expandable"] == [False], info
+        assert info["export_fd"], "the connector must declare KVCacheAccess.EXPORTS_FD"
+
+
+def test_preempted_request_reloads_after_its_blocks_were_reused(engines, kv_server):
+    """24 usable blocks, 64-token prefill chunks: a (320 tokens) and b (192)
+    prefill side by side until the pool is full; a's next chunk preempts b
+    (the last running), whose blocks a then uses. b asks again, waits for
+    blocks until a finished, and loads its own three stored chunks."""
+    rng = random.Random(5)
+    reqs = [RequestSpec("a", _tokens(rng, 320), max_tokens=2), RequestSpec("b", _tokens(rng, 192), max_tokens=2)]
+    sc = scenario("preempt", reqs, kv_server, usable_blocks=24, long_prefill_token_threshold=64)
+    report, stats = run(engines, sc)
+    b = report.requests["b"]
+    assert b.preemptions == 1
+    assert "a" in report.preemption_reuse["b"], report.preemption_reuse
+    assert b.asks[0] == (0, 0, False, 0)
+    after = [ask for ask in b.asks if ask[3] == 1]
+    assert after and set(after) == {(0, 192, True, 1)}, b.asks
+    assert b.allocs == [0, 192, 0]
+    assert b.loaded_tokens == 192 and sorted(b.verified) == [0]
+    assert_clean_end(report, stats)
+
+
+def test_abort_before_allocation_ends_the_lease(engines, kv_server):
+    """r2 hits r0's four chunks while r1 fills the pool: it is asked, never
+    allocated, then aborted; request_finished must end its lease (the
+    server's lease count drops to 0 at once). r3, with r2's prompt, still
+    loads those chunks afterwards."""
+    rng = random.Random(6)
+    p = _tokens(rng, 256)
+    reqs = [
+        RequestSpec("r0", p, max_tokens=2),
+        RequestSpec("r1", _tokens(rng, 320), max_tokens=8, after=("r0",)),
+        RequestSpec("r2", p + _tokens(rng, 44), after=("r0",), abort_after_ask=True),
+        RequestSpec("r3", p + _tokens(rng, 44), after=("r1", "r2")),
+    ]
+    report, stats = run(engines, scenario("abort", reqs, kv_server, usable_blocks=24))
+    r2 = report.requests["r2"]
+    assert r2.aborted and r2.asks == [(0, 256, True, 0)] and r2.allocs == []
+    before, after = report.lease_probes["r2"]
+    assert before >= 1 and after == 0, report.lease_probes
+    assert report.requests["r3"].loaded_tokens == 256
+    assert_clean_end(report, stats)
+
+
+def test_full_prompt_hit_leaves_the_last_chunk_to_compute(engines, kv_server):
+    """A 256-token prompt (4 chunks) stored, then asked again: the connector
+    answers 3 chunks (vLLM must compute at least the last token) and loads 3."""
+    p = _tokens(random.Random(7), 4 * CHUNK_TOKENS)
+    reqs = [RequestSpec("r0", p, max_tokens=2), RequestSpec("r1", p, max_tokens=2, after=("r0",))]
+    report, stats = run(engines, scenario("full-hit", reqs, kv_server))
+    r1 = report.requests["r1"]
+    assert r1.asks == [(0, 3 * CHUNK_TOKENS, True, 0)]
+    assert r1.allocs == [3 * CHUNK_TOKENS, 0]
+    assert r1.loaded_tokens == 3 * CHUNK_TOKENS
+    assert stats["lookup_hit_chunks"] >= 4 and stats["retrieved_chunks"] == 3, stats
+    assert_clean_end(report, stats)
+
+
+def test_a_changed_byte_fails_the_check(engines, kv_server):
+    """A control of the check itself: one byte of r1's loaded KV changed
+    before the check (the last byte-0 of head 0 of layer 0) must fail the
+    run, naming where."""
+    sc = scenario("control", store_then_load(random.Random(8)), kv_server, corrupt_load="r1")
+    where = r"request r1's loaded KV differs at layer 0, block \d+ \(token 255, slot 15\), head 0 of the rank, byte 0"
+    with pytest.raises(EngineError, match=where):
+        run(engines, sc)
