@@ -116,6 +116,32 @@ def lookup_latency(c, n):
     return {"p50": pct(lat, 0.5) / 1e3, "p99": pct(lat, 0.99) / 1e3, "samples": n, "chunks": 128}
 
 
+def store_and_retrieve(c, reg, model, chunks, src, dst, passes):
+    """Median GB/s of a STORE of `chunks` chunks from blocks `src` and of a
+    RETRIEVE of them into blocks `dst`, submit to done, over `passes`
+    passes after a warm-up (the pool cleared before each)."""
+    hashes = kvring.chunk_hashes([i * 7919 % (1 << 31) for i in range(chunks * CHUNK)], CHUNK)
+    total = chunks * reg.layout.object_bytes(CHUNK)
+    store, retrieve = [], []
+    for p in range(passes + 1):
+        c.clear()
+        t = time.perf_counter_ns()
+        st = c.store(reg, hashes, src).wait(120)
+        ts = time.perf_counter_ns() - t
+        assert st.ok and st.value == chunks, st
+        lease = c.lookup(model, 1, hashes)
+        assert lease.hits == chunks
+        t = time.perf_counter_ns()
+        st = c.retrieve(reg, lease.id, dst).wait(120)
+        tr = time.perf_counter_ns() - t
+        assert st.ok, st
+        lease.end()
+        if p > 0:
+            store.append(total / ts)
+            retrieve.append(total / tr)
+    return statistics.median(store), statistics.median(retrieve)
+
+
 def data_path(c, passes):
     blocks_per_chunk = CHUNK // 16
     nblocks = CHUNKS * blocks_per_chunk * 2
@@ -137,32 +163,14 @@ def data_path(c, passes):
         for b in src:
             at = (layer * nblocks + b) * page
             view[at:at + page] = rng.randbytes(64) * (page // 64)
-    hashes = kvring.chunk_hashes([i * 7919 % (1 << 31) for i in range(CHUNKS * CHUNK)], CHUNK)
-    obj = layout.object_bytes(CHUNK)
-    total = CHUNKS * obj
-    store, retrieve = [], []
-    for p in range(passes + 1):
-        c.clear()
-        t = time.perf_counter_ns()
-        st = c.store(reg, hashes, src).wait(120)
-        ts = time.perf_counter_ns() - t
-        assert st.ok and st.value == CHUNKS, st
-        lease = c.lookup(model, 1, hashes)
-        assert lease.hits == CHUNKS
-        t = time.perf_counter_ns()
-        st = c.retrieve(reg, lease.id, dst).wait(120)
-        tr = time.perf_counter_ns() - t
-        assert st.ok, st
-        lease.end()
-        if p > 0:
-            store.append(total / ts)
-            retrieve.append(total / tr)
+    total = CHUNKS * layout.object_bytes(CHUNK)
+    store, retrieve = store_and_retrieve(c, reg, model, CHUNKS, src, dst, passes)
     for layer in range(32):
         for s, d in zip(src, dst):
             a, b = (layer * nblocks + s) * page, (layer * nblocks + d) * page
             assert view[a:a + page] == view[b:b + page], (layer, s, d)
     c.unregister(reg)
-    return statistics.median(store), statistics.median(retrieve), total
+    return store, retrieve, total
 
 
 def data_path_cuda(c, passes):
@@ -181,30 +189,13 @@ def data_path_cuda(c, passes):
     perm = torch.randperm(nblocks, generator=torch.Generator().manual_seed(1))
     n = chunks * CHUNK // 16
     src, dst = perm[:n].tolist(), perm[n:2 * n].tolist()
-    hashes = kvring.chunk_hashes([i * 7919 % (1 << 31) for i in range(chunks * CHUNK)], CHUNK)
     total = chunks * layout.object_bytes(CHUNK)
     torch.cuda.synchronize()
-    store, retrieve = [], []
-    for p in range(passes + 1):
-        c.clear()
-        t = time.perf_counter_ns()
-        st = c.store(reg, hashes, src).wait(120)
-        ts = time.perf_counter_ns() - t
-        assert st.ok and st.value == chunks, st
-        lease = c.lookup(model, 1, hashes)
-        assert lease.hits == chunks
-        t = time.perf_counter_ns()
-        st = c.retrieve(reg, lease.id, dst).wait(120)
-        tr = time.perf_counter_ns() - t
-        assert st.ok, st
-        lease.end()
-        if p > 0:
-            store.append(total / ts)
-            retrieve.append(total / tr)
+    store, retrieve = store_and_retrieve(c, reg, model, chunks, src, dst, passes)
     pages = cache.view(32, nblocks, layout.page_bytes)
     assert torch.equal(pages[:, dst], pages[:, src])
     c.unregister(reg)
-    return statistics.median(store), statistics.median(retrieve), total
+    return store, retrieve, total
 
 
 def main():

@@ -11,7 +11,7 @@
 
 use super::{check, sys, Context, CudaError, GpuError};
 use std::ffi::c_void;
-use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 
 /// How a range of device memory is exported.
 #[derive(Debug)]
@@ -198,21 +198,7 @@ fn export_mapping(base: u64) -> Result<OwnedFd, GpuError> {
                 "the VMM allocation at {base:#x} was made without POSIX-fd handles (requested handle types {types:#x}); allocate it with CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR"
             )));
         }
-        let mut fd: i32 = -1;
-        check(
-            // SAFETY: for the POSIX fd handle type the out-pointer is an `int`.
-            unsafe {
-                sys::cuMemExportToShareableHandle(
-                    &mut fd as *mut i32 as *mut c_void,
-                    handle,
-                    H::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-                    0,
-                )
-            },
-            "cuMemExportToShareableHandle",
-        )?;
-        // SAFETY: a fresh descriptor the driver just made for us.
-        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+        Ok(super::memory::posix_fd(handle)?)
     })();
     // SAFETY: drops the reference `cuMemRetainAllocationHandle` took, once;
     // the engine's own mapping keeps the memory.

@@ -412,25 +412,11 @@ impl ExportedVmm {
             made += chunk;
         }
         let mapping = VmmMapping::map(ctx, handles)?;
-        let mut fds = Vec::with_capacity(mapping.chunks.len());
-        for &(handle, _) in &mapping.chunks {
-            let mut fd: i32 = -1;
-            check(
-                // SAFETY: for the POSIX fd handle type the out-pointer is an
-                // `int`.
-                unsafe {
-                    sys::cuMemExportToShareableHandle(
-                        &mut fd as *mut i32 as *mut c_void,
-                        handle,
-                        sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-                        0,
-                    )
-                },
-                "cuMemExportToShareableHandle",
-            )?;
-            // SAFETY: a fresh descriptor the driver just made for us.
-            fds.push(unsafe { OwnedFd::from_raw_fd(fd) });
-        }
+        let fds = mapping
+            .chunks
+            .iter()
+            .map(|&(handle, _)| posix_fd(handle))
+            .collect::<Result<Vec<_>, _>>()?;
         Ok(ExportedVmm {
             mapping,
             fds,
@@ -455,6 +441,27 @@ impl ExportedVmm {
     pub fn fds(&self) -> Vec<std::os::fd::BorrowedFd<'_>> {
         self.fds.iter().map(std::os::fd::AsFd::as_fd).collect()
     }
+}
+
+/// A POSIX fd of the physical allocation `handle` (made with the POSIX fd
+/// handle type), for another process to import.
+pub(super) fn posix_fd(handle: sys::CUmemGenericAllocationHandle) -> Result<OwnedFd, CudaError> {
+    let mut fd: i32 = -1;
+    check(
+        // SAFETY: for the POSIX fd handle type the out-pointer is an `int`;
+        // `handle` is a live allocation handle (the caller's).
+        unsafe {
+            sys::cuMemExportToShareableHandle(
+                &mut fd as *mut i32 as *mut c_void,
+                handle,
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                0,
+            )
+        },
+        "cuMemExportToShareableHandle",
+    )?;
+    // SAFETY: a fresh descriptor the driver just made for us.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
 /// How this process reached another's allocation.
