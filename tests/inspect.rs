@@ -301,3 +301,119 @@ fn the_watch_view_renders_in_a_terminal_and_quits_on_q() {
     };
     assert!(status.success());
 }
+
+/// The value of the sample `name` with `labels` in a parsed scrape.
+fn sample(scrape: &prometheus_parse::Scrape, name: &str, labels: &[(&str, &str)]) -> f64 {
+    let s = scrape
+        .samples
+        .iter()
+        .find(|s| s.metric == name && labels.iter().all(|(k, v)| s.labels.get(k) == Some(v)))
+        .unwrap_or_else(|| panic!("no sample {name} {labels:?}"));
+    match s.value {
+        prometheus_parse::Value::Counter(v)
+        | prometheus_parse::Value::Gauge(v)
+        | prometheus_parse::Value::Untyped(v) => v,
+        ref other => panic!("{name}: {other:?}"),
+    }
+}
+
+#[test]
+fn metrics_count_what_was_done() {
+    let s = Fixture::new("inspect-metrics", Duration::from_secs(60), &[]);
+    let mut e = Engine::new(&s, small_layout(), 1, 0);
+    // A known workload: 3 stores of 2 chunks, 2 lookups, 1 retrieve of
+    // 2 chunks, 1 failed delay job.
+    let mut stored = Vec::new();
+    for seed in 0..3 {
+        let hashes = prompt_hashes(100 + seed, 2);
+        let blocks = e.blocks(seed * 8, 2);
+        e.write(&hashes, &blocks);
+        assert_eq!(e.store(0, &hashes, &blocks).value, 2);
+        stored.push(hashes);
+    }
+    let lease = lookup(&mut e.c, 1, 0, &stored[0]);
+    drop(lookup(&mut e.c, 1, 0, &prompt_hashes(999, 3)));
+    let blocks = e.blocks(40, 2);
+    done(
+        e.c.retrieve(kvring::Retrieve::new(&e.inst, lease.id(), &blocks))
+            .unwrap(),
+    );
+    drop(lease);
+    let failed =
+        e.c.delay_job(delay(0, 0).fail(FailReason::Requested))
+            .unwrap();
+    assert!(failed.wait(far()).unwrap().is_terminal());
+    drop(failed);
+
+    let out = inspect(&["metrics", &s.name, "--sample-ms", "50"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.ends_with("# EOF\n"), "OpenMetrics ends with # EOF");
+    let scrape =
+        prometheus_parse::Scrape::parse(text.lines().map(|l| Ok(l.to_string()))).expect("parse");
+    let chunk = e.c.server_config().unwrap().chunk_tokens;
+    let obj = small_layout().object_bytes(chunk) as f64;
+    for (name, labels, want) in [
+        ("kvring_server_up", vec![], 1.0),
+        ("kvring_clients_connected", vec![], 1.0),
+        ("kvring_stores_total", vec![], 3.0),
+        ("kvring_stored_chunks_total", vec![], 6.0),
+        ("kvring_stored_bytes_total", vec![], 6.0 * obj),
+        ("kvring_lookups_total", vec![], 2.0),
+        ("kvring_lookup_chunks_total", vec![], 5.0),
+        ("kvring_lookup_hit_chunks_total", vec![], 2.0),
+        ("kvring_retrieves_total", vec![], 1.0),
+        ("kvring_retrieved_chunks_total", vec![], 2.0),
+        ("kvring_retrieved_bytes_total", vec![], 2.0 * obj),
+        ("kvring_objects", vec![], 6.0),
+        ("kvring_pool_used_bytes", vec![], 6.0 * obj),
+        ("kvring_leases", vec![], 0.0),
+        ("kvring_registrations", vec![], 1.0),
+        ("kvring_requests_total", vec![("op", "store")], 3.0),
+        ("kvring_requests_total", vec![("op", "lookup")], 2.0),
+        ("kvring_requests_total", vec![("op", "retrieve")], 1.0),
+        (
+            "kvring_request_errors_total",
+            vec![("op", "delay_job")],
+            1.0,
+        ),
+        ("kvring_request_errors_total", vec![("op", "store")], 0.0),
+        ("kvring_jobs_failed_total", vec![], 1.0),
+        ("kvring_anomalies", vec![("kind", "job_stuck")], 0.0),
+    ] {
+        assert_eq!(sample(&scrape, name, &labels), want, "{name} {labels:?}");
+    }
+    // The store latency histogram: 3 jobs, a positive sum, cumulative
+    // buckets ending at +Inf with the count.
+    let store = [("op", "store")];
+    assert_eq!(
+        sample(&scrape, "kvring_request_latency_seconds_count", &store),
+        3.0
+    );
+    assert!(sample(&scrape, "kvring_request_latency_seconds_sum", &store) > 0.0);
+    let hist = scrape.samples.iter().find_map(|s| match &s.value {
+        prometheus_parse::Value::Histogram(h)
+            if s.metric == "kvring_request_latency_seconds"
+                && s.labels.get("op") == Some("store") =>
+        {
+            Some(h.clone())
+        }
+        _ => None,
+    });
+    if let Some(h) = hist {
+        assert!(h.windows(2).all(|w| w[0].count <= w[1].count));
+        assert_eq!(h.last().unwrap().count, 3.0);
+        assert!(h.last().unwrap().less_than.is_infinite());
+    } else {
+        let inf = sample(
+            &scrape,
+            "kvring_request_latency_seconds_bucket",
+            &[("op", "store"), ("le", "+Inf")],
+        );
+        assert_eq!(inf, 3.0);
+    }
+}

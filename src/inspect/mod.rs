@@ -13,8 +13,10 @@
 //! were written, so there is no store for them to pair with.
 
 mod anomalies;
+mod metrics;
 
 pub use anomalies::{compare, Anomaly, AnomalyKind, HEARTBEAT_STALE_MS};
+pub use metrics::openmetrics;
 
 use crate::jobs::{FailReason, JobKind, JobState};
 use crate::liveness::{monotonic_ns, process_start_ticks, unix_ns};
@@ -270,6 +272,11 @@ pub struct OpView {
     pub p50_us: Option<f64>,
     pub p99_us: Option<f64>,
     pub samples: u64,
+    /// The recorded latencies added up.
+    pub sum_us: f64,
+    /// The histogram's buckets (see `OpStat`).
+    #[serde(skip)]
+    pub buckets: [u64; HIST_BUCKETS],
 }
 
 /// Everything `show` reports.
@@ -560,6 +567,8 @@ fn read_ops(seg: &ReadOnlySegment) -> Vec<OpView> {
                 p50_us: percentile(&hist, 0.5),
                 p99_us: percentile(&hist, 0.99),
                 samples: hist.iter().sum(),
+                sum_us: st.sum_ns.load(Relaxed) as f64 / 1e3,
+                buckets: hist,
             }
         })
         .collect()

@@ -32,11 +32,13 @@ shm_struct! {
         /// Requests answered with an error status, and jobs that failed.
         [8] pub errors: AtomicU64,
         [16] pub hist: [AtomicU64; HIST_BUCKETS],
+        /// The recorded latencies added up, in ns (a histogram's sum).
+        [272] pub sum_ns: AtomicU64,
     }
 }
 
 const _: () = {
-    assert!(size_of::<OpStat>() == 272);
+    assert!(size_of::<OpStat>() == 280);
 };
 
 impl OpStat {
@@ -48,8 +50,10 @@ impl OpStat {
 
     /// Counts one latency.
     pub fn record(&self, ns: u64) {
-        // Observers only: Relaxed.
+        // Observers only: Relaxed (a reader may see the bucket and the sum
+        // of one latency apart; each word is right on its own).
         self.hist[Self::bucket(ns)].fetch_add(1, Ordering::Relaxed);
+        self.sum_ns.fetch_add(ns, Ordering::Relaxed);
     }
 
     /// Upper bound (ns) of bucket `i`.
@@ -67,7 +71,7 @@ shm_struct! {
 }
 
 const _: () = {
-    assert!(size_of::<OpStats>() == OP_STAT_SLOTS * 272);
+    assert!(size_of::<OpStats>() == OP_STAT_SLOTS * 280);
     // Every operation has a slot (the table grows with `Opcode`).
     assert!(crate::proto::OPS <= OP_STAT_SLOTS);
 };

@@ -41,6 +41,19 @@ enum Cmd {
         #[arg(long, default_value_t = 10.0)]
         job_age_s: f64,
     },
+    /// The segment's counters and histograms as Prometheus metrics
+    /// (OpenMetrics text): for a textfile collector, or a dead server's last
+    /// counters.
+    Metrics {
+        name: String,
+        /// Two readings this far apart show rings that stopped moving
+        /// (`kvring_anomalies`).
+        #[arg(long, default_value_t = 200)]
+        sample_ms: u64,
+        /// Flag jobs unfinished for longer than this.
+        #[arg(long, default_value_t = 10.0)]
+        job_age_s: f64,
+    },
     /// The job table: one row per slot that holds a job.
     Jobs {
         name: String,
@@ -123,6 +136,16 @@ fn run(cli: Cli) -> kvring::Result<()> {
             } else {
                 print!("{}", crate::render::show(&snap, None));
             }
+        }
+        Cmd::Metrics {
+            name,
+            sample_ms,
+            job_age_s,
+        } => {
+            let seg = open(&name)?;
+            let th = Thresholds { job_age_s };
+            let snap = two_readings(&seg, th, Duration::from_millis(sample_ms));
+            print!("{}", inspect::openmetrics(&snap));
         }
         Cmd::Jobs {
             name,

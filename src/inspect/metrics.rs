@@ -1,0 +1,346 @@
+//! A [`Snapshot`] as Prometheus metrics, in the OpenMetrics text format
+//! (`prometheus-client` writes it): names `kvring_*` with their units, from
+//! the same words the inspector reads. `kvring-inspect metrics NAME` prints
+//! it (a live server's, or a dead one's for a post-mortem).
+//!
+//! Counters are the server's counters since it started; gauges are the
+//! reading's values; each operation's latency is a histogram whose buckets
+//! are the segment's log2 buckets (`OpStat`), in seconds.
+
+use super::{AnomalyKind, Snapshot};
+use crate::shm::{OpStat, HIST_BUCKETS};
+use prometheus_client::encoding::{EncodeMetric, MetricEncoder, NoLabelSet};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::{Registry, Unit};
+
+type Labels = Vec<(&'static str, String)>;
+
+/// One sample's value.
+#[derive(Debug)]
+enum Value {
+    /// An info metric: its labels are the value.
+    Info,
+    Counter(u64),
+    Gauge(f64),
+    Histogram {
+        sum: f64,
+        count: u64,
+        /// (upper bound, count in this bucket), the last bound +Inf.
+        buckets: Vec<(f64, u64)>,
+    },
+}
+
+/// A metric's samples, read once (what a scrape reports).
+#[derive(Debug)]
+struct Samples {
+    kind: MetricType,
+    rows: Vec<(Labels, Value)>,
+}
+
+impl Samples {
+    fn one(kind: MetricType, v: Value) -> Samples {
+        Samples {
+            kind,
+            rows: vec![(Vec::new(), v)],
+        }
+    }
+}
+
+fn encode_value(e: &mut MetricEncoder, v: &Value) -> Result<(), std::fmt::Error> {
+    match v {
+        Value::Counter(n) => e.encode_counter::<NoLabelSet, _, u64>(n, None),
+        Value::Gauge(x) => e.encode_gauge(x),
+        Value::Histogram {
+            sum,
+            count,
+            buckets,
+        } => e.encode_histogram::<NoLabelSet>(*sum, *count, buckets, None),
+        Value::Info => Ok(()),
+    }
+}
+
+impl EncodeMetric for Samples {
+    fn encode(&self, mut encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
+        for (labels, v) in &self.rows {
+            match v {
+                Value::Info => encoder.encode_info(labels)?,
+                _ if labels.is_empty() => encode_value(&mut encoder, v)?,
+                _ => encode_value(&mut encoder.encode_family(labels)?, v)?,
+            }
+        }
+        Ok(())
+    }
+
+    fn metric_type(&self) -> MetricType {
+        self.kind
+    }
+}
+
+/// The metric registry of one reading.
+struct Exposition(Registry);
+
+impl Exposition {
+    fn add(&mut self, name: &str, help: &str, unit: Option<Unit>, m: Samples) {
+        match unit {
+            Some(u) => self.0.register_with_unit(name, help, u, m),
+            None => self.0.register(name, help, m),
+        }
+    }
+
+    fn counter(&mut self, name: &str, help: &str, unit: Option<Unit>, v: u64) {
+        self.add(
+            name,
+            help,
+            unit,
+            Samples::one(MetricType::Counter, Value::Counter(v)),
+        );
+    }
+
+    fn gauge(&mut self, name: &str, help: &str, unit: Option<Unit>, v: f64) {
+        self.add(
+            name,
+            help,
+            unit,
+            Samples::one(MetricType::Gauge, Value::Gauge(v)),
+        );
+    }
+}
+
+/// An operation's latency histogram, in seconds.
+fn histogram(buckets: &[u64; HIST_BUCKETS], sum_us: f64) -> Value {
+    let bounds = (0..HIST_BUCKETS).map(|i| {
+        if i + 1 == HIST_BUCKETS {
+            f64::INFINITY
+        } else {
+            OpStat::bucket_limit(i) as f64 / 1e9
+        }
+    });
+    Value::Histogram {
+        sum: sum_us / 1e6,
+        count: buckets.iter().sum(),
+        buckets: bounds.zip(buckets.iter().copied()).collect(),
+    }
+}
+
+/// The OpenMetrics text of a reading (ends with `# EOF`).
+pub fn openmetrics(s: &Snapshot) -> String {
+    let mut x = Exposition(Registry::with_prefix("kvring"));
+    let c = &s.cache;
+    let sv = &s.server;
+    x.add(
+        "build",
+        "this build of kvring and the segment's layout version",
+        None,
+        Samples {
+            kind: MetricType::Info,
+            rows: vec![(
+                vec![
+                    ("version", env!("CARGO_PKG_VERSION").to_string()),
+                    ("layout_version", sv.layout_version.to_string()),
+                ],
+                Value::Info,
+            )],
+        },
+    );
+    x.gauge(
+        "server_up",
+        "1 while the server process lives (its liveness lock is held)",
+        None,
+        if sv.alive { 1.0 } else { 0.0 },
+    );
+    x.gauge(
+        "server_uptime",
+        "time since the server made its segment",
+        Some(Unit::Seconds),
+        sv.age_s,
+    );
+    x.gauge(
+        "server_heartbeat_age",
+        "time since the server's last heartbeat (NaN: unreadable)",
+        Some(Unit::Seconds),
+        sv.heartbeat_age_ms.map_or(f64::NAN, |ms| ms / 1e3),
+    );
+    x.gauge(
+        "clients_connected",
+        "client sessions connected now",
+        None,
+        f64::from(sv.clients_connected),
+    );
+    x.counter(
+        "clients_accepted",
+        "client sessions accepted",
+        None,
+        sv.clients_accepted,
+    );
+    x.counter(
+        "clients_reclaimed",
+        "client sessions reclaimed after their process died or broke the protocol",
+        None,
+        sv.clients_reclaimed,
+    );
+    x.counter(
+        "clients_refused",
+        "connections refused (no slot, bad handshake, ...)",
+        None,
+        sv.clients_refused,
+    );
+    let per_op = |f: &dyn Fn(&super::OpView) -> Value, timed: bool| {
+        s.ops
+            .iter()
+            // PING's latency is the client's round trip: not recorded.
+            .filter(|o| !timed || o.name != "ping")
+            .map(|o| (vec![("op", o.name.to_string())], f(o)))
+            .collect::<Vec<_>>()
+    };
+    x.add(
+        "requests",
+        "requests served per operation (refused ones included)",
+        None,
+        Samples {
+            kind: MetricType::Counter,
+            rows: per_op(&|o| Value::Counter(o.count), false),
+        },
+    );
+    x.add(
+        "request_errors",
+        "error completions and failed jobs per operation",
+        None,
+        Samples {
+            kind: MetricType::Counter,
+            rows: per_op(&|o| Value::Counter(o.errors), false),
+        },
+    );
+    x.add(
+        "request_latency",
+        "per operation: a job's submitted-to-finished time, or the server's time from reading a request to its completion",
+        Some(Unit::Seconds),
+        Samples {
+            kind: MetricType::Histogram,
+            rows: per_op(&|o| histogram(&o.buckets, o.sum_us), true),
+        },
+    );
+    x.add(
+        "job_slots",
+        "job slots per state in this reading",
+        None,
+        Samples {
+            kind: MetricType::Gauge,
+            rows: s
+                .jobs
+                .by_state
+                .iter()
+                .map(|(k, &n)| (vec![("state", k.clone())], Value::Gauge(n as f64)))
+                .collect(),
+        },
+    );
+    let j = &s.jobs;
+    for (name, help, v) in [
+        ("jobs_submitted", "jobs submitted", j.submitted),
+        ("jobs_done", "jobs that ended done", j.done),
+        ("jobs_failed", "jobs that ended failed", j.failed),
+        ("jobs_refused", "jobs refused (no free slot)", j.refused),
+    ] {
+        x.counter(name, help, None, v);
+    }
+    x.gauge(
+        "pool",
+        "the host pool's size",
+        Some(Unit::Bytes),
+        c.pool_bytes as f64,
+    );
+    x.gauge(
+        "pool_used",
+        "pool bytes held by objects",
+        Some(Unit::Bytes),
+        c.pool_used_bytes as f64,
+    );
+    x.gauge("objects", "stored chunk objects", None, c.objects as f64);
+    x.gauge("leases", "lookup leases held", None, c.leases as f64);
+    x.gauge(
+        "registrations",
+        "KV cache registrations",
+        None,
+        c.instances as f64,
+    );
+    for (name, help, unit, v) in [
+        ("lookups", "LOOKUP requests", None, c.lookups),
+        (
+            "lookup_chunks",
+            "chunks looked up (requested)",
+            None,
+            c.lookup_chunks,
+        ),
+        (
+            "lookup_hit_chunks",
+            "chunks found by lookups",
+            None,
+            c.lookup_hit_chunks,
+        ),
+        ("stores", "STORE jobs", None, c.stores),
+        ("stored_chunks", "chunk objects stored", None, c.stored_chunks),
+        (
+            "stored",
+            "bytes stored into the pool",
+            Some(Unit::Bytes),
+            c.stored_bytes,
+        ),
+        (
+            "store_no_space_chunks",
+            "chunks not stored for want of pool space",
+            None,
+            c.store_no_space_chunks,
+        ),
+        ("retrieves", "RETRIEVE jobs", None, c.retrieves),
+        (
+            "retrieved_chunks",
+            "chunks retrieved",
+            None,
+            c.retrieved_chunks,
+        ),
+        (
+            "retrieved",
+            "bytes retrieved from the pool",
+            Some(Unit::Bytes),
+            c.retrieved_bytes,
+        ),
+        (
+            "evicted_objects",
+            "objects evicted",
+            None,
+            c.evicted_objects,
+        ),
+        (
+            "evicted",
+            "bytes evicted",
+            Some(Unit::Bytes),
+            c.evicted_bytes,
+        ),
+        (
+            "leases_expired",
+            "leases ended by their TTL",
+            None,
+            c.leases_expired,
+        ),
+    ] {
+        x.counter(name, help, unit, v);
+    }
+    x.add(
+        "anomalies",
+        "what the inspector flags in this reading, per kind",
+        None,
+        Samples {
+            kind: MetricType::Gauge,
+            rows: AnomalyKind::ALL
+                .iter()
+                .map(|&k| {
+                    let n = s.anomalies.iter().filter(|a| a.kind == k).count();
+                    (vec![("kind", k.name().to_string())], Value::Gauge(n as f64))
+                })
+                .collect(),
+        },
+    );
+    let mut out = String::new();
+    prometheus_client::encoding::text::encode(&mut out, &x.0)
+        .expect("writing to a String does not fail");
+    out
+}
