@@ -1,5 +1,5 @@
-//! A [`Snapshot`] as Prometheus metrics, in the OpenMetrics text format
-//! (`prometheus-client` writes it): names `kvring_*` with their units, from
+//! A [`Snapshot`] as Prometheus metrics, in the OpenMetrics text format or
+//! Prometheus's text format 0.0.4 (`prometheus-client` writes both): names `kvring_*` with their units, from
 //! the same words the inspector reads. `kvring-inspect metrics NAME` prints
 //! it (a live server's, or a dead one's for a post-mortem).
 //!
@@ -124,6 +124,22 @@ fn histogram(buckets: &[u64; HIST_BUCKETS], sum_us: f64) -> Value {
 
 /// The OpenMetrics text of a reading (ends with `# EOF`).
 pub fn openmetrics(s: &Snapshot) -> String {
+    let mut out = String::new();
+    prometheus_client::encoding::text::encode(&mut out, &registry(s))
+        .expect("writing to a String does not fail");
+    out
+}
+
+/// The same metrics in Prometheus's text format 0.0.4 (for scrapers that
+/// do not ask for OpenMetrics).
+pub fn prometheus_text(s: &Snapshot) -> String {
+    let mut out = String::new();
+    prometheus_client::encoding::prometheus_text::encode(&mut out, &registry(s))
+        .expect("writing to a String does not fail");
+    out
+}
+
+fn registry(s: &Snapshot) -> Registry {
     let mut x = Exposition(Registry::with_prefix("kvring"));
     let c = &s.cache;
     let sv = &s.server;
@@ -339,8 +355,5 @@ pub fn openmetrics(s: &Snapshot) -> String {
                 .collect(),
         },
     );
-    let mut out = String::new();
-    prometheus_client::encoding::text::encode(&mut out, &x.0)
-        .expect("writing to a String does not fail");
-    out
+    x.0
 }

@@ -16,7 +16,7 @@ mod anomalies;
 mod metrics;
 
 pub use anomalies::{compare, Anomaly, AnomalyKind, HEARTBEAT_STALE_MS};
-pub use metrics::openmetrics;
+pub use metrics::{openmetrics, prometheus_text};
 
 use crate::jobs::{FailReason, JobKind, JobState};
 use crate::liveness::{monotonic_ns, process_start_ticks, unix_ns};

@@ -20,6 +20,7 @@ mod acceptor;
 mod cache;
 mod capacity;
 mod delay;
+mod http;
 mod kv_ops;
 mod peer_memory;
 mod pool;
@@ -27,6 +28,7 @@ pub(crate) mod registry;
 mod ring_loop;
 mod transfer;
 
+pub use http::{HttpConfig, CLIENT_DEADLINE as HTTP_CLIENT_DEADLINE};
 pub use transfer::{Backend, BackendKind, HostBackend};
 
 use crate::client_memory::OwnedClientMemory;
@@ -64,6 +66,8 @@ pub struct ServerConfig {
     /// shared-memory mount or the pool and segment exceed available memory
     /// (refused otherwise, naming the limit).
     pub allow_oversize: bool,
+    /// The HTTP endpoint (metrics, health, status); `None`: none.
+    pub http: Option<HttpConfig>,
 }
 
 /// Which copy backend a server uses.
@@ -244,6 +248,7 @@ impl ServerConfig {
             tick: Duration::from_millis(50),
             kv: KvConfig::default(),
             allow_oversize: false,
+            http: Some(HttpConfig::default_endpoint()),
         }
     }
 }
@@ -361,6 +366,8 @@ pub struct ServerHandle {
     /// The ring loop, then the acceptor.
     threads: Vec<JoinHandle<()>>,
     workers: Vec<JoinHandle<()>>,
+    /// Stopped first at shutdown.
+    http: Option<http::HttpServer>,
     paths: ServerPaths,
     _lock: File,
 }
@@ -384,6 +391,11 @@ impl ServerHandle {
         &self.paths
     }
 
+    /// Where the HTTP endpoint listens, if it runs.
+    pub fn http_addr(&self) -> Option<std::net::SocketAddr> {
+        self.http.as_ref().map(|h| h.addr)
+    }
+
     /// Whether a stop was requested or the threads ended.
     pub fn stopping(&self) -> bool {
         self.shared.stop.load(Ordering::Relaxed) || self.threads.iter().any(|t| t.is_finished())
@@ -396,6 +408,7 @@ impl ServerHandle {
     }
 
     fn shutdown(&mut self) {
+        self.http = None;
         let sh = &self.shared;
         let h = sh.seg.mapping.header();
         h.server_state
@@ -558,6 +571,27 @@ pub fn start(cfg: ServerConfig) -> Result<ServerHandle> {
     let listener = crate::bootstrap::Listener::bind(&paths.socket)
         .map_err(crate::error::io(format!("bind {}", paths.socket.display())))?;
     undo.socket = Some(paths.socket.clone());
+    // Bound before any thread starts: a required address that is taken
+    // fails the start, which then undoes what it made.
+    let http_listener = match &cfg.http {
+        None => None,
+        Some(h) => match http::HttpServer::bind(h) {
+            Ok(l) => Some(l),
+            Err(e) if h.required => {
+                return Err(Error::Config(format!(
+                    "the HTTP endpoint cannot listen on {}: {e} (--http off runs without it)",
+                    h.addr
+                )))
+            }
+            Err(e) => {
+                tracing::warn!(
+                    "no HTTP endpoint: {} cannot be bound ({e}); pass --http ADDR for another",
+                    h.addr
+                );
+                None
+            }
+        },
+    };
     let (ring_bell, ring_bell_rx) = Doorbell::pair()?;
     let doorbells = crate::doorbell::Doorbells::new(ring_bell_rx, cfg.geometry.max_clients)?;
     let shared = Arc::new(Shared {
@@ -616,11 +650,16 @@ pub fn start(cfg: ServerConfig) -> Result<ServerHandle> {
         }
     }
     kv_ops::publish(&shared, &shared.kv.stats());
+    let http = match (http_listener, &cfg.http) {
+        (Some(l), Some(h)) => Some(http::HttpServer::start(l, &paths.shm_name, h)?),
+        _ => None,
+    };
     undo.done();
     Ok(ServerHandle {
         shared,
         threads,
         workers,
+        http,
         paths,
         _lock: lock,
     })

@@ -127,6 +127,16 @@ enum Cmd {
         /// ... and down to which it evicts.
         #[arg(long, default_value_t = 80)]
         evict_to_percent: u32,
+        /// The HTTP endpoint (GET /metrics, /healthz, /readyz, /status):
+        /// ADDR:PORT, or `off`. Default 127.0.0.1:9090; when that is taken
+        /// the server runs without it (saying so); an address given here
+        /// that cannot be bound fails the start.
+        #[arg(long, env = "KVRING_HTTP")]
+        http: Option<String>,
+        /// /healthz reports a job unfinished for longer than this (seconds)
+        /// as a stall.
+        #[arg(long, default_value_t = 60.0, value_parser = parse_seconds)]
+        stuck_job_s: f64,
     },
     /// Round-trip PING requests to a running server and print latency.
     Ping {
@@ -318,6 +328,8 @@ fn run(cli: Cli, this: Vec<OsString>) -> kvring::Result<()> {
             cuda_zero_copy_ctas,
             cuda_depth,
             simulated_devices,
+            http,
+            stuck_job_s,
         } => {
             let mut cfg = ServerConfig::new(&target.name);
             cfg.runtime_dir = target.dir();
@@ -341,6 +353,22 @@ fn run(cli: Cli, this: Vec<OsString>) -> kvring::Result<()> {
             })?;
             cfg.kv.lease_ttl = Duration::from_secs(lease_ttl_s);
             cfg.kv.engine_event_timeout = Duration::from_secs_f64(engine_event_timeout);
+            cfg.http = match http.as_deref() {
+                Some("off") => None,
+                given => {
+                    let mut h = kvring::server::HttpConfig::default_endpoint();
+                    if let Some(a) = given {
+                        h.addr = a.parse().map_err(|e| {
+                            kvring::Error::Config(format!(
+                                "--http {a:?}: {e} (ADDR:PORT, e.g. 127.0.0.1:9090, or off)"
+                            ))
+                        })?;
+                        h.required = true;
+                    }
+                    h.stuck_job = Duration::from_secs_f64(stuck_job_s);
+                    Some(h)
+                }
+            };
             cfg.kv.high_watermark = f64::from(evict_at_percent) / 100.0;
             cfg.kv.low_watermark = f64::from(evict_to_percent) / 100.0;
             cfg.kv.backend = backend;
@@ -360,6 +388,9 @@ fn run(cli: Cli, this: Vec<OsString>) -> kvring::Result<()> {
                 chunk_tokens
             );
             println!("kvring: copy backend {}", server.backend().1);
+            if let Some(a) = server.http_addr() {
+                println!("kvring: http://{a}/metrics, /healthz, /readyz, /status");
+            }
             while !STOP.load(Ordering::Relaxed) && !server.stopping() {
                 std::thread::sleep(Duration::from_millis(20));
             }

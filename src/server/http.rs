@@ -1,0 +1,351 @@
+//! The server's HTTP endpoint (`kvring serve --http ADDR`): Prometheus
+//! metrics, a liveness probe that sees a stall, a readiness probe and the
+//! inspector's JSON, served by one thread (`kvring-http`) from the segment
+//! as the inspector reads it: its own read-only mapping, the same snapshot
+//! and anomaly checks ([`crate::inspect`]), and no lock the ring loop, the
+//! acceptor or a copy worker takes.
+//!
+//! One request per connection (`Connection: close`), read within
+//! [`CLIENT_DEADLINE`] and at most [`REQUEST_LIMIT`] bytes: a malformed
+//! request is answered 400, a slow or silent client is dropped at the
+//! deadline. Connections are served one after another, so a client can
+//! delay the next scrape by the deadline at most, never the server's
+//! other threads.
+//!
+//! * `GET /metrics`: the metrics of a reading ([`crate::inspect::openmetrics`]
+//!   when the client accepts OpenMetrics, as Prometheus does, else
+//!   Prometheus's text format 0.0.4).
+//! * `GET /healthz`: two readings 100 ms apart; 200 and `{"status":"ok"}`
+//!   unless the reading shows a stall (503, `{"status":"unhealthy",
+//!   "reasons": [...]}`): the heartbeat stopped (the acceptor keeps it), a
+//!   request ring with bytes waiting whose head did not move (the ring
+//!   loop), a job unfinished for longer than the stuck-job bound (an
+//!   engine event that never completes, a wedged copy), or words that
+//!   contradict each other.
+//! * `GET /readyz`: 200 while the server is `running` (its pool allocated,
+//!   accepting clients), else 503.
+//! * `GET /status`: the inspector's `show --json` object.
+
+use crate::inspect::{self, AnomalyKind, Snapshot, Thresholds};
+use crate::segment::ReadOnlySegment;
+use crate::shm::ServerState;
+use std::io::{ErrorKind, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// How long a client has to send its request (and to take the answer).
+pub const CLIENT_DEADLINE: Duration = Duration::from_secs(2);
+/// The largest request read (method, path, headers).
+pub const REQUEST_LIMIT: usize = 16 * 1024;
+/// The default address: loopback, Prometheus's conventional exporter port.
+pub const DEFAULT_ADDR: &str = "127.0.0.1:9090";
+/// Two readings this far apart show a ring that stopped moving.
+const STALL_SAMPLE: Duration = Duration::from_millis(100);
+
+/// The endpoint's settings.
+#[derive(Clone, Debug)]
+pub struct HttpConfig {
+    pub addr: SocketAddr,
+    /// Fail the start when the address cannot be bound (the operator asked
+    /// for it); otherwise the server runs without the endpoint, saying why.
+    pub required: bool,
+    /// A job unfinished for longer than this makes `/healthz` unhealthy.
+    pub stuck_job: Duration,
+}
+
+impl HttpConfig {
+    /// The default endpoint, not required.
+    pub fn default_endpoint() -> HttpConfig {
+        HttpConfig {
+            addr: DEFAULT_ADDR.parse().expect("a socket address"),
+            required: false,
+            stuck_job: Duration::from_secs(60),
+        }
+    }
+}
+
+/// The running endpoint: stopped and joined on drop.
+pub(crate) struct HttpServer {
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+    pub addr: SocketAddr,
+}
+
+impl HttpServer {
+    /// Binds `cfg.addr` (before the server's threads start, so a required
+    /// address that is taken fails the start cleanly).
+    pub fn bind(cfg: &HttpConfig) -> std::io::Result<TcpListener> {
+        let l = TcpListener::bind(cfg.addr)?;
+        l.set_nonblocking(true)?;
+        Ok(l)
+    }
+
+    /// Serves on `listener` from the segment `shm_name`.
+    pub fn start(
+        listener: TcpListener,
+        shm_name: &str,
+        cfg: &HttpConfig,
+    ) -> crate::Result<HttpServer> {
+        let seg = ReadOnlySegment::open_shm(shm_name)?;
+        let addr = listener
+            .local_addr()
+            .map_err(crate::error::io("the HTTP endpoint's address"))?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let th = Thresholds {
+            job_age_s: cfg.stuck_job.as_secs_f64(),
+        };
+        let s = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("kvring-http".into())
+            .spawn(move || Endpoint { seg, th, prev: None }.run(&listener, &s))
+            .map_err(crate::error::io("spawn the HTTP thread"))?;
+        Ok(HttpServer {
+            stop,
+            thread: Some(thread),
+            addr,
+        })
+    }
+}
+
+impl Drop for HttpServer {
+    fn drop(&mut self) {
+        // Release pairs with the loop's Acquire load.
+        self.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// A response: status, content type, body.
+struct Response(u16, &'static str, Vec<u8>);
+
+impl Response {
+    fn text(code: u16, body: &str) -> Response {
+        Response(code, "text/plain; charset=utf-8", body.as_bytes().to_vec())
+    }
+
+    fn json(code: u16, v: &impl serde::Serialize) -> Response {
+        let body = serde_json::to_vec(v).expect("serializable");
+        Response(code, "application/json", body)
+    }
+}
+
+fn reason(code: u16) -> &'static str {
+    match code {
+        200 => "OK",
+        400 => "Bad Request",
+        404 => "Not Found",
+        405 => "Method Not Allowed",
+        408 => "Request Timeout",
+        413 => "Content Too Large",
+        503 => "Service Unavailable",
+        _ => "Error",
+    }
+}
+
+struct Endpoint {
+    seg: ReadOnlySegment,
+    th: Thresholds,
+    /// The last reading, to compare the next one with (rings that did not
+    /// move between them).
+    prev: Option<Snapshot>,
+}
+
+impl Endpoint {
+    fn run(mut self, listener: &TcpListener, stop: &AtomicBool) {
+        // Acquire pairs with `HttpServer::drop`'s Release store.
+        while !stop.load(Ordering::Acquire) {
+            match listener.accept() {
+                Ok((stream, _)) => self.serve(stream),
+                Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                    // Sleep until a connection arrives, 100 ms at most (the
+                    // stop flag is checked that often).
+                    let mut fds = [nix::poll::PollFd::new(
+                        listener.as_fd(),
+                        nix::poll::PollFlags::POLLIN,
+                    )];
+                    let _ = nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(100u8));
+                }
+                Err(e) => {
+                    tracing::warn!("HTTP accept: {e}");
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+            }
+        }
+    }
+
+    /// Reads one request within the deadline, answers it, closes.
+    fn serve(&mut self, mut stream: TcpStream) {
+        let deadline = Instant::now() + CLIENT_DEADLINE;
+        let resp = match read_request(&mut stream, deadline) {
+            Ok(req) => self.route(&req),
+            Err(r) => r,
+        };
+        let _ = stream.set_write_timeout(Some(CLIENT_DEADLINE));
+        let head = format!(
+            "HTTP/1.1 {} {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: close\r\nCache-Control: no-store\r\n\r\n",
+            resp.0,
+            reason(resp.0),
+            resp.1,
+            resp.2.len()
+        );
+        let _ = stream
+            .write_all(head.as_bytes())
+            .and_then(|()| stream.write_all(&resp.2));
+        // Closing with unread bytes would reset the connection before the
+        // client read the answer: read what is left (briefly, boundedly).
+        let _ = stream.shutdown(std::net::Shutdown::Write);
+        let _ = stream.set_read_timeout(Some(Duration::from_millis(100)));
+        let mut sink = [0u8; 4096];
+        let mut left: usize = 64 * 1024;
+        while left > 0 {
+            match stream.read(&mut sink) {
+                Ok(n) if n > 0 => left = left.saturating_sub(n),
+                _ => break,
+            }
+        }
+    }
+
+    fn route(&mut self, req: &Request) -> Response {
+        let (method, path) = (req.method.as_str(), req.path.as_str());
+        let path = path.split('?').next().unwrap_or("");
+        if !matches!(path, "/metrics" | "/healthz" | "/readyz" | "/status") {
+            return Response::text(404, "not found: /metrics, /healthz, /readyz, /status\n");
+        }
+        if method != "GET" {
+            return Response::text(405, "only GET\n");
+        }
+        match path {
+            "/metrics" => {
+                let s = self.reading();
+                if req.openmetrics {
+                    Response(
+                        200,
+                        "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                        inspect::openmetrics(&s).into_bytes(),
+                    )
+                } else {
+                    Response(
+                        200,
+                        "text/plain; version=0.0.4; charset=utf-8",
+                        inspect::prometheus_text(&s).into_bytes(),
+                    )
+                }
+            }
+            "/status" => Response::json(200, &self.reading()),
+            "/readyz" => {
+                let s = inspect::snapshot(&self.seg, self.th);
+                let ready = s.server.alive && s.server.state == ServerState::Running.wire_name();
+                Response::json(
+                    if ready { 200 } else { 503 },
+                    &serde_json::json!({ "ready": ready, "state": s.server.state }),
+                )
+            }
+            _ => {
+                // `/healthz`: two readings apart, always.
+                let first = inspect::snapshot(&self.seg, self.th);
+                std::thread::sleep(STALL_SAMPLE);
+                self.prev = Some(first);
+                let s = self.reading();
+                let reasons: Vec<_> = s
+                    .anomalies
+                    .iter()
+                    .filter(|a| {
+                        matches!(
+                            a.kind,
+                            AnomalyKind::HeartbeatStopped
+                                | AnomalyKind::RingStalled
+                                | AnomalyKind::JobStuck
+                                | AnomalyKind::Inconsistent
+                                | AnomalyKind::ServerDead
+                        )
+                    })
+                    .collect();
+                let ok = reasons.is_empty();
+                Response::json(
+                    if ok { 200 } else { 503 },
+                    &serde_json::json!({
+                        "status": if ok { "ok" } else { "unhealthy" },
+                        "reasons": reasons,
+                        "heartbeat_age_ms": s.server.heartbeat_age_ms,
+                        "stuck_job_s": self.th.job_age_s,
+                    }),
+                )
+            }
+        }
+    }
+
+    /// A reading, compared with the previous one when that is recent (10 s):
+    /// rings that did not move between them are flagged.
+    fn reading(&mut self) -> Snapshot {
+        let mut s = inspect::snapshot(&self.seg, self.th);
+        if let Some(p) = &self.prev {
+            if s.taken_mono_ns.saturating_sub(p.taken_mono_ns) < 10_000_000_000 {
+                inspect::compare(p, &mut s);
+            }
+        }
+        let mut keep = s.clone();
+        keep.anomalies.clear();
+        self.prev = Some(keep);
+        s
+    }
+}
+
+use crate::wire::WireEnum as _;
+
+/// What the endpoint reads of a request.
+struct Request {
+    method: String,
+    path: String,
+    /// The client accepts OpenMetrics (Prometheus asks for it).
+    openmetrics: bool,
+}
+
+/// The request, or the response that refuses it.
+fn read_request(stream: &mut TcpStream, deadline: Instant) -> std::result::Result<Request, Response> {
+    let _ = stream.set_nonblocking(false);
+    let mut buf = Vec::with_capacity(1024);
+    let mut chunk = [0u8; 2048];
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(Response::text(408, "request not received in time\n"));
+        }
+        let _ = stream.set_read_timeout(Some(left));
+        let n = match stream.read(&mut chunk) {
+            Ok(0) => return Err(Response::text(400, "connection closed mid-request\n")),
+            Ok(n) => n,
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                return Err(Response::text(408, "request not received in time\n"))
+            }
+            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+            Err(_) => return Err(Response::text(400, "unreadable request\n")),
+        };
+        buf.extend_from_slice(&chunk[..n]);
+        if buf.len() > REQUEST_LIMIT {
+            return Err(Response::text(413, "request too large\n"));
+        }
+        let mut headers = [httparse::EMPTY_HEADER; 64];
+        let mut req = httparse::Request::new(&mut headers);
+        match req.parse(&buf) {
+            Ok(httparse::Status::Complete(_)) => {
+                let openmetrics = req.headers.iter().any(|h| {
+                    h.name.eq_ignore_ascii_case("accept")
+                        && String::from_utf8_lossy(h.value).contains("application/openmetrics-text")
+                });
+                return Ok(Request {
+                    method: req.method.unwrap_or("").to_string(),
+                    path: req.path.unwrap_or("").to_string(),
+                    openmetrics,
+                });
+            }
+            Ok(httparse::Status::Partial) => continue,
+            Err(e) => return Err(Response::text(400, &format!("malformed request: {e}\n"))),
+        }
+    }
+}
