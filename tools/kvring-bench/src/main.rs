@@ -11,6 +11,7 @@ mod kv;
 mod kv_cuda;
 mod peers;
 mod ring;
+mod scrape;
 mod stats;
 
 use clap::{Parser, Subcommand};
@@ -61,6 +62,23 @@ enum Cmd {
         #[arg(long, default_value_t = 200_000)]
         iters: usize,
     },
+    /// What scraping the HTTP endpoint costs the ring loop at full rate:
+    /// PING round trips without a scraper and with GET /metrics every
+    /// interval, alternating phases against one server.
+    Scrape {
+        /// Print the JSON object (always the last line of stdout).
+        #[arg(long)]
+        json: bool,
+        /// Rounds of phases (one without a scraper, one per interval).
+        #[arg(long, default_value_t = 5)]
+        rounds: usize,
+        /// Length of each phase (ms).
+        #[arg(long, default_value_t = 3000)]
+        phase_ms: u64,
+        /// Scrape intervals (ms), comma-separated.
+        #[arg(long, value_delimiter = ',', default_value = "1000,100")]
+        every_ms: Vec<u64>,
+    },
     /// (internal) Run a kvring server for the benchmark until stdin closes.
     #[command(hide = true)]
     ServeChild {
@@ -81,6 +99,9 @@ enum Cmd {
         backend: String,
         #[arg(long, default_value_t = 0)]
         cuda_zero_copy_ctas: u32,
+        /// The HTTP endpoint's address (none without it).
+        #[arg(long)]
+        http: Option<String>,
     },
     /// KV data path on the host backend: store and retrieve GB/s against
     /// memcpy with the same threads, and lookup latency.
@@ -132,6 +153,12 @@ fn main() {
             max_other_load,
         } => ring::run(json, iters, pipelined, rounds, max_other_load),
         Cmd::Jobs { json, iters } => jobs::run(json, iters),
+        Cmd::Scrape {
+            json,
+            rounds,
+            phase_ms,
+            every_ms,
+        } => scrape::run(json, rounds, phase_ms, &every_ms),
         Cmd::Kv {
             json,
             passes,
@@ -169,6 +196,7 @@ fn main() {
             prefault,
             backend,
             cuda_zero_copy_ctas,
+            http,
         } => peers::serve_child(
             &name,
             &dir,
@@ -178,6 +206,7 @@ fn main() {
             prefault,
             &backend,
             cuda_zero_copy_ctas,
+            http.as_deref(),
         ),
     }
 }

@@ -200,8 +200,15 @@ pub fn serve_child(
     prefault: bool,
     backend: &str,
     cuda_zero_copy_ctas: u32,
+    http: Option<&str>,
 ) {
     let mut cfg = kvring::ServerConfig::new(name);
+    // No HTTP thread unless the benchmark measures it.
+    cfg.http = http.map(|a| kvring::server::HttpConfig {
+        addr: a.parse().expect("--http ADDR:PORT"),
+        required: true,
+        ..kvring::server::HttpConfig::default_endpoint()
+    });
     cfg.kv.backend = backend.parse().expect("backend");
     cfg.kv.cuda_zero_copy_ctas = cuda_zero_copy_ctas;
     cfg.runtime_dir = dir.to_path_buf();
