@@ -417,3 +417,39 @@ fn metrics_count_what_was_done() {
         assert_eq!(inf, 3.0);
     }
 }
+
+#[test]
+fn the_grafana_dashboard_queries_only_metrics_the_server_exposes() {
+    let s = Fixture::new("inspect-dashboard", Duration::from_secs(60), &[]);
+    let out = inspect(&["metrics", &s.name, "--sample-ms", "10"]);
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    let exposed: std::collections::BTreeSet<&str> = text
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .map(|l| l.split(['{', ' ']).next().unwrap())
+        .collect();
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../deploy/grafana-dashboard.json");
+    let dash: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let mut queried = 0;
+    for panel in dash["panels"].as_array().unwrap() {
+        for target in panel["targets"].as_array().unwrap() {
+            let expr = target["expr"].as_str().unwrap();
+            let mut rest = expr;
+            while let Some(at) = rest.find("kvring_") {
+                let name: String = rest[at..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                    .collect();
+                assert!(
+                    exposed.contains(name.as_str()),
+                    "panel {:?} queries {name}, which the server does not expose",
+                    panel["title"]
+                );
+                queried += 1;
+                rest = &rest[at + name.len()..];
+            }
+        }
+    }
+    assert!(queried >= 20, "{queried} metric references");
+}
