@@ -62,6 +62,7 @@ not_loom! {
     pub mod segment;
     pub mod server;
     pub mod shm;
+    pub mod units;
     pub mod wait;
 
     pub use client::{

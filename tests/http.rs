@@ -1,7 +1,8 @@
 //! The server's HTTP endpoint against the real binary: a scrape parsed by a
 //! Prometheus text parser counts what was done, `/healthz` is 200 under
 //! load and 503 (naming the stuck job) while a job stays unfinished past
-//! the bound, then 200 again, `/readyz` and `/status` answer, malformed
+//! the bound, then 200 again, `/readyz` and `/status` answer, the admin
+//! calls evict and clear what no lease holds, malformed
 //! requests and silent clients are refused without holding up the rings,
 //! and an address asked for that is taken fails the start.
 
@@ -145,6 +146,50 @@ fn a_scrape_counts_what_was_done_and_health_sees_a_stuck_job() {
     drop(job);
     let (code, body) = get(port, "/healthz");
     assert_eq!(code, 200, "{body}");
+}
+
+#[test]
+fn admin_calls_change_what_the_inspector_shows() {
+    let (s, port) = server_with_http("http-admin", &[]);
+    let mut e = Engine::new(&s, small_layout(), 1, 0);
+    for seed in 0..4 {
+        let hashes = prompt_hashes(seed, 1);
+        let blocks = e.blocks(seed * 4, 1);
+        e.write(&hashes, &blocks);
+        e.store(0, &hashes, &blocks);
+    }
+    // A lease holds the last object: neither call may drop it.
+    let held = lookup(&mut e.c, 1, 0, &prompt_hashes(3, 1));
+    let status = |port| -> Value { serde_json::from_str(&get(port, "/status").1).unwrap() };
+    assert_eq!(status(port)["cache"]["objects"], 4);
+    let post = |path: &str| exchange(port, format!("POST {path} HTTP/1.1\r\n\r\n").as_bytes());
+    // One byte evicts the least recently used object, whole.
+    let (code, body) = post("/evict?bytes=1");
+    assert_eq!(code, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["objects"], 1);
+    let after = status(port);
+    assert_eq!(after["cache"]["objects"], 3);
+    assert_eq!(after["cache"]["evicted_objects"], 1);
+    // The oldest went: the first prompt misses, the second hits.
+    assert_eq!(
+        lookup(&mut e.c, 1, 0, &prompt_hashes(0, 1)).result().value,
+        0
+    );
+    assert_eq!(
+        lookup(&mut e.c, 1, 0, &prompt_hashes(1, 1)).result().value,
+        1
+    );
+    // (A dropped lease's end goes with the client's next synchronous call.)
+    assert_eq!(e.c.stats().unwrap().leases, 1);
+    let (code, body) = post("/clear");
+    assert_eq!(code, 200, "{body}");
+    assert_eq!(serde_json::from_str::<Value>(&body).unwrap()["objects"], 2);
+    assert_eq!(status(port)["cache"]["objects"], 1, "the held object stays");
+    drop(held);
+    assert_eq!(post("/evict").0, 400);
+    assert_eq!(post("/evict?bytes=lots").0, 400);
+    assert_eq!(get(port, "/clear").0, 405);
 }
 
 #[test]

@@ -429,7 +429,10 @@ fn the_grafana_dashboard_queries_only_metrics_the_server_exposes() {
         .filter(|l| !l.starts_with('#') && !l.is_empty())
         .map(|l| l.split(['{', ' ']).next().unwrap())
         .collect();
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../deploy/grafana-dashboard.json");
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../deploy/grafana-dashboard.json"
+    );
     let dash: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
     let mut queried = 0;
     for panel in dash["panels"].as_array().unwrap() {

@@ -520,6 +520,18 @@ impl Cache {
         ended.len()
     }
 
+    /// Evicts at least `bytes` bytes of objects without holds, least
+    /// recently used first (fewer when no more are evictable). Returns
+    /// (objects, bytes) evicted.
+    pub fn evict_bytes(&mut self, bytes: u64) -> (u64, u64) {
+        let (objects, start) = (self.stats.evicted_objects, self.stats.evicted_bytes);
+        self.evict_until(|c| c.stats.evicted_bytes - start >= bytes);
+        (
+            self.stats.evicted_objects - objects,
+            self.stats.evicted_bytes - start,
+        )
+    }
+
     /// CLEAR: drops every ready object without holds. Returns (objects, bytes).
     pub fn clear(&mut self) -> (u64, u64) {
         let (mut n, mut bytes) = (0, 0);

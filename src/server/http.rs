@@ -25,6 +25,11 @@
 //! * `GET /readyz`: 200 while the server is `running` (its pool allocated,
 //!   accepting clients), else 503.
 //! * `GET /status`: the inspector's `show --json` object.
+//! * Admin, from loopback peers only unless `admin_remote`: `POST /clear`
+//!   (drops every object no lease holds, as CLEAR) and `POST /evict?bytes=N`
+//!   (evicts at least N bytes of such objects, least recently used first);
+//!   both answer `{"objects": n, "bytes": b}` of what went. These take the
+//!   cache's lock for their work, as a client's CLEAR does.
 
 use crate::inspect::{self, AnomalyKind, Snapshot, Thresholds};
 use crate::segment::ReadOnlySegment;
@@ -55,6 +60,8 @@ pub struct HttpConfig {
     pub required: bool,
     /// A job unfinished for longer than this makes `/healthz` unhealthy.
     pub stuck_job: Duration,
+    /// Accept the admin calls from peers other than loopback.
+    pub admin_remote: bool,
 }
 
 impl HttpConfig {
@@ -64,6 +71,7 @@ impl HttpConfig {
             addr: DEFAULT_ADDR.parse().expect("a socket address"),
             required: false,
             stuck_job: Duration::from_secs(60),
+            admin_remote: false,
         }
     }
 }
@@ -84,11 +92,13 @@ impl HttpServer {
         Ok(l)
     }
 
-    /// Serves on `listener` from the segment `shm_name`.
+    /// Serves on `listener` from the segment `shm_name`; admin calls act
+    /// on `shared`'s cache.
     pub fn start(
         listener: TcpListener,
         shm_name: &str,
         cfg: &HttpConfig,
+        shared: Arc<super::Shared>,
     ) -> crate::Result<HttpServer> {
         let seg = ReadOnlySegment::open_shm(shm_name)?;
         let addr = listener
@@ -99,9 +109,19 @@ impl HttpServer {
             job_age_s: cfg.stuck_job.as_secs_f64(),
         };
         let s = stop.clone();
+        let admin_remote = cfg.admin_remote;
         let thread = std::thread::Builder::new()
             .name("kvring-http".into())
-            .spawn(move || Endpoint { seg, th, prev: None }.run(&listener, &s))
+            .spawn(move || {
+                Endpoint {
+                    seg,
+                    th,
+                    prev: None,
+                    shared,
+                    admin_remote,
+                }
+                .run(&listener, &s)
+            })
             .map_err(crate::error::io("spawn the HTTP thread"))?;
         Ok(HttpServer {
             stop,
@@ -139,6 +159,7 @@ fn reason(code: u16) -> &'static str {
     match code {
         200 => "OK",
         400 => "Bad Request",
+        403 => "Forbidden",
         404 => "Not Found",
         405 => "Method Not Allowed",
         408 => "Request Timeout",
@@ -154,6 +175,9 @@ struct Endpoint {
     /// The last reading, to compare the next one with (rings that did not
     /// move between them).
     prev: Option<Snapshot>,
+    /// The server's state, for the admin calls only.
+    shared: Arc<super::Shared>,
+    admin_remote: bool,
 }
 
 impl Endpoint {
@@ -182,8 +206,9 @@ impl Endpoint {
     /// Reads one request within the deadline, answers it, closes.
     fn serve(&mut self, mut stream: TcpStream) {
         let deadline = Instant::now() + CLIENT_DEADLINE;
+        let loopback = stream.peer_addr().is_ok_and(|a| a.ip().is_loopback());
         let resp = match read_request(&mut stream, deadline) {
-            Ok(req) => self.route(&req),
+            Ok(req) => self.route(&req, loopback),
             Err(r) => r,
         };
         let _ = stream.set_write_timeout(Some(CLIENT_DEADLINE));
@@ -211,11 +236,23 @@ impl Endpoint {
         }
     }
 
-    fn route(&mut self, req: &Request) -> Response {
-        let (method, path) = (req.method.as_str(), req.path.as_str());
-        let path = path.split('?').next().unwrap_or("");
+    fn route(&mut self, req: &Request, loopback: bool) -> Response {
+        let method = req.method.as_str();
+        let (path, query) = req.path.split_once('?').unwrap_or((&req.path, ""));
+        if matches!(path, "/clear" | "/evict") {
+            if method != "POST" {
+                return Response::text(405, "only POST\n");
+            }
+            if !loopback && !self.admin_remote {
+                return Response::text(403, "admin calls are taken from loopback only\n");
+            }
+            return self.admin(path, query);
+        }
         if !matches!(path, "/metrics" | "/healthz" | "/readyz" | "/status") {
-            return Response::text(404, "not found: /metrics, /healthz, /readyz, /status\n");
+            return Response::text(
+                404,
+                "not found: GET /metrics, /healthz, /readyz, /status; POST /clear, /evict?bytes=N\n",
+            );
         }
         if method != "GET" {
             return Response::text(405, "only GET\n");
@@ -278,6 +315,24 @@ impl Endpoint {
                 )
             }
         }
+    }
+
+    /// `POST /clear`, `POST /evict?bytes=N`.
+    fn admin(&self, path: &str, query: &str) -> Response {
+        let sh = &self.shared;
+        let (objects, bytes) = if path == "/clear" {
+            sh.kv.with_cache(sh, |c| c.clear())
+        } else {
+            let n = query
+                .split('&')
+                .find_map(|kv| kv.strip_prefix("bytes="))
+                .and_then(|v| crate::units::parse_bytes(v).ok());
+            let Some(n) = n else {
+                return Response::text(400, "POST /evict?bytes=N (N: bytes, K/M/G/KiB/MiB/GiB suffixes)\n");
+            };
+            sh.kv.with_cache(sh, |c| c.evict_bytes(n))
+        };
+        Response::json(200, &serde_json::json!({ "objects": objects, "bytes": bytes }))
     }
 
     /// A reading, compared with the previous one when that is recent (10 s):

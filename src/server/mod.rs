@@ -651,7 +651,12 @@ pub fn start(cfg: ServerConfig) -> Result<ServerHandle> {
     }
     kv_ops::publish(&shared, &shared.kv.stats());
     let http = match (http_listener, &cfg.http) {
-        (Some(l), Some(h)) => Some(http::HttpServer::start(l, &paths.shm_name, h)?),
+        (Some(l), Some(h)) => Some(http::HttpServer::start(
+            l,
+            &paths.shm_name,
+            h,
+            shared.clone(),
+        )?),
         _ => None,
     };
     undo.done();

@@ -2,6 +2,7 @@
 
 use clap::{Args, Parser, Subcommand};
 use kvring::shm::Geometry;
+use kvring::units::parse_bytes;
 use kvring::{Client, ServerConfig};
 use std::ffi::OsString;
 use std::process::ExitCode;
@@ -137,6 +138,10 @@ enum Cmd {
         /// as a stall.
         #[arg(long, default_value_t = 60.0, value_parser = parse_seconds)]
         stuck_job_s: f64,
+        /// Take the HTTP admin calls (POST /clear, /evict) from any peer,
+        /// not only loopback.
+        #[arg(long)]
+        http_admin_remote: bool,
     },
     /// Round-trip PING requests to a running server and print latency.
     Ping {
@@ -202,28 +207,6 @@ fn parse_seconds(s: &str) -> Result<f64, String> {
             "{s:?} is not a number of seconds (positive, at most 1e9)"
         )),
     }
-}
-
-/// Parses a byte count: a number with an optional K/M/G (powers of 1000)
-/// or KiB/MiB/GiB (powers of 1024) suffix.
-fn parse_bytes(s: &str) -> Result<u64, String> {
-    let s = s.trim();
-    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let n: u64 = num
-        .parse()
-        .map_err(|_| format!("{s:?} is not a byte count (e.g. 4096, 512MiB, 2GiB)"))?;
-    let mul: u64 = match unit.trim() {
-        "" | "B" => 1,
-        "K" | "KB" => 1000,
-        "M" | "MB" => 1_000_000,
-        "G" | "GB" => 1_000_000_000,
-        "KiB" => 1 << 10,
-        "MiB" => 1 << 20,
-        "GiB" => 1 << 30,
-        u => return Err(format!("unknown unit {u:?} (use K, M, G, KiB, MiB, GiB)")),
-    };
-    n.checked_mul(mul).ok_or_else(|| format!("{s:?} overflows"))
 }
 
 /// Prints a status the way the CLI shows it.
@@ -330,6 +313,7 @@ fn run(cli: Cli, this: Vec<OsString>) -> kvring::Result<()> {
             simulated_devices,
             http,
             stuck_job_s,
+            http_admin_remote,
         } => {
             let mut cfg = ServerConfig::new(&target.name);
             cfg.runtime_dir = target.dir();
@@ -366,6 +350,7 @@ fn run(cli: Cli, this: Vec<OsString>) -> kvring::Result<()> {
                         h.required = true;
                     }
                     h.stuck_job = Duration::from_secs_f64(stuck_job_s);
+                    h.admin_remote = http_admin_remote;
                     Some(h)
                 }
             };
