@@ -166,3 +166,46 @@ def test_a_killed_server_never_holds_a_torch_stream(cuda_server):
     assert marker.item() == 1
     assert job.released
     es.close()
+
+
+def test_healthz_sees_a_retrieve_stuck_behind_an_engine_event():
+    """The stuck-engine-event case that LMCache's health endpoint missed: a
+    retrieve held behind an engine event that does not complete makes
+    /healthz 503 (job_stuck) once it is older than --stuck-job-s, and 200
+    again after the event completed and the job ended."""
+    import json
+    import socket
+    import urllib.error
+    import urllib.request
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    srv = Server("--chunk-tokens", "64", "--pool-bytes", "64MiB", "--copy-threads", "1",
+                 "--http", f"127.0.0.1:{port}", "--stuck-job-s", "1", backend="cuda")
+    try:
+        def healthz():
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as r:
+                    return r.status, json.loads(r.read())
+            except urllib.error.HTTPError as e:
+                return e.code, json.loads(e.read())
+
+        c = srv.client()
+        cache, page, reg, lease = cache_and_lease(c)
+        assert healthz()[0] == 200
+        handle, side = busy_event(4.0)
+        job = c.retrieve(reg, lease.id, [8, 9, 10, 11], after=handle, timeout=60)
+        time.sleep(1.5)
+        code, body = healthz()
+        assert code == 503, body
+        assert [r["kind"] for r in body["reasons"]] == ["job_stuck"], body
+        assert job.status().state == "pending"
+        side.synchronize()
+        assert job.wait(30).ok
+        job.release()
+        code, body = healthz()
+        assert code == 200, body
+        c.close()
+    finally:
+        srv.stop()
