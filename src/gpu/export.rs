@@ -100,7 +100,7 @@ pub fn export_range(addr: u64, bytes: u64) -> Result<ExportedRange, GpuError> {
         any.bind()?;
         device = attribute(addr, A::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL);
     }
-    let mut device: i32 = device.map_err(|e| {
+    let device: i32 = device.map_err(|e| {
         not_exportable(format!(
             "address {addr:#x} is not CUDA device memory of this process ({e})"
         ))
@@ -152,8 +152,6 @@ pub fn export_range(addr: u64, bytes: u64) -> Result<ExportedRange, GpuError> {
         RangeExport::Vmm { offset, chunks }
     };
     drop(restore);
-    // The ordinal names the device in this process's numbering only.
-    device = ctx.info.ordinal;
     Ok(ExportedRange { device, export })
 }
 

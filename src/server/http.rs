@@ -277,7 +277,7 @@ impl Endpoint {
             "/status" => Response::json(200, &self.reading()),
             "/readyz" => {
                 let s = inspect::snapshot(&self.seg, self.th);
-                let ready = s.server.alive && s.server.state == ServerState::Running.wire_name();
+                let ready = s.server.alive && s.server.state.known() == Some(ServerState::Running);
                 Response::json(
                     if ready { 200 } else { 503 },
                     &serde_json::json!({ "ready": ready, "state": s.server.state }),
@@ -344,14 +344,14 @@ impl Endpoint {
                 inspect::compare(p, &mut s);
             }
         }
-        let mut keep = s.clone();
-        keep.anomalies.clear();
-        self.prev = Some(keep);
+        // No answer uses the job rows (`/status` skips them, as `show
+        // --json` does), and `compare` reads only the clients: the copy
+        // kept for the next reading leaves them out.
+        s.rows = Vec::new();
+        self.prev = Some(s.clone());
         s
     }
 }
-
-use crate::wire::WireEnum as _;
 
 /// What the endpoint reads of a request.
 struct Request {

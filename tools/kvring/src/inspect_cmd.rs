@@ -112,6 +112,14 @@ fn two_readings(seg: &ReadOnlySegment, th: Thresholds, gap: Duration) -> Snapsho
     second
 }
 
+/// Two readings of segment `name`, `sample_ms` apart, flagging jobs older
+/// than `job_age_s`.
+fn reading(name: &str, sample_ms: u64, job_age_s: f64) -> kvring::Result<Snapshot> {
+    let seg = open(name)?;
+    let th = Thresholds { job_age_s };
+    Ok(two_readings(&seg, th, Duration::from_millis(sample_ms)))
+}
+
 fn run(cli: Cli) -> kvring::Result<()> {
     match cli.cmd {
         Cmd::List { json } => {
@@ -128,9 +136,7 @@ fn run(cli: Cli) -> kvring::Result<()> {
             sample_ms,
             job_age_s,
         } => {
-            let seg = open(&name)?;
-            let th = Thresholds { job_age_s };
-            let snap = two_readings(&seg, th, Duration::from_millis(sample_ms));
+            let snap = reading(&name, sample_ms, job_age_s)?;
             if json {
                 print_json(&snap);
             } else {
@@ -142,9 +148,7 @@ fn run(cli: Cli) -> kvring::Result<()> {
             sample_ms,
             job_age_s,
         } => {
-            let seg = open(&name)?;
-            let th = Thresholds { job_age_s };
-            let snap = two_readings(&seg, th, Duration::from_millis(sample_ms));
+            let snap = reading(&name, sample_ms, job_age_s)?;
             print!("{}", inspect::openmetrics(&snap));
         }
         Cmd::Jobs {
