@@ -155,7 +155,8 @@ pub struct ServerView {
     pub epoch: u64,
     pub layout_version: u32,
     pub age_s: f64,
-    /// None when the heartbeat is in the future (torn or from another boot).
+    /// None when the heartbeat is more than a second in the future (torn
+    /// or from another boot).
     pub heartbeat_age_ms: Option<f64>,
     pub ring_thread_sleeping: bool,
     pub clients_connected: u32,
@@ -298,8 +299,28 @@ pub struct Snapshot {
     pub rows: Vec<JobRow>,
 }
 
+/// How old a monotonic time `then` is at `now` (when the reading started).
+/// A time up to a second after `now` was written while the reading was
+/// being taken (a heartbeat beat between the two): age 0. One further ahead
+/// (torn, or from another boot) has no age.
 fn age_ms(now: u64, then: u64) -> Option<f64> {
-    (then <= now).then(|| (now - then) as f64 / 1e6)
+    if then <= now {
+        Some((now - then) as f64 / 1e6)
+    } else {
+        (then - now < 1_000_000_000).then_some(0.0)
+    }
+}
+
+#[cfg(test)]
+mod age_tests {
+    use super::age_ms;
+
+    #[test]
+    fn a_beat_during_the_reading_is_fresh_and_a_far_future_one_has_no_age() {
+        assert_eq!(age_ms(5_000_000_000, 3_000_000_000), Some(2000.0));
+        assert_eq!(age_ms(5_000_000_000, 5_000_100_000), Some(0.0));
+        assert_eq!(age_ms(5_000_000_000, 9_000_000_000), None);
+    }
 }
 
 fn percentile(hist: &[u64; HIST_BUCKETS], q: f64) -> Option<f64> {
