@@ -187,8 +187,19 @@ fn unmapped_memory_is_refused_at_registration_and_fails_a_copy_not_the_server() 
         .register(&spec, &small, &Memory::process([m as u64]), &[])
         .unwrap();
     // SAFETY: our own mappings; nothing of the test reads them afterwards.
+    // The cache's pages are replaced in one call by a PROT_NONE mapping (its
+    // contents gone, as unmapped): a plain munmap would free the address for
+    // another test thread's allocation, which the copy would then read.
     unsafe {
-        libc::munmap(m, small.allocations()[0] as usize);
+        let gone = libc::mmap(
+            m,
+            small.allocations()[0] as usize,
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
+            -1,
+            0,
+        );
+        assert_eq!(gone, m);
         libc::munmap(base, len - page);
     }
     let hashes = prompt_hashes(41, 1);
@@ -202,6 +213,8 @@ fn unmapped_memory_is_refused_at_registration_and_fails_a_copy_not_the_server() 
     assert_eq!(c.ping(b"still here", far()).unwrap(), b"still here");
     let lease = c.lookup(Lookup::new(model_id(MODEL), 1, &hashes)).unwrap();
     assert_eq!(lease.hits(), 0, "a failed store commits nothing");
+    // SAFETY: the PROT_NONE mapping made above, no longer registered-to.
+    unsafe { libc::munmap(m, small.allocations()[0] as usize) };
 }
 
 #[test]
