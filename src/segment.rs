@@ -109,6 +109,16 @@ impl Mapping {
         self.at(self.info.offsets.op_stats_off)
     }
 
+    /// The copy lanes region, at `lanes_off`.
+    pub(crate) fn lanes(&self) -> &crate::shm::LaneStats {
+        self.at(self.info.offsets.lanes_off)
+    }
+
+    /// The lookups-by-model region, at `models_off`.
+    pub(crate) fn models(&self) -> &crate::shm::ModelStats {
+        self.at(self.info.offsets.models_off)
+    }
+
     /// A reader of this segment's job table.
     pub fn job_reader(&self) -> crate::jobs::JobReader<'_> {
         crate::jobs::JobReader::new(self.job_slots(), self.info.epoch)
@@ -199,6 +209,8 @@ fn validate(name: &str, file: &File) -> Result<SegmentInfo> {
         jobs_off: header_field_u64(&map, o!(SegmentHeader, jobs_off)),
         job_stride: header_field_u64(&map, o!(SegmentHeader, job_stride)),
         op_stats_off: header_field_u64(&map, o!(SegmentHeader, op_stats_off)),
+        lanes_off: header_field_u64(&map, o!(SegmentHeader, lanes_off)),
+        models_off: header_field_u64(&map, o!(SegmentHeader, models_off)),
         segment_bytes: header_field_u64(&map, o!(SegmentHeader, segment_bytes)),
     };
     if found != expected {
@@ -296,6 +308,16 @@ impl<'a> View<'a> {
 
     pub fn op_stats(&self) -> crate::shm::OpStatsValues {
         self.0.op_stats().load_value(Ordering::Acquire)
+    }
+
+    /// Copy lane `lane`'s words (`lane < MAX_LANES`).
+    pub fn lane(&self, lane: usize) -> crate::shm::LaneStatValues {
+        self.0.lanes().lanes[lane].load_value(Ordering::Acquire)
+    }
+
+    /// Row `row` of the lookups-by-model region (`row < MODEL_ROWS`).
+    pub fn model_row(&self, row: usize) -> crate::shm::ModelStatValues {
+        self.0.models().rows[row].load_value(Ordering::Acquire)
     }
 
     /// A reader of the job table (seqlock reads; loads only).
@@ -554,6 +576,8 @@ impl ServerSegment {
         h.jobs_off.store(off.jobs_off, r);
         h.job_stride.store(off.job_stride, r);
         h.op_stats_off.store(off.op_stats_off, r);
+        h.lanes_off.store(off.lanes_off, r);
+        h.models_off.store(off.models_off, r);
         h.heartbeat_ns.store(liveness::monotonic_ns(), r);
         // Published last. Release pairs with the Acquire load in `validate`.
         h.layout_version.store(LAYOUT_VERSION, Ordering::Release);

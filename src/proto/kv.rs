@@ -144,6 +144,10 @@ shm_struct! {
         [120] pub evicted_objects: u64,
         [128] pub evicted_bytes: u64,
         [136] pub leases_expired: u64,
+        /// Objects an operator pinned (never evicted nor cleared).
+        [144] pub pinned_objects: u64,
+        /// Bytes of those objects.
+        [152] pub pinned_bytes: u64,
     }
 }
 
@@ -355,7 +359,7 @@ const _: () = {
     assert!(size_of::<EndSessionRequest>() == 16);
     assert!(size_of::<ClearReply>() == 16);
     assert!(size_of::<ConfigReply>() == 32);
-    assert!(size_of::<StatsReply>() == 18 * 8);
+    assert!(size_of::<StatsReply>() == 20 * 8);
     assert!(size_of::<RegisterKv>() == 88);
     assert!(size_of::<AttachFds>() == 16);
     assert!(size_of::<UnregisterKv>() == 16);

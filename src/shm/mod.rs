@@ -16,11 +16,18 @@ use crate::wire::wire_enum;
 use crossbeam_utils::CachePadded;
 use std::mem::size_of;
 
+mod lanes;
+mod models;
 mod ops;
 
 #[doc(hidden)]
 pub mod doc;
 
+pub use lanes::{
+    LaneStat, LaneStatValues, LaneStats, LaneStatsValues, WorkerStat, WorkerStatValues,
+    LANE_WORKERS, MAX_DEVICES, MAX_LANES,
+};
+pub use models::{ModelRowState, ModelStat, ModelStatValues, ModelStats, ModelStatsValues, MODEL_ROWS};
 pub use ops::{OpStat, OpStatValues, OpStats, OpStatsValues, HIST_BUCKETS, OP_STAT_SLOTS};
 
 /// Page size the layout is built on; every region starts on a page boundary so
@@ -32,7 +39,7 @@ pub const LINE: usize = 128;
 /// `"KVRINGSG"` as a little-endian u64.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"KVRINGSG");
 /// Version of this layout. Any change to a table in `shm_layout.md` bumps it.
-pub const LAYOUT_VERSION: u32 = 6;
+pub const LAYOUT_VERSION: u32 = 7;
 
 shm_struct! {
     /// Segment header, at offset 0. Written by the server only.
@@ -82,7 +89,11 @@ shm_struct! {
         [112] pub job_stride: AtomicU64,
         /// Identity: offset of the operation stats region ([`OpStats`]).
         [120] pub op_stats_off: AtomicU64,
-        [128] pub _reserved1: [AtomicU64; 16],
+        /// Identity: offset of the copy lanes region ([`LaneStats`]).
+        [128] pub lanes_off: AtomicU64,
+        /// Identity: offset of the lookups-by-model region ([`ModelStats`]).
+        [136] pub models_off: AtomicU64,
+        [144] pub _reserved1: [AtomicU64; 14],
         /// Live: CLOCK_MONOTONIC ns of the server's last heartbeat.
         [256] pub heartbeat_ns: CachePadded<AtomicU64>,
         /// Live: the server's ring thread is (about to be) parked on the
@@ -115,13 +126,17 @@ shm_struct! {
         [584] pub cache_stats: [AtomicU64; CACHE_STATS_WORDS],
         /// Live: job slots retired because another process wrote their
         /// lock word (never used again).
-        [728] pub jobs_retired: AtomicU64,
-        [736] pub _reserved2: [AtomicU64; 4],
+        [744] pub jobs_retired: AtomicU64,
+        /// Live: bytes of the pool ready for copies (pinned with the
+        /// driver by the CUDA backend, which pins it piece by piece after
+        /// the start; all of it at once for the host backend).
+        [752] pub pool_ready_bytes: AtomicU64,
+        [760] pub _reserved2: AtomicU64,
     }
 }
 
 /// Words of `SegmentHeader::cache_stats`.
-pub const CACHE_STATS_WORDS: usize = 18;
+pub const CACHE_STATS_WORDS: usize = 20;
 
 const _: () = {
     assert!(size_of::<SegmentHeader>() == 768);
@@ -293,6 +308,8 @@ pub struct Offsets {
     pub jobs_off: u64,
     pub job_stride: u64,
     pub op_stats_off: u64,
+    pub lanes_off: u64,
+    pub models_off: u64,
     pub segment_bytes: u64,
 }
 
@@ -344,7 +361,9 @@ impl Geometry {
         let jobs_off = server_clients_off + n * server_client_stride;
         let job_stride = JOB_STRIDE as u64;
         let op_stats_off = round_up(jobs_off + u64::from(self.job_slots) * job_stride, page);
-        let segment_bytes = op_stats_off + round_up(size_of::<OpStats>() as u64, page);
+        let lanes_off = op_stats_off + round_up(size_of::<OpStats>() as u64, page);
+        let models_off = lanes_off + round_up(size_of::<LaneStats>() as u64, page);
+        let segment_bytes = models_off + round_up(size_of::<ModelStats>() as u64, page);
         Offsets {
             server_clients_off,
             server_client_stride,
@@ -353,6 +372,8 @@ impl Geometry {
             jobs_off,
             job_stride,
             op_stats_off,
+            lanes_off,
+            models_off,
             segment_bytes,
         }
     }
