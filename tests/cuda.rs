@@ -941,3 +941,57 @@ fn a_stopped_or_killed_server_never_holds_the_engines_stream() {
     gate.set(gate.get() + 1);
     s.restart(&CUDA_ARGS);
 }
+
+/// `/readyz` answers 503 while the CUDA backend pins the pool (1 GiB at a
+/// time, after the start; the server serves meanwhile) and 200 once all of
+/// it is pinned; the ready bytes only grow.
+#[test]
+#[ignore = "needs an NVIDIA GPU (run with --include-ignored on a GPU machine)"]
+fn readyz_waits_for_the_whole_pool_to_be_pinned() {
+    require_gpu();
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let s = Fixture::new(
+        "cuda-readyz",
+        Duration::from_secs(300),
+        &[
+            "--backend",
+            "cuda",
+            "--pool-bytes",
+            "24GiB",
+            "--http",
+            &addr,
+        ],
+    );
+    let pool = 24u64 << 30;
+    let mut seen = Vec::new();
+    let start = Instant::now();
+    loop {
+        let (code, body) = http_get(port, "/readyz");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(v["pool_bytes"].as_u64(), Some(pool), "{body}");
+        let ready = v["pool_ready_bytes"].as_u64().unwrap();
+        assert_eq!(code == 200, ready == pool, "{body}");
+        seen.push((start.elapsed(), code, ready));
+        if seen.len() == 1 {
+            // Not ready, yet serving: a client connects and is answered.
+            s.client().stats().unwrap();
+        }
+        if code == 200 || start.elapsed() > Duration::from_secs(120) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    eprintln!(
+        "readyz: {} answers, 503 for {:?}, then {:?}",
+        seen.len(),
+        seen.iter().rev().find(|x| x.1 == 503).map(|x| x.0),
+        seen.last()
+    );
+    assert_eq!(seen.last().unwrap().1, 200, "the pool was pinned in 120 s");
+    assert_eq!(
+        seen[0].1, 503,
+        "a 24 GiB pool was pinned before the first answer"
+    );
+    assert!(seen.windows(2).all(|w| w[0].2 <= w[1].2), "{seen:?}");
+}

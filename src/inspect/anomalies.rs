@@ -1,7 +1,7 @@
 //! What the inspector flags: states a healthy server never shows, each with
 //! its [`AnomalyKind`].
 
-use super::{ClientView, JobsSummary, RingView, ServerView, Snapshot, Thresholds};
+use super::{ClientView, JobsSummary, LaneView, RingView, ServerView, Snapshot, Thresholds};
 use crate::proto::kv::StatsReply;
 use serde::Serialize;
 
@@ -22,6 +22,9 @@ pub enum AnomalyKind {
     CompletionsUnread,
     /// A job unfinished for longer than the threshold.
     JobStuck,
+    /// A copy worker with work (copies in flight, tasks held or queued on
+    /// its lane) that made no step for longer than the threshold.
+    LaneStalled,
     /// A slot still held for a process that has exited.
     DeadClientNotReclaimed,
     /// Words that cannot all be true at once.
@@ -30,12 +33,13 @@ pub enum AnomalyKind {
 
 impl AnomalyKind {
     /// Every kind.
-    pub const ALL: [AnomalyKind; 7] = [
+    pub const ALL: [AnomalyKind; 8] = [
         AnomalyKind::ServerDead,
         AnomalyKind::HeartbeatStopped,
         AnomalyKind::RingStalled,
         AnomalyKind::CompletionsUnread,
         AnomalyKind::JobStuck,
+        AnomalyKind::LaneStalled,
         AnomalyKind::DeadClientNotReclaimed,
         AnomalyKind::Inconsistent,
     ];
@@ -48,6 +52,7 @@ impl AnomalyKind {
             AnomalyKind::RingStalled => "ring_stalled",
             AnomalyKind::CompletionsUnread => "completions_unread",
             AnomalyKind::JobStuck => "job_stuck",
+            AnomalyKind::LaneStalled => "lane_stalled",
             AnomalyKind::DeadClientNotReclaimed => "dead_client_not_reclaimed",
             AnomalyKind::Inconsistent => "inconsistent",
         }
@@ -134,6 +139,43 @@ pub(super) fn check_jobs(jobs: &JobsSummary, th: Thresholds, out: &mut Vec<Anoma
             ),
             client_slot: None,
         });
+    }
+}
+
+/// Copy workers with work whose beat stopped (a wedged copy, a stopped
+/// thread): one anomaly per lane, naming its stalled workers.
+pub(super) fn check_lanes(lanes: &[LaneView], th: Thresholds, out: &mut Vec<Anomaly>) {
+    let bound_ms = th.lane_stall_s * 1e3;
+    for l in lanes {
+        let stalled: Vec<String> = l
+            .workers
+            .iter()
+            .filter(|w| w.in_flight > 0 || w.held > 0 || l.queued > 0)
+            .filter(|w| w.beat_age_ms.is_none_or(|a| a > bound_ms))
+            .map(|w| {
+                format!(
+                    "worker {} ({} in flight, {} held, no step for {})",
+                    w.index,
+                    w.in_flight,
+                    w.held,
+                    w.beat_age_ms
+                        .map_or("an unreadable time".into(), |a| format!("{:.1} s", a / 1e3))
+                )
+            })
+            .collect();
+        if !stalled.is_empty() {
+            out.push(Anomaly {
+                kind: AnomalyKind::LaneStalled,
+                message: format!(
+                    "copy lane {} (device {}, {} tasks queued): {}",
+                    l.lane,
+                    l.device,
+                    l.queued,
+                    stalled.join("; ")
+                ),
+                client_slot: None,
+            });
+        }
     }
 }
 

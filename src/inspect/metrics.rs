@@ -14,6 +14,8 @@ use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Registry, Unit};
 
 type Labels = Vec<(&'static str, String)>;
+/// A metric read off each row of a reading's table: name, help, value.
+type Column<'a, R, V> = (&'a str, &'a str, &'a dyn Fn(&R) -> V);
 
 /// One sample's value.
 #[derive(Debug)]
@@ -339,6 +341,85 @@ fn registry(s: &Snapshot) -> Registry {
         ),
     ] {
         x.counter(name, help, unit, v);
+    }
+    x.gauge(
+        "pool_ready",
+        "pool bytes ready for copies (pinned, with the CUDA backend)",
+        Some(Unit::Bytes),
+        sv.pool_ready_bytes as f64,
+    );
+    x.gauge(
+        "pinned_objects",
+        "objects an operator pinned (kept through eviction and clear)",
+        None,
+        c.pinned_objects as f64,
+    );
+    x.gauge(
+        "pinned",
+        "bytes of the pinned objects",
+        Some(Unit::Bytes),
+        c.pinned_bytes as f64,
+    );
+    let per_lane = |kind: MetricType, f: &dyn Fn(&super::LaneView) -> Value| Samples {
+        kind,
+        rows: s
+            .lanes
+            .iter()
+            .map(|l| (vec![("device", l.device.clone())], f(l)))
+            .collect(),
+    };
+    let lane_gauges: [Column<super::LaneView, f64>; 5] = [
+        ("copy_workers", "copy workers of the lane", &|l| l.workers.len() as f64),
+        ("copy_queued_tasks", "chunk copies queued, not yet taken by a worker (queue depth)", &|l| l.queued as f64),
+        ("copy_in_flight", "chunk copies started, not yet finished", &|l| l.in_flight as f64),
+        ("copy_held_tasks", "chunk copies waiting for their engine's event", &|l| l.held as f64),
+        (
+            "copy_stalled_seconds",
+            "the longest time a worker with work went without a step (0: none stalled; NaN: unreadable)",
+            &|l| l.stalled_ms().map_or(f64::NAN, |ms| ms / 1e3),
+        ),
+    ];
+    for (name, help, f) in lane_gauges {
+        x.add(name, help, None, per_lane(MetricType::Gauge, &|l| Value::Gauge(f(l))));
+    }
+    let lane_counters: [Column<super::LaneView, u64>; 3] = [
+        ("copy_chunks", "chunk copies finished (any outcome)", &|l| l.copies),
+        (
+            "engine_events_waited",
+            "jobs whose engine event had not completed when a worker first asked",
+            &|l| l.events_waited,
+        ),
+        (
+            "engine_events_timed_out",
+            "jobs failed because their engine event missed the job's deadline",
+            &|l| l.events_timed_out,
+        ),
+    ];
+    for (name, help, f) in lane_counters {
+        x.add(name, help, None, per_lane(MetricType::Counter, &|l| Value::Counter(f(l))));
+    }
+    let per_model = |f: &dyn Fn(&super::ModelView) -> u64| Samples {
+        kind: MetricType::Counter,
+        rows: s
+            .models
+            .iter()
+            .map(|m| {
+                (
+                    vec![("model", m.model.clone()), ("salt", m.salt.clone())],
+                    Value::Counter(f(m)),
+                )
+            })
+            .collect(),
+    };
+    let model_counters: [Column<super::ModelView, u64>; 5] = [
+        ("model_lookups", "LOOKUP requests per model and salt", &|m| m.lookups),
+        ("model_lookup_chunks", "chunks looked up per model and salt", &|m| m.chunks),
+        ("model_lookup_hit_chunks", "chunks found per model and salt", &|m| m.hit_chunks),
+        ("lookup_tokens", "tokens looked up per model and salt (model=\"other\": past the 63 tracked)", &|m| m.tokens),
+        ("lookup_hit_tokens", "tokens found per model and salt", &|m| m.hit_tokens),
+    ];
+    for (name, help, f) in model_counters {
+        x.add(name, help, None, per_model(f));
     }
     x.add(
         "anomalies",

@@ -24,7 +24,8 @@ use crate::proto::kv::StatsReply;
 use crate::proto::Opcode;
 use crate::segment::ReadOnlySegment;
 use crate::shm::{
-    DisconnectReason, OpStat, ServerState, SlotState, CACHE_STATS_WORDS, HIST_BUCKETS,
+    DisconnectReason, ModelRowState, OpStat, ServerState, SlotState, CACHE_STATS_WORDS,
+    HIST_BUCKETS, LANE_WORKERS, MAX_LANES, MODEL_ROWS,
 };
 use crate::wire::WireEnum;
 use serde::Serialize;
@@ -163,6 +164,8 @@ pub struct ServerView {
     pub clients_accepted: u64,
     pub clients_reclaimed: u64,
     pub clients_refused: u64,
+    /// Bytes of the pool ready for copies (pinned, for the CUDA backend).
+    pub pool_ready_bytes: u64,
 }
 
 /// The segment's sizes, as the inspector reports them.
@@ -280,6 +283,64 @@ pub struct OpView {
     pub buckets: [u64; HIST_BUCKETS],
 }
 
+/// One copy worker, as a reading shows it.
+#[derive(Clone, Debug, Serialize)]
+pub struct WorkerView {
+    pub index: u32,
+    pub in_flight: u32,
+    pub held: u32,
+    pub copies: u64,
+    /// Since its last step (None: unreadable).
+    pub beat_age_ms: Option<f64>,
+}
+
+/// One copy lane (a device, or `host` for engines with no device).
+#[derive(Clone, Debug, Serialize)]
+pub struct LaneView {
+    pub lane: u32,
+    /// The device's UUID, or `host`.
+    pub device: String,
+    /// Tasks queued, not yet taken by a worker.
+    pub queued: u64,
+    /// Copies in flight, over the workers.
+    pub in_flight: u64,
+    /// Tasks held for their engine's event, over the workers.
+    pub held: u64,
+    /// Copies settled, over the workers.
+    pub copies: u64,
+    pub events_waited: u64,
+    pub events_timed_out: u64,
+    pub workers: Vec<WorkerView>,
+}
+
+impl LaneView {
+    /// The longest a worker with work went without a step, in ms (0: none
+    /// has work; None: a beat is unreadable).
+    pub fn stalled_ms(&self) -> Option<f64> {
+        let mut worst: f64 = 0.0;
+        for w in &self.workers {
+            if w.in_flight > 0 || w.held > 0 || self.queued > 0 {
+                worst = worst.max(w.beat_age_ms?);
+            }
+        }
+        Some(worst)
+    }
+}
+
+/// Lookups of one (model, salt): `other` for those past the region's rows.
+#[derive(Clone, Debug, Serialize)]
+pub struct ModelView {
+    /// The model id in hex, or `other`.
+    pub model: String,
+    /// The salt in hex, or `other`.
+    pub salt: String,
+    pub lookups: u64,
+    pub chunks: u64,
+    pub hit_chunks: u64,
+    pub tokens: u64,
+    pub hit_tokens: u64,
+}
+
 /// Everything `show` reports.
 #[derive(Clone, Debug, Serialize)]
 pub struct Snapshot {
@@ -290,6 +351,8 @@ pub struct Snapshot {
     pub jobs: JobsSummary,
     pub ops: Vec<OpView>,
     pub cache: StatsReply,
+    pub lanes: Vec<LaneView>,
+    pub models: Vec<ModelView>,
     pub anomalies: Vec<Anomaly>,
     /// Unix ns when this was taken.
     pub taken_unix_ns: u64,
@@ -375,13 +438,23 @@ fn job_row(epoch: u64, index: u32, s: &crate::jobs::slot::SlotSnapshot, now: u64
 pub struct Thresholds {
     /// A job unfinished for longer than this is flagged.
     pub job_age_s: f64,
+    /// A copy worker with work that made no step for longer than this is
+    /// flagged.
+    pub lane_stall_s: f64,
 }
 
 impl Default for Thresholds {
     fn default() -> Self {
-        Thresholds { job_age_s: 10.0 }
+        Thresholds {
+            job_age_s: 10.0,
+            lane_stall_s: DEFAULT_LANE_STALL_S,
+        }
     }
 }
+
+/// The default stall bound of a copy worker with work: a chunk's copy takes
+/// about a millisecond, a pool's 1 GiB pin under a second.
+pub const DEFAULT_LANE_STALL_S: f64 = 5.0;
 
 /// Reads the whole segment once.
 pub fn snapshot(seg: &ReadOnlySegment, th: Thresholds) -> Snapshot {
@@ -401,11 +474,16 @@ pub fn snapshot(seg: &ReadOnlySegment, th: Thresholds) -> Snapshot {
     let (jobs, rows) = read_jobs(seg, now);
     let ops = read_ops(seg);
     let cache = read_cache(seg);
+    let lanes = read_lanes(seg, now);
+    let models = read_models(seg);
     let mut anomalies = Vec::new();
     anomalies::check_clients(&clients, server.alive, &mut anomalies);
     anomalies::check_jobs(&jobs, th, &mut anomalies);
     anomalies::check_cache(&cache, &mut anomalies);
     anomalies::check_server(&server, &mut anomalies);
+    if server.alive {
+        anomalies::check_lanes(&lanes, th, &mut anomalies);
+    }
     Snapshot {
         name: {
             let shm = info.name.trim_start_matches('/');
@@ -418,6 +496,8 @@ pub fn snapshot(seg: &ReadOnlySegment, th: Thresholds) -> Snapshot {
         jobs,
         ops,
         cache,
+        lanes,
+        models,
         anomalies,
         taken_unix_ns: unix_ns(),
         taken_mono_ns: now,
@@ -447,7 +527,84 @@ fn read_server(seg: &ReadOnlySegment, now: u64) -> ServerView {
         clients_accepted: h.clients_accepted.load(Relaxed),
         clients_reclaimed: h.clients_reclaimed.load(Relaxed),
         clients_refused: h.clients_refused.load(Relaxed),
+        pool_ready_bytes: h.pool_ready_bytes.load(Relaxed),
     }
+}
+
+/// Every copy lane the server has (those with workers).
+fn read_lanes(seg: &ReadOnlySegment, now: u64) -> Vec<LaneView> {
+    let view = seg.view();
+    (0..MAX_LANES)
+        .map(|i| (i, view.lane(i)))
+        .filter(|(_, l)| l.workers > 0)
+        .map(|(i, l)| {
+            let mut bytes = [0u8; 16];
+            bytes[..8].copy_from_slice(&l.device[0].to_le_bytes());
+            bytes[8..].copy_from_slice(&l.device[1].to_le_bytes());
+            let device = if bytes == [0; 16] {
+                "host".to_string()
+            } else {
+                crate::DeviceUuid::from_bytes(bytes).to_string()
+            };
+            // A worker count past the entries is a torn or foreign word:
+            // read the entries there are.
+            let n = (l.workers as usize).min(LANE_WORKERS);
+            let workers: Vec<WorkerView> = l.worker[..n]
+                .iter()
+                .enumerate()
+                .map(|(w, v)| WorkerView {
+                    index: w as u32,
+                    in_flight: v.in_flight,
+                    held: v.held,
+                    copies: v.copies,
+                    beat_age_ms: age_ms(now, v.beat_ns),
+                })
+                .collect();
+            LaneView {
+                lane: i as u32,
+                device,
+                queued: l.queued,
+                in_flight: workers.iter().map(|w| u64::from(w.in_flight)).sum(),
+                held: workers.iter().map(|w| u64::from(w.held)).sum(),
+                copies: workers.iter().map(|w| w.copies).sum(),
+                events_waited: l.events_waited,
+                events_timed_out: l.events_timed_out,
+                workers,
+            }
+        })
+        .collect()
+}
+
+/// Every (model, salt) row of the lookups-by-model region in use.
+fn read_models(seg: &ReadOnlySegment) -> Vec<ModelView> {
+    let view = seg.view();
+    (0..MODEL_ROWS)
+        .map(|i| view.model_row(i))
+        .filter_map(|r| {
+            let others = match ModelRowState::decode(r.state).ok()? {
+                ModelRowState::Free => return None,
+                ModelRowState::One => false,
+                ModelRowState::Others => true,
+            };
+            Some(ModelView {
+                model: if others {
+                    "other".into()
+                } else {
+                    format!("{:#018x}", r.model_id)
+                },
+                salt: if others {
+                    "other".into()
+                } else {
+                    format!("{:#018x}", r.salt)
+                },
+                lookups: r.lookups,
+                chunks: r.chunks,
+                hit_chunks: r.hit_chunks,
+                tokens: r.tokens,
+                hit_tokens: r.hit_tokens,
+            })
+        })
+        .collect()
 }
 
 /// Every occupied client slot.

@@ -485,6 +485,8 @@ pub(super) fn run(shared: &Shared, listener: Listener, tick: Duration) {
         // A counter observers read on its own: Relaxed, no access pairs.
         h.jobs_retired
             .store(shared.jobs.retired(), Ordering::Relaxed);
+        h.pool_ready_bytes
+            .store(shared.kv.pool_ready_bytes(), Ordering::Relaxed);
         a.poll_once(&listener, tick);
         a.housekeeping();
     }

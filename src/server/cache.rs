@@ -13,13 +13,23 @@
 //! lease to its job, so a concurrent FREE_LOOKUP_LOCKS cannot drop an object
 //! under a copy; the job drops them when the copy ends. A lease ends when it
 //! holds nothing, at END_SESSION, when its owner goes, or at its TTL.
+//!
+//! A pin (an operator's, `POST /pin` of the HTTP endpoint) is a (model,
+//! salt, chunk hash) triple: every object with that model, salt and hash
+//! (any fingerprint, any rank) is pinned, now and when stored later, until
+//! the triple is unpinned. A pinned object is never evicted or cleared: it
+//! leaves the LRU order while pinned (so the eviction walk never meets it)
+//! and rejoins it, as most recently used, when unpinned. With no pin held
+//! the check is one `is_empty` per stored object. Pinned objects count
+//! toward the pool usage the watermarks compare: a pool full of pinned
+//! objects gives a store no space (`store_no_space_chunks`).
 
 use super::pool::PoolAlloc;
 use super::registry::{rank_tag, Group, SHARED_RANK};
 use crate::jobs::JobId;
 use crate::kv::ChunkHash;
 use crate::proto::kv::StatsReply;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
 /// Identity of a stored chunk object.
@@ -30,6 +40,36 @@ pub struct ObjectKey {
     pub fingerprint: u64,
     pub rank_tag: u32,
     pub hash: ChunkHash,
+}
+
+/// An operator's pin: the objects of this model, salt and chunk hash (any
+/// fingerprint, any rank) are neither evicted nor cleared.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Pin {
+    pub model_id: u64,
+    pub salt: u64,
+    pub hash: ChunkHash,
+}
+
+impl Pin {
+    /// The pin that covers `key`.
+    pub fn of(key: &ObjectKey) -> Pin {
+        Pin {
+            model_id: key.model_id,
+            salt: key.salt,
+            hash: key.hash,
+        }
+    }
+}
+
+/// What a pin or unpin left: the pins held, the objects pinned in total and
+/// their bytes, and how many objects the call's triples match.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct PinCount {
+    pub pins: u64,
+    pub objects: u64,
+    pub bytes: u64,
+    pub matched: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -47,6 +87,8 @@ struct Object {
     state: ObjState,
     /// Lease and retrieve holds.
     holds: u32,
+    /// A pin covers it: out of the LRU order, never evicted or cleared.
+    pinned: bool,
     prev: u32,
     next: u32,
 }
@@ -99,6 +141,8 @@ pub struct Cache {
     lru_head: u32,
     lru_tail: u32,
     leases: HashMap<JobId, (LeaseMeta, Lease)>,
+    /// The operator's pins (see the module doc).
+    pins: HashSet<Pin>,
     high_water: u64,
     low_water: u64,
     pub stats: StatsReply,
@@ -136,6 +180,7 @@ impl Cache {
             lru_head: NIL,
             lru_tail: NIL,
             leases: HashMap::new(),
+            pins: HashSet::new(),
             high_water: (cap * high) as u64,
             low_water: (cap * low) as u64,
         }
@@ -188,19 +233,29 @@ impl Cache {
         self.lru_tail = id;
     }
 
+    /// Whether the object is in the LRU order: ready and not pinned.
+    fn in_lru(&self, id: u32) -> bool {
+        let o = self.obj(id);
+        o.state == ObjState::Ready && !o.pinned
+    }
+
     /// Marks a ready object recently used.
     fn touch(&mut self, id: u32) {
-        if self.obj(id).state == ObjState::Ready {
+        if self.in_lru(id) {
             self.lru_unlink(id);
             self.lru_push_back(id);
         }
     }
 
     fn remove_object(&mut self, id: u32) {
-        if self.obj(id).state == ObjState::Ready {
+        if self.in_lru(id) {
             self.lru_unlink(id);
         }
         let o = self.objects[id as usize].take().expect("live object");
+        if o.pinned {
+            self.stats.pinned_objects -= 1;
+            self.stats.pinned_bytes -= o.len;
+        }
         self.index.remove(&o.key);
         self.pool.free(o.off, o.len);
         self.free_ids.push(id);
@@ -208,8 +263,34 @@ impl Cache {
         self.stats.pool_used_bytes = self.pool.used();
     }
 
+    /// Pins or unpins object `id` (moving it out of or into the LRU order),
+    /// keeping the pinned counters.
+    fn set_pinned(&mut self, id: u32, pinned: bool) {
+        if self.obj(id).pinned == pinned {
+            return;
+        }
+        let ready = self.obj(id).state == ObjState::Ready;
+        if pinned && ready {
+            self.lru_unlink(id);
+        }
+        let len = self.obj(id).len;
+        self.obj_mut(id).pinned = pinned;
+        if pinned {
+            self.stats.pinned_objects += 1;
+            self.stats.pinned_bytes += len;
+        } else {
+            self.stats.pinned_objects -= 1;
+            self.stats.pinned_bytes -= len;
+            if ready {
+                self.lru_push_back(id);
+            }
+        }
+    }
+
     /// Evicts least recently used objects without holds until `pred` says
     /// stop or nothing evictable is left. Returns whether `pred` was met.
+    /// Pinned objects are not in the LRU order: the walk never meets them,
+    /// and it ends at the order's end whatever they are.
     fn evict_until(&mut self, mut enough: impl FnMut(&Cache) -> bool) -> bool {
         let mut cur = self.lru_head;
         while !enough(self) {
@@ -265,12 +346,15 @@ impl Cache {
                 plan.no_space += 1;
                 continue;
             };
+            // No pin held: no set lookup.
+            let pinned = !self.pins.is_empty() && self.pins.contains(&Pin::of(key));
             let o = Object {
                 key: *key,
                 off,
                 len,
                 state: ObjState::Writing,
                 holds: 0,
+                pinned,
                 prev: NIL,
                 next: NIL,
             };
@@ -286,6 +370,10 @@ impl Cache {
             };
             self.index.insert(*key, id);
             self.stats.objects += 1;
+            if pinned {
+                self.stats.pinned_objects += 1;
+                self.stats.pinned_bytes += len;
+            }
             plan.write.push(Planned {
                 chunk: i as u32,
                 obj: id,
@@ -304,7 +392,9 @@ impl Cache {
         for &id in objs {
             if ok {
                 self.obj_mut(id).state = ObjState::Ready;
-                self.lru_push_back(id);
+                if !self.obj(id).pinned {
+                    self.lru_push_back(id);
+                }
             } else {
                 self.remove_object(id);
             }
@@ -520,8 +610,8 @@ impl Cache {
         ended.len()
     }
 
-    /// Evicts at least `bytes` bytes of objects without holds, least
-    /// recently used first (fewer when no more are evictable). Returns
+    /// Evicts at least `bytes` bytes of objects without holds or pins,
+    /// least recently used first (fewer when no more are evictable). Returns
     /// (objects, bytes) evicted.
     pub fn evict_bytes(&mut self, bytes: u64) -> (u64, u64) {
         let (objects, start) = (self.stats.evicted_objects, self.stats.evicted_bytes);
@@ -532,7 +622,8 @@ impl Cache {
         )
     }
 
-    /// CLEAR: drops every ready object without holds. Returns (objects, bytes).
+    /// CLEAR: drops every ready object without holds that no pin covers.
+    /// Returns (objects, bytes).
     pub fn clear(&mut self) -> (u64, u64) {
         let (mut n, mut bytes) = (0, 0);
         let mut cur = self.lru_head;
@@ -546,6 +637,53 @@ impl Cache {
             cur = next;
         }
         (n, bytes)
+    }
+
+    /// Adds `pins` (those held already stay) and pins every object they
+    /// cover, whether it is ready or being written. One pass over the
+    /// objects.
+    pub fn pin(&mut self, pins: &[Pin]) -> PinCount {
+        self.pins.extend(pins.iter().copied());
+        self.repin(pins, true)
+    }
+
+    /// Removes `pins` (those not held are ignored): their objects become
+    /// evictable again, most recently used first. One pass over the objects.
+    pub fn unpin(&mut self, pins: &[Pin]) -> PinCount {
+        for p in pins {
+            self.pins.remove(p);
+        }
+        self.repin(pins, false)
+    }
+
+    /// Sets the objects `pins` cover to `pinned`; counts them.
+    fn repin(&mut self, pins: &[Pin], pinned: bool) -> PinCount {
+        let wanted: HashSet<Pin> = pins.iter().copied().collect();
+        let mut matched = 0;
+        if !wanted.is_empty() {
+            for id in 0..self.objects.len() as u32 {
+                let covered = self.objects[id as usize]
+                    .as_ref()
+                    .is_some_and(|o| wanted.contains(&Pin::of(&o.key)));
+                if covered {
+                    matched += 1;
+                    self.set_pinned(id, pinned);
+                }
+            }
+        }
+        PinCount {
+            pins: self.pins.len() as u64,
+            objects: self.stats.pinned_objects,
+            bytes: self.stats.pinned_bytes,
+            matched,
+        }
+    }
+
+    /// The pins held, in order.
+    pub fn pins(&self) -> Vec<Pin> {
+        let mut v: Vec<Pin> = self.pins.iter().copied().collect();
+        v.sort_unstable();
+        v
     }
 
     /// Holds on an object (tests).
@@ -685,5 +823,197 @@ mod tests {
         assert_eq!(c.drop_leases(None, now + Duration::from_secs(2)), 1);
         assert_eq!(c.stats.leases_expired, 1);
         assert_eq!(c.holds_of(&key(1, 0)), Some(0));
+    }
+
+    fn pin(i: u8) -> Pin {
+        Pin {
+            model_id: 1,
+            salt: 0,
+            hash: [i; 16],
+        }
+    }
+
+    /// The pinned counters recounted from the objects, and the LRU order
+    /// walked both ways: exactly the ready, unpinned objects.
+    fn check(c: &Cache) {
+        let live = c.objects.iter().flatten();
+        let pinned: Vec<&Object> = live.clone().filter(|o| o.pinned).collect();
+        assert_eq!(c.stats.pinned_objects, pinned.len() as u64);
+        assert_eq!(
+            c.stats.pinned_bytes,
+            pinned.iter().map(|o| o.len).sum::<u64>()
+        );
+        for o in live.clone() {
+            assert_eq!(o.pinned, c.pins.contains(&Pin::of(&o.key)), "{:?}", o.key);
+        }
+        let in_lru = live
+            .filter(|o| o.state == ObjState::Ready && !o.pinned)
+            .count();
+        let (mut n, mut cur, mut prev) = (0, c.lru_head, NIL);
+        while cur != NIL {
+            let o = c.obj(cur);
+            assert!(o.state == ObjState::Ready && !o.pinned);
+            assert_eq!(o.prev, prev);
+            (prev, cur) = (cur, o.next);
+            n += 1;
+        }
+        assert_eq!(c.lru_tail, prev);
+        assert_eq!(n, in_lru);
+        assert_eq!(c.stats.objects, c.index.len() as u64);
+    }
+
+    #[test]
+    fn pinned_objects_survive_eviction_and_clear_until_unpinned() {
+        let mut c = Cache::new(8 * LEN, 1.0, 1.0, u64::MAX);
+        stored(&mut c, &[1, 2, 3]); // 6 objects; chunk 1's are the oldest
+        let got = c.pin(&[pin(1)]);
+        assert_eq!(
+            got,
+            PinCount {
+                pins: 1,
+                objects: 2,
+                bytes: 2 * LEN,
+                matched: 2
+            }
+        );
+        check(&c);
+        // Another salt or model is another pin: it covers nothing here.
+        let other = [
+            Pin { salt: 7, ..pin(2) },
+            Pin {
+                model_id: 2,
+                ..pin(2)
+            },
+        ];
+        assert_eq!(c.pin(&other).matched, 0);
+        assert_eq!(c.unpin(&other).pins, 1);
+        // The pinned objects sit at the LRU end: one byte evicts the next
+        // oldest object, whole, and nothing pinned.
+        assert_eq!(c.evict_bytes(1), (1, LEN));
+        assert_eq!(c.holds_of(&key(2, 0)), None);
+        assert_eq!(c.holds_of(&key(1, 0)), Some(0));
+        // As much as asked: only the three unpinned ones go.
+        assert_eq!(c.evict_bytes(u64::MAX), (3, 3 * LEN));
+        assert_eq!(c.clear(), (0, 0));
+        assert_eq!((c.stats.objects, c.stats.pinned_objects), (2, 2));
+        check(&c);
+        // A lookup of a pinned chunk hits (and its hold ends as usual).
+        let now = Instant::now();
+        let ttl = Duration::from_secs(60);
+        assert_eq!(
+            c.lookup(lease(1), 5, meta(), group(), &[[1u8; 16]], ttl, now),
+            1
+        );
+        assert!(c.end_session(lease(1), &[0; 32]).is_ok());
+        check(&c);
+        // Stores evict around the pinned objects: six more fit (8 slots),
+        // and the next one evicts the oldest unpinned object.
+        stored(&mut c, &[4, 5, 6]);
+        let plan = c.plan_store(&[key(7, 0)], LEN);
+        assert_eq!((plan.write.len(), plan.no_space), (1, 0));
+        assert_eq!(c.holds_of(&key(4, 0)), None, "the oldest unpinned");
+        c.finish_store(&[plan.write[0].obj], true, LEN);
+        check(&c);
+        // A pool full of pinned objects gives a store no space, counted.
+        let all: Vec<Pin> = (1..=7).map(pin).collect();
+        assert_eq!(c.pin(&all).objects, 8);
+        check(&c);
+        let plan = c.plan_store(&[key(8, 0)], LEN);
+        assert_eq!((plan.write.len(), plan.no_space), (0, 1));
+        assert_eq!(c.stats.store_no_space_chunks, 1);
+        assert_eq!(c.evict_bytes(u64::MAX), (0, 0));
+        // Unpinned, they go (most recently used by then: evictable).
+        let got = c.unpin(&all[1..]);
+        assert_eq!((got.pins, got.objects, got.bytes), (1, 2, 2 * LEN));
+        assert_eq!(got.matched, 6);
+        check(&c);
+        assert_eq!(c.clear(), (6, 6 * LEN));
+        assert_eq!(c.unpin(&[pin(1)]).objects, 0);
+        check(&c);
+        assert_eq!(c.clear(), (2, 2 * LEN));
+        assert_eq!(c.stats.pool_used_bytes, 0);
+        assert_eq!(c.pins(), Vec::<Pin>::new());
+    }
+
+    #[test]
+    fn a_pin_covers_objects_stored_after_it() {
+        let mut c = Cache::new(8 * LEN, 1.0, 1.0, u64::MAX);
+        let got = c.pin(&[pin(5)]);
+        assert_eq!((got.pins, got.objects, got.matched), (1, 0, 0));
+        assert_eq!(c.pins(), vec![pin(5)]);
+        // Pinned from the moment the store allocates it.
+        let plan = c.plan_store(&[key(5, 0), key(6, 0)], LEN);
+        assert_eq!(c.stats.pinned_objects, 1);
+        assert_eq!(c.stats.pinned_bytes, LEN);
+        check(&c);
+        let objs: Vec<u32> = plan.write.iter().map(|p| p.obj).collect();
+        c.finish_store(&objs, true, 2 * LEN);
+        check(&c);
+        assert_eq!(c.clear(), (1, LEN));
+        assert_eq!(c.evict_bytes(u64::MAX), (0, 0));
+        assert_eq!(c.holds_of(&key(5, 0)), Some(0));
+        // A failed store of a pinned object takes it off the counters.
+        let plan = c.plan_store(&[key(5, 1)], 3 * LEN);
+        assert_eq!(c.stats.pinned_bytes, 4 * LEN);
+        c.finish_store(&[plan.write[0].obj], false, 0);
+        assert_eq!(c.stats.pinned_bytes, LEN);
+        check(&c);
+        // Unpinned while being written: it joins the LRU order once ready.
+        let plan = c.plan_store(&[key(5, 1)], LEN);
+        assert_eq!(c.unpin(&[pin(5)]).matched, 2);
+        check(&c);
+        c.finish_store(&[plan.write[0].obj], true, LEN);
+        check(&c);
+        assert_eq!(c.clear(), (2, 2 * LEN));
+        assert_eq!(c.stats.objects, 0);
+    }
+
+    #[test]
+    fn pinned_counters_stay_exact_under_any_order_of_operations() {
+        // Watermarks below 1: stores evict too.
+        let mut c = Cache::new(24 * LEN, 0.75, 0.5, u64::MAX);
+        let mut writing: Vec<u32> = Vec::new();
+        let mut most_pinned = 0;
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut next = |n: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % n
+        };
+        for _ in 0..4000 {
+            match next(8) {
+                0..=2 => {
+                    let keys: Vec<ObjectKey> = (0..=next(4))
+                        .map(|_| key(next(12) as u8, next(2) as u32))
+                        .collect();
+                    let plan = c.plan_store(&keys, LEN * (1 + next(3)));
+                    writing.extend(plan.write.iter().map(|p| p.obj));
+                }
+                3 if !writing.is_empty() => {
+                    let n = 1 + next(writing.len() as u64) as usize;
+                    let objs: Vec<u32> = writing.drain(..n).collect();
+                    c.finish_store(&objs, next(4) != 0, 0);
+                }
+                4 => {
+                    c.pin(&[pin(next(12) as u8), pin(next(12) as u8)]);
+                }
+                5 => {
+                    c.unpin(&[pin(next(12) as u8)]);
+                }
+                6 => {
+                    c.evict_bytes(LEN * next(6));
+                }
+                _ => {
+                    if next(4) == 0 {
+                        c.clear();
+                    }
+                }
+            }
+            check(&c);
+            most_pinned = most_pinned.max(c.stats.pinned_objects);
+        }
+        assert!(c.stats.evicted_objects > 0 && c.stats.store_no_space_chunks > 0);
+        assert!(most_pinned > 4, "{most_pinned}");
     }
 }

@@ -41,12 +41,22 @@ pub struct KvState {
     /// it is still mapped.
     pub copier: Copier,
     pub pool: PoolMemory,
+    /// The lookups-by-model rows (written under the cache's lock).
+    pub model_rows: Mutex<super::model_rows::ModelRows>,
 }
 
 /// What serving a request produced: a status and a reply payload.
 pub type Outcome = Result<Vec<u8>, Status>;
 
 impl KvState {
+    /// Bytes of the pool ready for copies (pinned, for the CUDA backend).
+    pub fn pool_ready_bytes(&self) -> u64 {
+        self.copier
+            .backend
+            .pool_ready_bytes()
+            .unwrap_or(self.pool.len())
+    }
+
     pub fn new(cfg: &super::KvConfig, max_clients: u32) -> crate::Result<KvState> {
         use super::BackendChoice;
         let pool = PoolMemory::new(cfg.pool_bytes, cfg.prefault).map_err(crate::error::io(
@@ -79,7 +89,15 @@ impl KvState {
                         .into(),
                 ));
             }
-            backend.device_uuids()
+            let uuids = backend.device_uuids();
+            if uuids.len() > crate::shm::MAX_DEVICES {
+                return Err(crate::Error::Config(format!(
+                    "{} CUDA devices: a server copies with at most {} (CUDA_VISIBLE_DEVICES picks them)",
+                    uuids.len(),
+                    crate::shm::MAX_DEVICES
+                )));
+            }
+            uuids
         } else {
             (0..cfg.simulated_devices)
                 .map(|i| super::simulated_device_uuid(i).to_bytes())
@@ -109,6 +127,7 @@ impl KvState {
             )),
             pool,
             copier: Copier::new(max_clients, backend, &devices),
+            model_rows: Mutex::new(super::model_rows::ModelRows::default()),
         })
     }
 
@@ -242,7 +261,7 @@ pub fn lookup(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
                 fingerprint: g.fingerprint,
             };
             shared.kv.with_cache(shared, |c| {
-                c.lookup(
+                let hits = c.lookup(
                     id,
                     who.slot,
                     meta,
@@ -250,7 +269,21 @@ pub fn lookup(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
                     &hs,
                     shared.kv.lease_ttl,
                     Instant::now(),
-                )
+                );
+                // Under the cache's lock: one writer of the rows at a time.
+                shared
+                    .kv
+                    .model_rows
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .record(
+                        shared.seg.mapping.models(),
+                        (h.model_id, h.salt),
+                        u64::from(h.n_chunks),
+                        u64::from(hits),
+                        u64::from(shared.kv.chunk_tokens),
+                    );
+                hits
             })
         }
     };
@@ -396,7 +429,7 @@ pub fn store(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
             skip_blocks: 0,
         })
         .collect();
-    kv.copier.submit(who.slot, tasks);
+    kv.copier.submit(shared.seg.mapping.lanes(), who.slot, tasks);
     id_reply(id)
 }
 
@@ -474,7 +507,7 @@ pub fn retrieve(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
             skip_blocks: skip,
         });
     }
-    kv.copier.submit(who.slot, tasks);
+    kv.copier.submit(shared.seg.mapping.lanes(), who.slot, tasks);
     id_reply(id)
 }
 

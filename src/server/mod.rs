@@ -22,13 +22,14 @@ mod capacity;
 mod delay;
 mod http;
 mod kv_ops;
+mod model_rows;
 mod peer_memory;
 mod pool;
 pub(crate) mod registry;
 mod ring_loop;
 mod transfer;
 
-pub use http::{HttpConfig, CLIENT_DEADLINE as HTTP_CLIENT_DEADLINE};
+pub use http::{HttpConfig, CLIENT_DEADLINE as HTTP_CLIENT_DEADLINE, DEFAULT_ADDR as DEFAULT_HTTP_ADDR};
 pub use transfer::{Backend, BackendKind, HostBackend};
 
 use crate::client_memory::OwnedClientMemory;
@@ -429,7 +430,7 @@ impl ServerHandle {
         }
         // Queued tasks go now, so their jobs' streams are released before
         // the jobs are failed below.
-        sh.kv.copier.drop_queued();
+        sh.kv.copier.drop_queued(sh.seg.mapping.lanes());
         // Unfinished jobs end Failed(ServerShutdown) while their owners are
         // still connected, so a waiting owner reads that, not a bare
         // "server gone".
@@ -610,10 +611,13 @@ pub fn start(cfg: ServerConfig) -> Result<ServerHandle> {
             .collect(),
     });
     shared
-        .seg
-        .mapping
-        .header()
-        .server_state
+        .kv
+        .copier
+        .publish_lanes(shared.seg.mapping.lanes(), shared.kv.copy_threads);
+    let h = shared.seg.mapping.header();
+    h.pool_ready_bytes
+        .store(shared.kv.pool_ready_bytes(), Ordering::Relaxed);
+    h.server_state
         .store(ServerState::Running as u32, Ordering::Relaxed);
     let mut threads = Vec::new();
     {

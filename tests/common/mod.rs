@@ -789,3 +789,52 @@ impl Backend for Cuda {
         spec
     }
 }
+
+/// A port free now on loopback.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Sends the raw HTTP request `raw` to loopback `port`; the status code
+/// and the body.
+pub fn http_exchange(port: u16, raw: &[u8]) -> (u16, String) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(raw).unwrap();
+    let mut out = Vec::new();
+    s.read_to_end(&mut out).unwrap();
+    let text = String::from_utf8(out).unwrap();
+    let code = text
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("no status line in {text:?}"));
+    let body = text
+        .split_once("\r\n\r\n")
+        .map_or("", |(_, b)| b)
+        .to_string();
+    (code, body)
+}
+
+/// `GET path` from loopback `port`: the status code and the body.
+pub fn http_get(port: u16, path: &str) -> (u16, String) {
+    http_exchange(
+        port,
+        format!("GET {path} HTTP/1.1\r\nHost: localhost\r\n\r\n").as_bytes(),
+    )
+}
+
+/// A server with its HTTP endpoint on a free loopback port and a 64 MiB
+/// pool, plus `extra` arguments.
+pub fn server_with_http(tag: &str, extra: &[&str]) -> (Fixture, u16) {
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let mut args = vec!["--http", addr.as_str(), "--pool-bytes", "64MiB"];
+    args.extend_from_slice(extra);
+    (Fixture::new(tag, Duration::from_secs(90), &args), port)
+}

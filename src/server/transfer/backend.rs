@@ -127,6 +127,11 @@ pub trait Backend: DeviceOpener + Send + Sync {
     fn device_uuids(&self) -> Vec<[u8; 16]> {
         Vec::new()
     }
+    /// Bytes of the pool ready for copies (the CUDA backend pins it piece
+    /// by piece after the start); `None`: all of it.
+    fn pool_ready_bytes(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// One worker's copy executor. A copy may finish after `submit` returns (on

@@ -21,6 +21,8 @@ pub struct EngineEvent {
     pub deadline: Option<Instant>,
     /// Some worker saw it complete: the others need not ask the driver.
     seen: AtomicBool,
+    /// Some worker found it not yet complete (counted once per job).
+    waited: AtomicBool,
 }
 
 impl EngineEvent {
@@ -29,7 +31,15 @@ impl EngineEvent {
             handle,
             deadline: Instant::now().checked_add(timeout),
             seen: AtomicBool::new(false),
+            waited: AtomicBool::new(false),
         }
+    }
+
+    /// Marks that a worker found the event not yet complete; true the
+    /// first time (the job counts as one that waited).
+    pub fn mark_waited(&self) -> bool {
+        // Relaxed: a flag for a counter, ordering nothing else.
+        !self.waited.swap(true, Ordering::Relaxed)
     }
 
     /// Whether a worker saw it complete.

@@ -1,8 +1,13 @@
 //! The copy lanes: one queue per device (plus one for engines with no
-//! device), each holding per-client queues served round robin.
+//! device), each holding per-client queues served round robin. Each lane
+//! publishes its queue depth in the segment's copy lanes region
+//! ([`crate::shm::LaneStat`]), and its workers their beat.
 
 use super::backend::Backend;
 use super::job::Task;
+use crate::liveness::monotonic_ns;
+use crate::shm::{LaneStat, LaneStats, WorkerStat};
+use std::sync::atomic::Ordering;
 use std::collections::VecDeque;
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::Duration;
@@ -12,6 +17,8 @@ struct Queues {
     per_client: Vec<VecDeque<Task>>,
     /// Clients with queued tasks, in service order.
     turn: VecDeque<u32>,
+    /// Tasks in `per_client`, as published in `LaneStat::queued`.
+    queued: u64,
     stop: bool,
 }
 
@@ -26,6 +33,7 @@ impl Queues {
                 self.turn.push_back(c);
             }
             if t.is_some() {
+                self.queued -= 1;
                 return t;
             }
         }
@@ -48,15 +56,25 @@ impl Lane {
 
     /// The next task, round robin over clients, sleeping at most `wait` for
     /// one (`None`: not at all). `Err(true)` once stopped, `Err(false)` when
-    /// none came.
-    pub(super) fn pop_within(&self, wait: Option<Duration>) -> Result<Task, bool> {
+    /// none came. `stat` is this lane's words; `me` the calling worker's,
+    /// whose beat is stored at every wake-up (at least every 100 ms).
+    pub(super) fn pop_within(
+        &self,
+        stat: &LaneStat,
+        me: &WorkerStat,
+        wait: Option<Duration>,
+    ) -> Result<Task, bool> {
         let until = wait.and_then(|w| std::time::Instant::now().checked_add(w));
         let mut q = self.lock();
         loop {
+            // Relaxed: observers read each word on its own.
+            me.beat_ns.store(monotonic_ns(), Ordering::Relaxed);
             if q.stop {
                 return Err(true);
             }
             if let Some(t) = q.pop_round_robin() {
+                // Relaxed, under the lock: the last store is the depth.
+                stat.queued.store(q.queued, Ordering::Relaxed);
                 return Ok(t);
             }
             if wait.is_none() {
@@ -90,8 +108,9 @@ pub struct Copier {
 
 impl Copier {
     /// A copier with a lane for engines with no device and one per entry
-    /// of `devices`.
+    /// of `devices` (at most [`crate::shm::MAX_DEVICES`]: the caller checks).
     pub fn new(max_clients: u32, backend: Box<dyn Backend>, devices: &[[u8; 16]]) -> Copier {
+        assert!(devices.len() <= crate::shm::MAX_DEVICES);
         let lane = |uuid| Lane {
             uuid,
             q: Mutex::new(Queues {
@@ -127,12 +146,24 @@ impl Copier {
         self.lanes.iter().position(|l| l.uuid == *uuid).unwrap_or(0)
     }
 
+    /// Writes each lane's device and worker count into `stats` (before the
+    /// server runs).
+    pub fn publish_lanes(&self, stats: &LaneStats, workers: u32) {
+        for (lane, stat) in self.lanes.iter().zip(&stats.lanes) {
+            let r = Ordering::Relaxed;
+            stat.device[0].store(u64::from_le_bytes(lane.uuid[..8].try_into().expect("8")), r);
+            stat.device[1].store(u64::from_le_bytes(lane.uuid[8..].try_into().expect("8")), r);
+            stat.workers.store(workers, r);
+        }
+    }
+
     /// Queues a job's tasks (all of one client and one registration).
-    pub fn submit(&self, client: u32, tasks: Vec<Task>) {
+    pub fn submit(&self, stats: &LaneStats, client: u32, tasks: Vec<Task>) {
         let Some(first) = tasks.first() else {
             return;
         };
-        let lane = &self.lanes[self.lane_of(&first.job.inst.device_uuid)];
+        let i = self.lane_of(&first.job.inst.device_uuid);
+        let lane = &self.lanes[i];
         let mut q = lane.lock();
         let queue = &mut q.per_client[client as usize];
         let was_empty = queue.is_empty();
@@ -141,6 +172,9 @@ impl Copier {
         if was_empty {
             q.turn.push_back(client);
         }
+        q.queued += n as u64;
+        // Relaxed, under the lock: the last store is the depth.
+        stats.lanes[i].queued.store(q.queued, Ordering::Relaxed);
         drop(q);
         if n == 1 {
             lane.cv.notify_one();
@@ -161,11 +195,13 @@ impl Copier {
     /// Drops every queued task (the workers are stopped): a job whose last
     /// task goes releases its streams (`JobWord`'s drop); the shutdown then
     /// fails it.
-    pub fn drop_queued(&self) {
-        for lane in &self.lanes {
+    pub fn drop_queued(&self, stats: &LaneStats) {
+        for (lane, stat) in self.lanes.iter().zip(&stats.lanes) {
             let taken = {
                 let mut q = lane.lock();
                 q.turn.clear();
+                q.queued = 0;
+                stat.queued.store(0, Ordering::Relaxed);
                 q.per_client.iter_mut().map(std::mem::take).collect::<Vec<_>>()
             };
             // Dropped with the lane unlocked.

@@ -27,7 +27,13 @@ fn chunk_done(shared: &Shared, job: &JobRun, outcome: ChunkOutcome) {
             job.failed.store(true, Ordering::Relaxed);
         }
         ChunkOutcome::EventTimeout => {
-            job.event_timed_out.store(true, Ordering::Relaxed);
+            // Counted once per job (the first chunk to time out).
+            if !job.event_timed_out.swap(true, Ordering::Relaxed) {
+                let lane = shared.kv.copier.lane_of(&job.inst.device_uuid);
+                shared.seg.mapping.lanes().lanes[lane]
+                    .events_timed_out
+                    .fetch_add(1, Ordering::Relaxed);
+            }
             job.failed.store(true, Ordering::Relaxed);
         }
     }
@@ -86,6 +92,12 @@ const EVENT_POLL_MAX: Duration = Duration::from_millis(1);
 pub fn run(shared: &Shared, lane: usize, worker: u32) {
     let copier = &shared.kv.copier;
     let queue = copier.lane(lane);
+    // This lane's words and this worker's, in the segment (observers see a
+    // worker with work whose beat stopped).
+    let stat = &shared.seg.mapping.lanes().lanes[lane];
+    let me = &stat.worker[worker as usize];
+    let mut shown = (u32::MAX, u32::MAX, u64::MAX);
+    let mut copies = 0u64;
     let chunk_tokens = shared.kv.chunk_tokens;
     let mut executor = match copier.backend.executor() {
         Ok(e) => e,
@@ -117,8 +129,19 @@ pub fn run(shared: &Shared, lane: usize, worker: u32) {
         for (token, r) in done.drain(..) {
             if let Some(t) = inflight.get_mut(token).and_then(Option::take) {
                 busy -= 1;
+                copies += 1;
                 settle(shared, t, r, &mut wedged);
             }
+        }
+        // Relaxed stores of this worker's own words: observers read each
+        // on its own. The gauges are stored when they change.
+        me.beat_ns.store(monotonic_ns(), Ordering::Relaxed);
+        let now_shown = (busy as u32, (held.len() + ready.len()) as u32, copies);
+        if now_shown != shown {
+            shown = now_shown;
+            me.in_flight.store(shown.0, Ordering::Relaxed);
+            me.held.store(shown.1, Ordering::Relaxed);
+            me.copies.store(shown.2, Ordering::Relaxed);
         }
         if busy >= depth {
             executor.poll(true, &mut done);
@@ -175,7 +198,7 @@ pub fn run(shared: &Shared, lane: usize, worker: u32) {
             // With nothing in flight or held, sleep for work; with tasks
             // held, only until their events are asked about again; else
             // take only what is queued now.
-            None => match queue.pop_within(match (busy, held.is_empty()) {
+            None => match queue.pop_within(stat, me, match (busy, held.is_empty()) {
                 (0, true) => Some(Duration::MAX),
                 (0, false) => Some(next_scan.saturating_duration_since(Instant::now())),
                 _ => None,
@@ -207,6 +230,10 @@ pub fn run(shared: &Shared, lane: usize, worker: u32) {
         match event_state(executor.as_mut(), &task, Instant::now()) {
             Ok(EventState::Ready) => {}
             Ok(EventState::NotYet) => {
+                if task.job.event.as_ref().is_some_and(|e| e.mark_waited()) {
+                    // Relaxed: a counter.
+                    stat.events_waited.fetch_add(1, Ordering::Relaxed);
+                }
                 if held.is_empty() {
                     event_poll = EVENT_POLL_MIN;
                     next_scan = Instant::now() + event_poll;
@@ -252,9 +279,14 @@ pub fn run(shared: &Shared, lane: usize, worker: u32) {
                 inflight[token] = Some(task);
                 busy += 1;
             }
-            Err(e) => settle(shared, task, Err(e), &mut wedged),
+            Err(e) => {
+                copies += 1;
+                settle(shared, task, Err(e), &mut wedged)
+            }
         }
     }
+    me.in_flight.store(0, Ordering::Relaxed);
+    me.held.store(0, Ordering::Relaxed);
     // Held tasks of a stopping server go as its queued ones do: their jobs
     // are failed (ServerShutdown) by the shutdown that follows, and their
     // streams released when the last task of each goes (`JobWord`'s drop).

@@ -37,9 +37,8 @@ enum Cmd {
         /// Two readings this far apart show rings that stopped moving.
         #[arg(long, default_value_t = 200)]
         sample_ms: u64,
-        /// Flag jobs unfinished for longer than this.
-        #[arg(long, default_value_t = 10.0)]
-        job_age_s: f64,
+        #[command(flatten)]
+        checks: Checks,
     },
     /// The segment's counters and histograms as Prometheus metrics
     /// (OpenMetrics text): for a textfile collector, or a dead server's last
@@ -50,9 +49,8 @@ enum Cmd {
         /// (`kvring_anomalies`).
         #[arg(long, default_value_t = 200)]
         sample_ms: u64,
-        /// Flag jobs unfinished for longer than this.
-        #[arg(long, default_value_t = 10.0)]
-        job_age_s: f64,
+        #[command(flatten)]
+        checks: Checks,
     },
     /// The job table: one row per slot that holds a job.
     Jobs {
@@ -76,9 +74,30 @@ enum Cmd {
         name: String,
         #[arg(long, default_value_t = 250)]
         interval_ms: u64,
-        #[arg(long, default_value_t = 10.0)]
-        job_age_s: f64,
+        #[command(flatten)]
+        checks: Checks,
     },
+}
+
+/// The bounds of the checks that flag what has stopped.
+#[derive(clap::Args, Clone, Copy, Debug)]
+pub struct Checks {
+    /// Flag jobs unfinished for longer than this (seconds).
+    #[arg(long, default_value_t = 10.0)]
+    job_age_s: f64,
+    /// Flag a copy worker with work that made no step for longer than this
+    /// (seconds).
+    #[arg(long, default_value_t = kvring::inspect::DEFAULT_LANE_STALL_S)]
+    lane_stall_s: f64,
+}
+
+impl From<Checks> for Thresholds {
+    fn from(c: Checks) -> Thresholds {
+        Thresholds {
+            job_age_s: c.job_age_s,
+            lane_stall_s: c.lane_stall_s,
+        }
+    }
 }
 
 fn open(name: &str) -> kvring::Result<ReadOnlySegment> {
@@ -112,12 +131,15 @@ fn two_readings(seg: &ReadOnlySegment, th: Thresholds, gap: Duration) -> Snapsho
     second
 }
 
-/// Two readings of segment `name`, `sample_ms` apart, flagging jobs older
-/// than `job_age_s`.
-fn reading(name: &str, sample_ms: u64, job_age_s: f64) -> kvring::Result<Snapshot> {
+/// Two readings of segment `name`, `sample_ms` apart, with the checks'
+/// bounds.
+fn reading(name: &str, sample_ms: u64, checks: Checks) -> kvring::Result<Snapshot> {
     let seg = open(name)?;
-    let th = Thresholds { job_age_s };
-    Ok(two_readings(&seg, th, Duration::from_millis(sample_ms)))
+    Ok(two_readings(
+        &seg,
+        checks.into(),
+        Duration::from_millis(sample_ms),
+    ))
 }
 
 fn run(cli: Cli) -> kvring::Result<()> {
@@ -134,9 +156,9 @@ fn run(cli: Cli) -> kvring::Result<()> {
             name,
             json,
             sample_ms,
-            job_age_s,
+            checks,
         } => {
-            let snap = reading(&name, sample_ms, job_age_s)?;
+            let snap = reading(&name, sample_ms, checks)?;
             if json {
                 print_json(&snap);
             } else {
@@ -146,9 +168,9 @@ fn run(cli: Cli) -> kvring::Result<()> {
         Cmd::Metrics {
             name,
             sample_ms,
-            job_age_s,
+            checks,
         } => {
-            let snap = reading(&name, sample_ms, job_age_s)?;
+            let snap = reading(&name, sample_ms, checks)?;
             print!("{}", inspect::openmetrics(&snap));
         }
         Cmd::Jobs {
@@ -178,12 +200,12 @@ fn run(cli: Cli) -> kvring::Result<()> {
         Cmd::Watch {
             name,
             interval_ms,
-            job_age_s,
+            checks,
         } => {
             let seg = open(&name)?;
             crate::render::watch(
                 &seg,
-                Thresholds { job_age_s },
+                checks.into(),
                 Duration::from_millis(interval_ms.max(50)),
             )
             .map_err(|source| kvring::Error::Io {

@@ -138,10 +138,29 @@ enum Cmd {
         /// as a stall.
         #[arg(long, default_value_t = 60.0, value_parser = parse_seconds)]
         stuck_job_s: f64,
+        /// /healthz reports a copy worker with work (copies in flight,
+        /// tasks queued or held) that made no step for longer than this
+        /// (seconds) as a stall.
+        #[arg(long, default_value_t = kvring::inspect::DEFAULT_LANE_STALL_S, value_parser = parse_seconds)]
+        stalled_lane_s: f64,
         /// Take the HTTP admin calls (POST /clear, /evict) from any peer,
         /// not only loopback.
         #[arg(long)]
         http_admin_remote: bool,
+    },
+    /// Asks a server's HTTP endpoint whether it is healthy (GET /healthz)
+    /// or, with --ready, ready (GET /readyz); prints the answer and exits 0
+    /// on 200, 1 otherwise (a container's health check, an exec probe).
+    Health {
+        /// The endpoint's ADDR:PORT.
+        #[arg(long, default_value = kvring::server::DEFAULT_HTTP_ADDR)]
+        http: String,
+        /// Ask for readiness instead.
+        #[arg(long)]
+        ready: bool,
+        /// Connect and answer within this (seconds).
+        #[arg(long, default_value_t = 5.0, value_parser = parse_seconds)]
+        timeout_s: f64,
     },
     /// Round-trip PING requests to a running server and print latency.
     Ping {
@@ -274,6 +293,14 @@ pub fn main(args: Vec<OsString>, this: Vec<OsString>) -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .try_init();
+    if let Cmd::Health {
+        http,
+        ready,
+        timeout_s,
+    } = &cli.cmd
+    {
+        return crate::health::run(http, *ready, Duration::from_secs_f64(*timeout_s));
+    }
     if let Cmd::Inspect { args } = cli.cmd {
         let argv = std::iter::once(OsString::from("kvring inspect")).chain(args);
         return crate::inspect_cmd::main(argv.collect());
@@ -313,6 +340,7 @@ fn run(cli: Cli, this: Vec<OsString>) -> kvring::Result<()> {
             simulated_devices,
             http,
             stuck_job_s,
+            stalled_lane_s,
             http_admin_remote,
         } => {
             let mut cfg = ServerConfig::new(&target.name);
@@ -350,6 +378,7 @@ fn run(cli: Cli, this: Vec<OsString>) -> kvring::Result<()> {
                         h.required = true;
                     }
                     h.stuck_job = Duration::from_secs_f64(stuck_job_s);
+                    h.stalled_lane = Duration::from_secs_f64(stalled_lane_s);
                     h.admin_remote = http_admin_remote;
                     Some(h)
                 }
@@ -419,7 +448,7 @@ fn run(cli: Cli, this: Vec<OsString>) -> kvring::Result<()> {
             Ok(())
         }
         Cmd::Demo { json } => crate::demo::run(json, &this),
-        Cmd::Inspect { .. } => unreachable!("run by `main`"),
+        Cmd::Inspect { .. } | Cmd::Health { .. } => unreachable!("run by `main`"),
         Cmd::DemoWorker { target, rank } => crate::demo::worker(&target.name, &target.dir(), rank),
         Cmd::DelayJob {
             target,

@@ -5,6 +5,7 @@
 //! to run a server from Python.
 
 mod demo;
+mod health;
 pub mod inspect_cmd;
 pub mod kvring_cmd;
 mod render;

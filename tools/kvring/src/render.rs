@@ -185,6 +185,39 @@ pub fn show(s: &Snapshot, rates: Option<Rates>) -> String {
         mib(c.retrieved_bytes),
         c.evicted_objects
     );
+    if c.pinned_objects > 0 || s.server.pool_ready_bytes < c.pool_bytes {
+        let _ = writeln!(
+            o,
+            "      {} MiB ready for copies, {} objects ({} MiB) pinned",
+            mib(s.server.pool_ready_bytes),
+            c.pinned_objects,
+            mib(c.pinned_bytes)
+        );
+    }
+    for l in &s.lanes {
+        let _ = writeln!(
+            o,
+            "copy lane {} ({}): {} workers, {} queued, {} in flight, {} held for events, {} copies; events waited {}, timed out {}; stalled {}",
+            l.lane,
+            l.device,
+            l.workers.len(),
+            l.queued,
+            l.in_flight,
+            l.held,
+            l.copies,
+            l.events_waited,
+            l.events_timed_out,
+            l.stalled_ms()
+                .map_or("?".into(), |ms| format!("{:.1} s", ms / 1e3))
+        );
+    }
+    for m in &s.models {
+        let _ = writeln!(
+            o,
+            "lookups of model {} salt {}: {} requests, {} / {} tokens found",
+            m.model, m.salt, m.lookups, m.hit_tokens, m.tokens
+        );
+    }
     if s.anomalies.is_empty() {
         let _ = writeln!(o, "anomalies: none");
     } else {

@@ -113,6 +113,10 @@ impl Backend for CudaBackend {
         BackendKind::Cuda
     }
 
+    fn pool_ready_bytes(&self) -> Option<u64> {
+        Some(self.state.pin.pinned_bytes())
+    }
+
     fn device_uuids(&self) -> Vec<[u8; 16]> {
         let mut v: Vec<[u8; 16]> = self.state.devices.keys().copied().collect();
         v.sort_unstable();

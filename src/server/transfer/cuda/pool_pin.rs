@@ -114,6 +114,17 @@ impl PoolPin {
         }
     }
 
+    /// Bytes of the pool pinned so far.
+    pub(super) fn pinned_bytes(&self) -> u64 {
+        self.state
+            .iter()
+            .enumerate()
+            // Relaxed: a count for observers; copies use `wait_pinned`.
+            .filter(|(_, st)| PinState::from_u8(st.load(Ordering::Relaxed)) == PinState::Pinned)
+            .map(|(i, _)| PIN_SEGMENT.min(self.len - i as u64 * PIN_SEGMENT))
+            .sum()
+    }
+
     /// Waits until the pool segment holding `[off, off + len)` is pinned.
     pub(super) fn wait_pinned(&self, off: u64, len: u64) -> Result<(), CopyError> {
         let seg = (off / PIN_SEGMENT) as usize;
