@@ -423,7 +423,7 @@ fn the_grafana_dashboard_queries_only_metrics_the_server_exposes() {
     let s = Fixture::new("inspect-dashboard", Duration::from_secs(60), &[]);
     // A lookup, so the per-model series exist.
     let mut e = Engine::new(&s, small_layout(), 1, 0);
-    lookup(&mut e.c, 1, 0, &prompt_hashes(1, 2));
+    let _lease = lookup(&mut e.c, 1, 0, &prompt_hashes(1, 2));
     let out = inspect(&["metrics", &s.name, "--sample-ms", "10"]);
     assert!(out.status.success());
     let text = String::from_utf8(out.stdout).unwrap();
