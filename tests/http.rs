@@ -131,6 +131,13 @@ fn a_scrape_counts_what_was_done_and_health_sees_a_stuck_job() {
     assert!(om.ends_with("# EOF\n"), "{om}");
     assert!(om.contains("kvring_stores_total 4\n"), "{om}");
 
+    // Ready once the whole pool is (a CUDA server pins it after the
+    // start, serving meanwhile: the stores above waited for their range).
+    assert!(
+        eventually(Duration::from_secs(30), || get(port, "/readyz").0 == 200).is_some(),
+        "{:?}",
+        get(port, "/readyz")
+    );
     let (code, body) = get(port, "/readyz");
     assert_eq!(code, 200, "{body}");
     let ready: Value = serde_json::from_str(&body).unwrap();
@@ -499,7 +506,7 @@ fn admin_calls_from_a_non_loopback_peer_are_refused() {
             assert!(out.starts_with(want), "{head} (remote {remote}): {out}");
         }
         // The read-only calls answer any peer.
-        assert!(request(port, "GET /readyz HTTP/1.1").starts_with("HTTP/1.1 200"));
+        assert!(request(port, "GET /status HTTP/1.1").starts_with("HTTP/1.1 200"));
         // Loopback peers may always.
         assert_eq!(post_json(port, "/pin", body).0, 200);
     }
