@@ -190,8 +190,17 @@ pub struct RingView {
     pub consistent: bool,
 }
 
-fn ring(head: u64, tail: u64, capacity: u64) -> RingView {
-    let consistent = head <= tail && tail - head <= capacity;
+/// A ring whose head was read as `heads.0` and later `heads.1`, and whose
+/// tail as `tails.0` and later `tails.1` (one index is read on either side
+/// of the other: the two processes move them meanwhile). The indices are
+/// consistent when some moment between the reads can have had
+/// `head <= tail <= head + capacity`: the head read first is at most the
+/// tail read last, and the tail read first at most the head read last plus
+/// the capacity. A ring that is moving is never taken for a broken one.
+fn ring(heads: (u64, u64), tails: (u64, u64), capacity: u64) -> RingView {
+    let consistent =
+        heads.0 <= tails.1 && heads.0 <= heads.1 && tails.0 <= tails.1 && tails.0.saturating_sub(heads.1) <= capacity;
+    let (head, tail) = (heads.1, tails.1);
     RingView {
         head,
         tail,
@@ -376,7 +385,20 @@ fn age_ms(now: u64, then: u64) -> Option<f64> {
 
 #[cfg(test)]
 mod age_tests {
-    use super::age_ms;
+    use super::{age_ms, ring};
+
+    #[test]
+    fn a_ring_moving_between_the_reads_is_consistent_and_a_broken_one_is_not() {
+        // The consumer passed the tail read before its second read: moving.
+        assert!(ring((100, 300), (250, 250), 128).consistent);
+        // The producer ran a capacity ahead of the first head read: moving.
+        assert!(ring((100, 100), (180, 300), 128).consistent);
+        // Head past the tail however the reads fell, and a tail more than a
+        // capacity ahead of the latest head: broken.
+        assert!(!ring((300, 300), (250, 250), 128).consistent);
+        assert!(!ring((100, 100), (300, 300), 128).consistent);
+        assert!(!ring((300, 200), (400, 400), 128).consistent);
+    }
 
     #[test]
     fn a_beat_during_the_reading_is_fresh_and_a_far_future_one_has_no_age() {
@@ -624,15 +646,17 @@ fn read_clients(seg: &ReadOnlySegment, now: u64) -> Vec<ClientView> {
         // Through the server's descriptor, while it lives (and only if the
         // descriptor is still this session's: the occupant's identity is
         // read again after the mapping).
-        let cb = crate::client_memory::ClientMemory::open_read_only(
+        let mem = crate::client_memory::ClientMemory::open_read_only(
             m.info().server_pid,
             sb.memory_fd.load(Relaxed),
             &crate::client_memory::name(&m.info().name, slot, session),
             m.info().offsets.client_memory_bytes,
         )
-        .ok()
-        .map(|mem| mem.values())
-        .filter(|_| {
+        .ok();
+        // The server's ring indices on either side of the client's (see
+        // `ring`).
+        let (req_head0, cq_tail0) = (sb.req_head.load(Relaxed), sb.cq_tail.load(Relaxed));
+        let cb = mem.map(|mem| mem.values()).filter(|_| {
             // Acquire pairs with the acceptor's Release store of `state`.
             sb.state.load(Acquire) == SlotState::Active.raw()
                 && sb.session.load(Relaxed) == session
@@ -662,16 +686,14 @@ fn read_clients(seg: &ReadOnlySegment, now: u64) -> Vec<ClientView> {
                 |v| DisconnectReason::decode(v).ok(),
                 |v| format!("reason {v} (unknown)"),
             ),
-            request_ring: ring(
-                req_head,
-                cb.as_ref().map_or(req_head, |c| c.req_tail),
-                u64::from(g.req_ring_bytes),
-            ),
-            completion_ring: ring(
-                cb.as_ref().map_or(cq_tail, |c| c.cq_head),
-                cq_tail,
-                u64::from(g.cq_ring_bytes),
-            ),
+            request_ring: {
+                let tail = cb.as_ref().map_or(req_head, |c| c.req_tail);
+                ring((req_head0, req_head), (tail, tail), u64::from(g.req_ring_bytes))
+            },
+            completion_ring: {
+                let head = cb.as_ref().map_or(cq_tail, |c| c.cq_head);
+                ring((head, head), (cq_tail0, cq_tail), u64::from(g.cq_ring_bytes))
+            },
             in_flight: cb.as_ref().map_or(0, |c| c.in_flight),
             credits: cb.as_ref().map_or(0, |c| c.credits),
             sleeping: cb.as_ref().is_some_and(|c| c.client_sleeping != 0),
