@@ -148,6 +148,29 @@ shm_struct! {
         [144] pub pinned_objects: u64,
         /// Bytes of those objects.
         [152] pub pinned_bytes: u64,
+        /// Chunks a lookup found in the second tier (and brought into the
+        /// pool) beyond those the pool had: part of `lookup_hit_chunks`.
+        [160] pub lookup_l2_hit_chunks: u64,
+        /// The second tier: 0 none, 1 connecting, 2 up, 3 down.
+        [168] pub l2_state: u64,
+        /// Objects written to the second tier.
+        [176] pub l2_written_objects: u64,
+        /// Objects not written: the tier's queue full, the tier down, or
+        /// too many bytes waiting to be written.
+        [184] pub l2_write_dropped_objects: u64,
+        /// Objects read from the second tier into the pool.
+        [192] pub l2_loaded_objects: u64,
+        /// Objects asked of the second tier and not there.
+        [200] pub l2_missed_objects: u64,
+        /// Values that failed their check (read as misses).
+        [208] pub l2_corrupt_objects: u64,
+        /// Bytes written to and read from the second tier (values).
+        [216] pub l2_bytes_out: u64,
+        [224] pub l2_bytes_in: u64,
+        /// Commands that failed (timeouts, connection errors).
+        [232] pub l2_errors: u64,
+        /// Operations queued for or running on the tier now.
+        [240] pub l2_queue: u64,
     }
 }
 
@@ -359,7 +382,7 @@ const _: () = {
     assert!(size_of::<EndSessionRequest>() == 16);
     assert!(size_of::<ClearReply>() == 16);
     assert!(size_of::<ConfigReply>() == 32);
-    assert!(size_of::<StatsReply>() == 20 * 8);
+    assert!(size_of::<StatsReply>() == 31 * 8);
     assert!(size_of::<RegisterKv>() == 88);
     assert!(size_of::<AttachFds>() == 16);
     assert!(size_of::<UnregisterKv>() == 16);

@@ -89,6 +89,8 @@ struct Object {
     holds: u32,
     /// A pin covers it: out of the LRU order, never evicted or cleared.
     pinned: bool,
+    /// Known to be in the second tier (written there, or read from it).
+    in_l2: bool,
     prev: u32,
     next: u32,
 }
@@ -146,6 +148,23 @@ pub struct Cache {
     high_water: u64,
     low_water: u64,
     pub stats: StatsReply,
+    /// Write-back to the second tier: evicted objects not known to be
+    /// there keep their range until written (at most this many bytes at
+    /// once; `None`: no write-back).
+    writeback: Option<u64>,
+    /// Evicted objects waiting to be handed to the second tier.
+    drained: Vec<Drained>,
+    /// Bytes of evicted objects whose ranges are kept until written.
+    draining_bytes: u64,
+}
+
+/// An evicted object whose pool range is kept until the second tier has
+/// it ([`Cache::free_drained`] gives it back).
+#[derive(Clone, Copy, Debug)]
+pub struct Drained {
+    pub key: ObjectKey,
+    pub off: u64,
+    pub len: u64,
 }
 
 /// What a lease was taken for; a retrieve must match it.
@@ -183,6 +202,9 @@ impl Cache {
             pins: HashSet::new(),
             high_water: (cap * high) as u64,
             low_water: (cap * low) as u64,
+            writeback: None,
+            drained: Vec::new(),
+            draining_bytes: 0,
         }
     }
 
@@ -248,6 +270,13 @@ impl Cache {
     }
 
     fn remove_object(&mut self, id: u32) {
+        let o = self.unlink_object(id);
+        self.pool.free(o.off, o.len);
+        self.stats.pool_used_bytes = self.pool.used();
+    }
+
+    /// Takes object `id` out of the cache (its range is the caller's).
+    fn unlink_object(&mut self, id: u32) -> Object {
         if self.in_lru(id) {
             self.lru_unlink(id);
         }
@@ -257,10 +286,78 @@ impl Cache {
             self.stats.pinned_bytes -= o.len;
         }
         self.index.remove(&o.key);
-        self.pool.free(o.off, o.len);
         self.free_ids.push(id);
         self.stats.objects -= 1;
+        o
+    }
+
+    /// Evicts object `id`: with write-back, one the second tier does not
+    /// have keeps its range until written (while the bytes waiting allow).
+    fn evict_object(&mut self, id: u32) {
+        let o = self.unlink_object(id);
+        match self.writeback {
+            Some(budget) if !o.in_l2 && self.draining_bytes + o.len <= budget => {
+                self.draining_bytes += o.len;
+                self.drained.push(Drained {
+                    key: o.key,
+                    off: o.off,
+                    len: o.len,
+                });
+            }
+            _ => self.pool.free(o.off, o.len),
+        }
         self.stats.pool_used_bytes = self.pool.used();
+        self.stats.evicted_objects += 1;
+        self.stats.evicted_bytes += o.len;
+    }
+
+    /// Turns write-back to the second tier on, with at most `budget` bytes
+    /// of evicted objects waiting to be written at once.
+    pub fn set_writeback(&mut self, budget: u64) {
+        self.writeback = Some(budget);
+    }
+
+    /// The evicted objects to hand to the second tier (their ranges stay
+    /// allocated until [`Cache::free_drained`]).
+    pub fn take_drained(&mut self) -> Vec<Drained> {
+        std::mem::take(&mut self.drained)
+    }
+
+    /// Gives back the range of a drained object (written, or not).
+    pub fn free_drained(&mut self, d: &Drained) {
+        self.pool.free(d.off, d.len);
+        self.draining_bytes -= d.len;
+        self.stats.pool_used_bytes = self.pool.used();
+    }
+
+    /// Pool bytes in use, less the ranges of evicted objects on their way
+    /// to the second tier (what eviction must bring down).
+    fn used_staying(&self) -> u64 {
+        self.pool.used() - self.draining_bytes
+    }
+
+    /// Holds each of `objs` that the second tier does not have, for a write
+    /// there (write-through): the returned ones stay readable and are not
+    /// evicted until [`Cache::l2_written`].
+    pub fn hold_for_l2(&mut self, objs: &[u32]) -> Vec<(u32, ObjectKey, u64, u64)> {
+        let mut out = Vec::new();
+        for &id in objs {
+            let Some(o) = self.objects.get_mut(id as usize).and_then(Option::as_mut) else {
+                continue;
+            };
+            if o.state == ObjState::Ready && !o.in_l2 {
+                o.holds += 1;
+                out.push((id, o.key, o.off, o.len));
+            }
+        }
+        out
+    }
+
+    /// A write held by [`Cache::hold_for_l2`] ended (`ok`: the tier has it).
+    pub fn l2_written(&mut self, id: u32, ok: bool) {
+        let o = self.obj_mut(id);
+        o.holds -= 1;
+        o.in_l2 |= ok;
     }
 
     /// Pins or unpins object `id` (moving it out of or into the LRU order),
@@ -299,10 +396,7 @@ impl Cache {
             }
             let next = self.obj(cur).next;
             if self.obj(cur).holds == 0 {
-                let len = self.obj(cur).len;
-                self.remove_object(cur);
-                self.stats.evicted_objects += 1;
-                self.stats.evicted_bytes += len;
+                self.evict_object(cur);
             }
             cur = next;
         }
@@ -326,15 +420,24 @@ impl Cache {
     /// After a store allocated: evict down to the low watermark once usage
     /// passed the high one.
     fn watermark(&mut self) {
-        if self.pool.used() > self.high_water {
+        if self.used_staying() > self.high_water {
             let low = self.low_water;
-            self.evict_until(|c| c.pool.used() <= low);
+            self.evict_until(|c| c.used_staying() <= low);
         }
     }
 
     /// Plans a store of `keys` (one per chunk, `len` bytes each): chunks
     /// already present are skipped, the others get a `Writing` object.
     pub fn plan_store(&mut self, keys: &[ObjectKey], len: u64) -> StorePlan {
+        let plan = self.plan_objects(keys, len);
+        self.stats.stores += 1;
+        self.stats.store_no_space_chunks += u64::from(plan.no_space);
+        plan
+    }
+
+    /// Objects for `keys` as [`Cache::plan_store`] makes them, counted as
+    /// no store (the second tier's loads).
+    pub fn plan_objects(&mut self, keys: &[ObjectKey], len: u64) -> StorePlan {
         let mut plan = StorePlan::default();
         for (i, key) in keys.iter().enumerate() {
             if let Some(&id) = self.index.get(key) {
@@ -355,6 +458,7 @@ impl Cache {
                 state: ObjState::Writing,
                 holds: 0,
                 pinned,
+                in_l2: false,
                 prev: NIL,
                 next: NIL,
             };
@@ -381,15 +485,26 @@ impl Cache {
             });
         }
         self.stats.pool_used_bytes = self.pool.used();
-        self.stats.stores += 1;
-        self.stats.store_no_space_chunks += u64::from(plan.no_space);
         self.watermark();
         plan
     }
 
     /// Ends a store: its objects become readable (`ok`) or are dropped.
     pub fn finish_store(&mut self, objs: &[u32], ok: bool, bytes: u64) {
+        self.finish_objects(objs, ok, false);
+        if ok {
+            self.stats.stored_chunks += objs.len() as u64;
+            self.stats.stored_bytes += bytes;
+        }
+    }
+
+    /// Ends objects planned with [`Cache::plan_objects`]: readable (`ok`;
+    /// `in_l2`: read from the second tier) or dropped.
+    pub fn finish_objects(&mut self, objs: &[u32], ok: bool, in_l2: bool) {
         for &id in objs {
+            if ok {
+                self.obj_mut(id).in_l2 = in_l2;
+            }
             if ok {
                 self.obj_mut(id).state = ObjState::Ready;
                 if !self.obj(id).pinned {
@@ -399,11 +514,54 @@ impl Cache {
                 self.remove_object(id);
             }
         }
-        if ok {
-            self.stats.stored_chunks += objs.len() as u64;
-            self.stats.stored_bytes += bytes;
-        }
         self.watermark();
+    }
+
+    /// The keys of chunk `hash` for every rank of `group` (one when the
+    /// ranks share their objects), in rank order.
+    pub fn rank_keys(meta: &LeaseMeta, group: Group, hash: ChunkHash) -> Vec<ObjectKey> {
+        let world = meta.world_size;
+        (0..world)
+            .map(|rank| ObjectKey {
+                model_id: meta.model_id,
+                salt: meta.salt,
+                fingerprint: group.fingerprint,
+                rank_tag: rank_tag(
+                    world,
+                    if group.shared_objects {
+                        SHARED_RANK
+                    } else {
+                        rank
+                    },
+                ),
+                hash,
+            })
+            .collect()
+    }
+
+    /// The ready objects of the longest prefix of `hashes` stored for every
+    /// rank of `group`: per chunk, per rank (no hold taken).
+    pub fn ready_prefix(
+        &self,
+        meta: &LeaseMeta,
+        group: Group,
+        hashes: &[ChunkHash],
+    ) -> Vec<Vec<Option<u32>>> {
+        let mut rows = Vec::new();
+        for h in hashes {
+            let row: Option<Vec<Option<u32>>> = Self::rank_keys(meta, group, *h)
+                .iter()
+                .map(|key| match self.index.get(key) {
+                    Some(&o) if self.obj(o).state == ObjState::Ready => Some(Some(o)),
+                    _ => None,
+                })
+                .collect();
+            match row {
+                Some(r) => rows.push(r),
+                None => break,
+            }
+        }
+        rows
     }
 
     /// Longest prefix of `hashes` whose objects are ready for every rank of
@@ -419,33 +577,8 @@ impl Cache {
         ttl: std::time::Duration,
         now: Instant,
     ) -> u32 {
+        let holds = self.ready_prefix(&meta, group, hashes);
         let world = meta.world_size;
-        let mut holds: Vec<Vec<Option<u32>>> = Vec::new();
-        'chunks: for h in hashes {
-            let mut row = Vec::with_capacity(world as usize);
-            for rank in 0..world {
-                let tag = rank_tag(
-                    world,
-                    if group.shared_objects {
-                        SHARED_RANK
-                    } else {
-                        rank
-                    },
-                );
-                let key = ObjectKey {
-                    model_id: meta.model_id,
-                    salt: meta.salt,
-                    fingerprint: group.fingerprint,
-                    rank_tag: tag,
-                    hash: *h,
-                };
-                match self.index.get(&key) {
-                    Some(&o) if self.obj(o).state == ObjState::Ready => row.push(Some(o)),
-                    _ => break 'chunks,
-                }
-            }
-            holds.push(row);
-        }
         let hits = holds.len() as u32;
         for row in &holds {
             for o in row.iter().flatten() {

@@ -43,6 +43,8 @@ pub struct KvState {
     pub pool: PoolMemory,
     /// The lookups-by-model rows (written under the cache's lock).
     pub model_rows: Mutex<super::model_rows::ModelRows>,
+    /// The second tier, if any.
+    pub l2: Option<Arc<super::l2::L2>>,
 }
 
 /// What serving a request produced: a status and a reply payload.
@@ -103,7 +105,7 @@ impl KvState {
                 .map(|i| super::simulated_device_uuid(i).to_bytes())
                 .collect()
         };
-        Ok(KvState {
+        let kv = KvState {
             backend_note,
             chunk_tokens: cfg.chunk_tokens,
             lease_ttl: cfg.lease_ttl,
@@ -128,7 +130,13 @@ impl KvState {
             pool,
             copier: Copier::new(max_clients, backend, &devices),
             model_rows: Mutex::new(super::model_rows::ModelRows::default()),
-        })
+            l2: cfg.l2.clone().map(|c| Arc::new(super::l2::L2::new(c))),
+        };
+        if kv.l2.as_ref().is_some_and(|t| t.mode() == super::l2::WriteMode::Back) {
+            // At most a quarter of the pool waits to be written at once.
+            kv.cache().set_writeback(kv.pool.len() / 4);
+        }
+        Ok(kv)
     }
 
     pub fn cache(&self) -> MutexGuard<'_, Cache> {
@@ -169,17 +177,28 @@ impl KvState {
     pub fn with_cache<T>(&self, shared: &Shared, f: impl FnOnce(&mut Cache) -> T) -> T {
         let mut c = self.cache();
         let r = f(&mut c);
+        if let Some(l2) = &self.l2 {
+            l2.take_drained(&mut c);
+        }
         let mut stats = c.stats;
         drop(c);
-        stats.instances = self.instances.load(Ordering::Relaxed);
+        self.fill(&mut stats);
         publish(shared, &stats);
         r
+    }
+
+    /// The counters kept outside the cache.
+    fn fill(&self, stats: &mut StatsReply) {
+        stats.instances = self.instances.load(Ordering::Relaxed);
+        if let Some(l2) = &self.l2 {
+            l2.fill(stats);
+        }
     }
 
     /// The cache's counters now.
     pub fn stats(&self) -> StatsReply {
         let mut s = self.cache().stats;
-        s.instances = self.instances.load(Ordering::Relaxed);
+        self.fill(&mut s);
         s
     }
 }
@@ -237,7 +256,9 @@ fn id_reply(id: JobId) -> Outcome {
     Ok(bytemuck::bytes_of(&id).to_vec())
 }
 
-/// LOOKUP: inline. The job is done by the time its id is answered.
+/// LOOKUP: inline (a scan of the index), unless a second tier may have
+/// what the pool misses: then the job stays running until the tier has
+/// answered ([`end_lookup`]).
 pub fn lookup(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
     let (h, rest) = split_header::<LookupRequest>(req).ok_or(Status::BadLength)?;
     if rest.len() as u64 != u64::from(h.n_chunks) * 16 {
@@ -248,53 +269,89 @@ pub fn lookup(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
     }
     let id = new_job(shared, JobKind::Lookup, who)?;
     let group = shared.kv.registry().group(h.model_id, h.world_size);
-    let hits = match group {
+    let Some(g) = group else {
         // No rank of this model is registered: nothing can be retrieved.
-        None => 0,
-        Some(g) => {
-            let hs: Vec<ChunkHash> = hashes(rest).collect();
-            let meta = LeaseMeta {
-                engine: who.engine,
-                model_id: h.model_id,
-                world_size: h.world_size,
-                salt: h.salt,
-                fingerprint: g.fingerprint,
-            };
-            shared.kv.with_cache(shared, |c| {
-                let hits = c.lookup(
-                    id,
-                    who.slot,
-                    meta,
-                    g,
-                    &hs,
-                    shared.kv.lease_ttl,
-                    Instant::now(),
-                );
-                // Under the cache's lock: one writer of the rows at a time.
-                shared
-                    .kv
-                    .model_rows
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .record(
-                        shared.seg.mapping.models(),
-                        (h.model_id, h.salt),
-                        u64::from(h.n_chunks),
-                        u64::from(hits),
-                        u64::from(shared.kv.chunk_tokens),
-                    );
-                hits
-            })
-        }
+        finish_lookup(shared, id, who.slot, 0, h.n_chunks);
+        return id_reply(id);
     };
+    let f = super::l2::Fetch {
+        id,
+        owner: who.slot,
+        meta: LeaseMeta {
+            engine: who.engine,
+            model_id: h.model_id,
+            world_size: h.world_size,
+            salt: h.salt,
+            fingerprint: g.fingerprint,
+        },
+        group: g,
+        hashes: hashes(rest).collect(),
+        l1: 0,
+    };
+    if let Some(l2) = shared.kv.l2.as_ref().filter(|t| t.up()) {
+        let l1 = shared
+            .kv
+            .with_cache(shared, |c| c.ready_prefix(&f.meta, g, &f.hashes).len() as u32);
+        if (l1 as usize) < f.hashes.len() {
+            let _ = shared.jobs.start(id, monotonic_ns());
+            match l2.fetch(super::l2::Fetch { l1, ..f }) {
+                Ok(()) => return id_reply(id),
+                // The tier's queue is full: the pool's answer.
+                Err(f) => {
+                    end_lookup(shared, &f, 0);
+                    return id_reply(id);
+                }
+            }
+        }
+    }
+    end_lookup(shared, &f, 0);
+    id_reply(id)
+}
+
+/// Ends lookup `f` (inline, or once the second tier brought `l2_hits`
+/// chunks past the pool's `f.l1` into the pool): takes its lease on the
+/// longest prefix stored for every rank, counts it, and finishes its job.
+pub(super) fn end_lookup(shared: &Shared, f: &super::l2::Fetch, l2_hits: u32) {
+    let n = f.hashes.len() as u32;
+    let hits = shared.kv.with_cache(shared, |c| {
+        let hits = c.lookup(
+            f.id,
+            f.owner,
+            f.meta,
+            f.group,
+            &f.hashes,
+            shared.kv.lease_ttl,
+            Instant::now(),
+        );
+        if l2_hits > 0 {
+            c.stats.lookup_l2_hit_chunks += u64::from(hits.saturating_sub(f.l1));
+        }
+        // Under the cache's lock: one writer of the rows at a time.
+        shared
+            .kv
+            .model_rows
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .record(
+                shared.seg.mapping.models(),
+                (f.meta.model_id, f.meta.salt),
+                u64::from(n),
+                u64::from(hits),
+                u64::from(shared.kv.chunk_tokens),
+            );
+        hits
+    });
+    finish_lookup(shared, f.id, f.owner, hits, n);
+}
+
+fn finish_lookup(shared: &Shared, id: JobId, owner: u32, hits: u32, n: u32) {
     let result = JobResult {
         value: u64::from(hits),
-        aux: u64::from(h.n_chunks),
+        aux: u64::from(n),
     };
     if shared.jobs.finish(id, result, monotonic_ns()).is_ok() {
-        shared.job_ended(who.slot, id, true);
+        shared.job_ended(owner, id, true);
     }
-    id_reply(id)
 }
 
 /// The request's engine event, if it names one the backend can wait for.

@@ -22,6 +22,7 @@ mod capacity;
 mod delay;
 mod http;
 mod kv_ops;
+mod l2;
 mod model_rows;
 mod peer_memory;
 mod pool;
@@ -30,6 +31,7 @@ mod ring_loop;
 mod transfer;
 
 pub use http::{HttpConfig, CLIENT_DEADLINE as HTTP_CLIENT_DEADLINE, DEFAULT_ADDR as DEFAULT_HTTP_ADDR};
+pub use l2::{L2Config, WriteMode as L2WriteMode};
 pub use transfer::{Backend, BackendKind, HostBackend};
 
 use crate::client_memory::OwnedClientMemory;
@@ -141,6 +143,8 @@ pub struct KvConfig {
     pub high_watermark: f64,
     /// ... and down to which it evicts.
     pub low_watermark: f64,
+    /// A second tier on Valkey/Redis, if any.
+    pub l2: Option<L2Config>,
 }
 
 impl Default for KvConfig {
@@ -159,6 +163,7 @@ impl Default for KvConfig {
             engine_event_timeout: Duration::from_secs(60),
             high_watermark: 0.9,
             low_watermark: 0.8,
+            l2: None,
         }
     }
 }
@@ -369,6 +374,8 @@ pub struct ServerHandle {
     workers: Vec<JoinHandle<()>>,
     /// Stopped first at shutdown.
     http: Option<http::HttpServer>,
+    /// The second tier's thread: stopped after the copy workers.
+    l2: Option<l2::L2Thread>,
     paths: ServerPaths,
     _lock: File,
 }
@@ -431,6 +438,10 @@ impl ServerHandle {
         // Queued tasks go now, so their jobs' streams are released before
         // the jobs are failed below.
         sh.kv.copier.drop_queued(sh.seg.mapping.lanes());
+        // The second tier: its lookups not answered yet fail below.
+        if let Some(mut t) = self.l2.take() {
+            t.stop();
+        }
         // Unfinished jobs end Failed(ServerShutdown) while their owners are
         // still connected, so a waiting owner reads that, not a bare
         // "server gone".
@@ -663,12 +674,17 @@ pub fn start(cfg: ServerConfig) -> Result<ServerHandle> {
         )?),
         _ => None,
     };
+    let l2 = match shared.kv.l2 {
+        Some(_) => Some(l2::L2Thread::start(shared.clone())?),
+        None => None,
+    };
     undo.done();
     Ok(ServerHandle {
         shared,
         threads,
         workers,
         http,
+        l2,
         paths,
         _lock: lock,
     })

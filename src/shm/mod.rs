@@ -126,20 +126,20 @@ shm_struct! {
         [584] pub cache_stats: [AtomicU64; CACHE_STATS_WORDS],
         /// Live: job slots retired because another process wrote their
         /// lock word (never used again).
-        [744] pub jobs_retired: AtomicU64,
+        [832] pub jobs_retired: AtomicU64,
         /// Live: bytes of the pool ready for copies (pinned with the
         /// driver by the CUDA backend, which pins it piece by piece after
         /// the start; all of it at once for the host backend).
-        [752] pub pool_ready_bytes: AtomicU64,
-        [760] pub _reserved2: AtomicU64,
+        [840] pub pool_ready_bytes: AtomicU64,
+        [848] pub _reserved2: [AtomicU64; 22],
     }
 }
 
 /// Words of `SegmentHeader::cache_stats`.
-pub const CACHE_STATS_WORDS: usize = 20;
+pub const CACHE_STATS_WORDS: usize = 31;
 
 const _: () = {
-    assert!(size_of::<SegmentHeader>() == 768);
+    assert!(size_of::<SegmentHeader>() == 1024);
     assert!(std::mem::size_of::<crate::proto::kv::StatsReply>() == CACHE_STATS_WORDS * 8);
     assert!(size_of::<SegmentHeader>() <= PAGE);
 };

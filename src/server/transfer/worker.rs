@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use crate::jobs::{FailReason, JobResult};
 use crate::liveness::monotonic_ns;
+use crate::server::l2::{AfterWrite, WriteMode};
 use crate::server::Shared;
 use std::sync::atomic::Ordering;
 
@@ -370,9 +371,20 @@ fn finish(shared: &Shared, job: &JobRun) {
     // failed, or the job ended early) its objects are dropped.
     let published = match job.dir {
         Dir::ToPool => {
-            shared
-                .kv
-                .with_cache(shared, |c| c.finish_store(&job.objs, ok, bytes));
+            shared.kv.with_cache(shared, |c| {
+                c.finish_store(&job.objs, ok, bytes);
+                // Write-through: each new object goes to the second tier,
+                // held (readable, not evicted) until written.
+                if let Some(l2) = shared.kv.l2.as_ref().filter(|t| t.mode() == WriteMode::Through) {
+                    if ok {
+                        for (id, key, off, len) in c.hold_for_l2(&job.objs) {
+                            if l2.write(key, off, len, AfterWrite::Release(id)).is_err() {
+                                c.l2_written(id, false);
+                            }
+                        }
+                    }
+                }
+            });
             outcome()
         }
         Dir::FromPool => {

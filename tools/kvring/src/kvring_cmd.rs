@@ -147,6 +147,8 @@ enum Cmd {
         /// not only loopback.
         #[arg(long)]
         http_admin_remote: bool,
+        #[command(flatten)]
+        l2: L2Args,
     },
     /// Asks a server's HTTP endpoint whether it is healthy (GET /healthz)
     /// or, with --ready, ready (GET /readyz); prints the answer and exits 0
@@ -216,6 +218,64 @@ enum Cmd {
         #[arg(long)]
         keep: bool,
     },
+}
+
+/// The second tier's options of `kvring serve`.
+#[derive(Args, Debug)]
+struct L2Args {
+    /// A second tier on Valkey/Redis: redis://[USER:PASSWORD@]HOST:PORT
+    /// (rediss:// for TLS). Given more than once, or as redis+cluster://,
+    /// the seeds of a Valkey/Redis Cluster.
+    #[arg(long = "l2", env = "KVRING_L2", value_delimiter = ',')]
+    urls: Vec<String>,
+    /// Put before every key of the second tier.
+    #[arg(long, default_value = "kvring:")]
+    l2_prefix: String,
+    /// When objects go to the second tier: `back` (when the pool evicts
+    /// them) or `through` (as soon as they are stored).
+    #[arg(long, default_value = "back", value_parser = ["back", "through"])]
+    l2_write: String,
+    /// Expire written objects after this (seconds; default: never, the
+    /// store's maxmemory policy decides).
+    #[arg(long, value_parser = parse_seconds)]
+    l2_ttl_s: Option<f64>,
+    /// Connect within this, and take an answer within this (seconds).
+    #[arg(long, default_value_t = 1.0, value_parser = parse_seconds)]
+    l2_timeout_s: f64,
+    /// The longest a lookup waits for the second tier (seconds).
+    #[arg(long, default_value_t = 2.0, value_parser = parse_seconds)]
+    l2_lookup_wait_s: f64,
+    /// Operations queued for the second tier at most (writes past it are
+    /// dropped and counted; lookups answer from the pool).
+    #[arg(long, default_value_t = 1024)]
+    l2_queue: usize,
+}
+
+impl L2Args {
+    fn config(&self) -> kvring::Result<Option<kvring::server::L2Config>> {
+        if self.urls.is_empty() {
+            return Ok(None);
+        }
+        let mut c =
+            kvring::server::L2Config::from_urls(&self.urls).map_err(kvring::Error::Config)?;
+        c.prefix = self.l2_prefix.clone();
+        c.mode = if self.l2_write == "through" {
+            kvring::server::L2WriteMode::Through
+        } else {
+            kvring::server::L2WriteMode::Back
+        };
+        c.ttl = self.l2_ttl_s.map(Duration::from_secs_f64);
+        c.connect_timeout = Duration::from_secs_f64(self.l2_timeout_s);
+        c.response_timeout = Duration::from_secs_f64(self.l2_timeout_s);
+        c.lookup_wait = Duration::from_secs_f64(self.l2_lookup_wait_s);
+        if self.l2_queue == 0 {
+            return Err(kvring::Error::Config(
+                "--l2-queue must be at least 1".into(),
+            ));
+        }
+        c.queue = self.l2_queue;
+        Ok(Some(c))
+    }
 }
 
 /// A positive, finite number of seconds.
@@ -342,6 +402,7 @@ fn run(cli: Cli, this: Vec<OsString>) -> kvring::Result<()> {
             stuck_job_s,
             stalled_lane_s,
             http_admin_remote,
+            l2,
         } => {
             let mut cfg = ServerConfig::new(&target.name);
             cfg.runtime_dir = target.dir();
@@ -389,6 +450,8 @@ fn run(cli: Cli, this: Vec<OsString>) -> kvring::Result<()> {
             cfg.kv.cuda_zero_copy_ctas = cuda_zero_copy_ctas;
             cfg.kv.cuda_depth = cuda_depth;
             cfg.kv.simulated_devices = simulated_devices;
+            cfg.kv.l2 = l2.config()?;
+            let cfg_l2 = cfg.kv.l2.clone();
             let _signals = StopSignals::install();
             let server = kvring::server::start(cfg)?;
             let p = server.paths();
@@ -402,6 +465,19 @@ fn run(cli: Cli, this: Vec<OsString>) -> kvring::Result<()> {
                 chunk_tokens
             );
             println!("kvring: copy backend {}", server.backend().1);
+            if let Some(c) = &cfg_l2 {
+                println!(
+                    "kvring: second tier {} ({}, write-{}, keys {}*)",
+                    c.urls.join(", "),
+                    if c.cluster { "cluster" } else { "standalone" },
+                    if c.mode == kvring::server::L2WriteMode::Back {
+                        "back"
+                    } else {
+                        "through"
+                    },
+                    c.prefix
+                );
+            }
             if let Some(a) = server.http_addr() {
                 println!("kvring: http://{a}/metrics, /healthz, /readyz, /status");
             }

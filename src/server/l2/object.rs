@@ -1,0 +1,89 @@
+//! A chunk object as the second tier stores it: a 32-byte header (magic,
+//! format version, length, checksum) and the object's bytes, which are the
+//! pool's layout-independent chunk object. A value whose header or checksum
+//! does not hold is a miss, never wrong KV.
+
+/// The version of this format (in the key too).
+pub const FORMAT_VERSION: u32 = 1;
+/// `"KVRINGL2"` as a little-endian u64.
+const MAGIC: u64 = u64::from_le_bytes(*b"KVRINGL2");
+/// Header bytes.
+pub const HEADER: usize = 32;
+
+/// Why a value is not an object of this format.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+pub enum BadValue {
+    #[error("{0} bytes: shorter than the header")]
+    Short(usize),
+    #[error("not a kvring object (magic {0:#x})")]
+    Magic(u64),
+    #[error("format version {0}, not {FORMAT_VERSION}")]
+    Version(u32),
+    #[error("{found} bytes of object where the header says {said}")]
+    Length { said: u64, found: u64 },
+    #[error("checksum mismatch")]
+    Checksum,
+}
+
+/// The value of object `bytes`.
+pub fn encode(bytes: &[u8]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(HEADER + bytes.len());
+    v.extend_from_slice(&MAGIC.to_le_bytes());
+    v.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+    v.extend_from_slice(&0u32.to_le_bytes());
+    v.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
+    v.extend_from_slice(&xxhash_rust::xxh3::xxh3_64(bytes).to_le_bytes());
+    v.extend_from_slice(bytes);
+    v
+}
+
+/// The object in `value`, checked.
+pub fn decode(value: &[u8]) -> Result<&[u8], BadValue> {
+    if value.len() < HEADER {
+        return Err(BadValue::Short(value.len()));
+    }
+    let word = |at: usize| u64::from_le_bytes(value[at..at + 8].try_into().expect("8 bytes"));
+    let magic = word(0);
+    if magic != MAGIC {
+        return Err(BadValue::Magic(magic));
+    }
+    let version = u32::from_le_bytes(value[8..12].try_into().expect("4 bytes"));
+    if version != FORMAT_VERSION {
+        return Err(BadValue::Version(version));
+    }
+    let (said, sum) = (word(16), word(24));
+    let body = &value[HEADER..];
+    if body.len() as u64 != said {
+        return Err(BadValue::Length {
+            said,
+            found: body.len() as u64,
+        });
+    }
+    if xxhash_rust::xxh3::xxh3_64(body) != sum {
+        return Err(BadValue::Checksum);
+    }
+    Ok(body)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_object_round_trips_and_any_damage_is_caught() {
+        let obj: Vec<u8> = (0..10_000u32).map(|i| (i * 7) as u8).collect();
+        let v = encode(&obj);
+        assert_eq!(decode(&v).unwrap(), &obj[..]);
+        assert_eq!(decode(&v[..v.len() - 1]).unwrap_err(), BadValue::Length { said: 10_000, found: 9_999 });
+        assert_eq!(decode(&v[..10]).unwrap_err(), BadValue::Short(10));
+        let mut flipped = v.clone();
+        flipped[HEADER + 5_000] ^= 1;
+        assert_eq!(decode(&flipped).unwrap_err(), BadValue::Checksum);
+        let mut other = v.clone();
+        other[0] = b'X';
+        assert!(matches!(decode(&other), Err(BadValue::Magic(_))));
+        let mut newer = v;
+        newer[8] = 2;
+        assert_eq!(decode(&newer).unwrap_err(), BadValue::Version(2));
+    }
+}
