@@ -8,6 +8,8 @@
 //! ([`Host`], [`SimulatedDevices`], `Cuda`).
 #![allow(dead_code)]
 
+pub mod valkey;
+
 use kvring::jobs::{JobResult, JobStatus};
 use kvring::kv::pattern::KvMemory;
 use kvring::kv::{
