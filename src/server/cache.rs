@@ -156,6 +156,9 @@ pub struct Cache {
     drained: Vec<Drained>,
     /// Bytes of evicted objects whose ranges are kept until written.
     draining_bytes: u64,
+    /// Evicted objects not kept for the second tier since the last
+    /// [`Cache::take_drained`] (too many bytes waiting already).
+    drain_refused: u64,
 }
 
 /// An evicted object whose pool range is kept until the second tier has
@@ -205,6 +208,7 @@ impl Cache {
             writeback: None,
             drained: Vec::new(),
             draining_bytes: 0,
+            drain_refused: 0,
         }
     }
 
@@ -304,6 +308,10 @@ impl Cache {
                     len: o.len,
                 });
             }
+            Some(_) if !o.in_l2 => {
+                self.drain_refused += 1;
+                self.pool.free(o.off, o.len);
+            }
             _ => self.pool.free(o.off, o.len),
         }
         self.stats.pool_used_bytes = self.pool.used();
@@ -318,9 +326,13 @@ impl Cache {
     }
 
     /// The evicted objects to hand to the second tier (their ranges stay
-    /// allocated until [`Cache::free_drained`]).
-    pub fn take_drained(&mut self) -> Vec<Drained> {
-        std::mem::take(&mut self.drained)
+    /// allocated until [`Cache::free_drained`]), and how many others were
+    /// evicted without being kept for it since the last call.
+    pub fn take_drained(&mut self) -> (Vec<Drained>, u64) {
+        (
+            std::mem::take(&mut self.drained),
+            std::mem::take(&mut self.drain_refused),
+        )
     }
 
     /// Gives back the range of a drained object (written, or not).

@@ -294,7 +294,7 @@ pub fn lookup(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
             .with_cache(shared, |c| c.ready_prefix(&f.meta, g, &f.hashes).len() as u32);
         if (l1 as usize) < f.hashes.len() {
             let _ = shared.jobs.start(id, monotonic_ns());
-            match l2.fetch(super::l2::Fetch { l1, ..f }) {
+            match l2.fetch(Box::new(super::l2::Fetch { l1, ..f })) {
                 Ok(()) => return id_reply(id),
                 // The tier's queue is full: the pool's answer.
                 Err(f) => {

@@ -149,7 +149,7 @@ enum Op {
         len: u64,
         then: AfterWrite,
     },
-    Fetch(Fetch),
+    Fetch(Box<Fetch>),
 }
 
 /// The tier as the server's threads see it: a bounded queue to its thread,
@@ -202,9 +202,9 @@ impl L2 {
         self.state() == L2State::Up as u8
     }
 
-    fn push(&self, op: Op) -> Result<(), Op> {
+    fn push(&self, op: Op) -> Result<(), Box<Op>> {
         if !self.up() {
-            return Err(op);
+            return Err(Box::new(op));
         }
         match self.tx.try_send(op) {
             Ok(()) => {
@@ -212,7 +212,7 @@ impl L2 {
                 self.counters.queue.fetch_add(1, Ordering::Relaxed);
                 Ok(())
             }
-            Err(e) => Err(e.into_inner()),
+            Err(e) => Err(Box::new(e.into_inner())),
         }
     }
 
@@ -223,7 +223,7 @@ impl L2 {
         self.push(Op::Write { key, off, len, then }).map_err(|op| {
             // Relaxed: a counter.
             self.counters.dropped.fetch_add(1, Ordering::Relaxed);
-            match op {
+            match *op {
                 Op::Write { then, .. } => then,
                 Op::Fetch(_) => unreachable!("a write was pushed"),
             }
@@ -231,8 +231,8 @@ impl L2 {
     }
 
     /// Queues a lookup's fetch; `Err` when not queued.
-    pub fn fetch(&self, f: Fetch) -> Result<(), Fetch> {
-        self.push(Op::Fetch(f)).map_err(|op| match op {
+    pub fn fetch(&self, f: Box<Fetch>) -> Result<(), Box<Fetch>> {
+        self.push(Op::Fetch(f)).map_err(|op| match *op {
             Op::Fetch(f) => f,
             Op::Write { .. } => unreachable!("a fetch was pushed"),
         })
@@ -257,7 +257,10 @@ impl L2 {
     /// Hands the objects the cache evicted to the tier (write-back); one
     /// not taken gets its range back at once. Called with the cache locked.
     pub fn take_drained(&self, c: &mut Cache) {
-        for d in c.take_drained() {
+        let (drained, refused) = c.take_drained();
+        // Relaxed: a counter.
+        self.counters.dropped.fetch_add(refused, Ordering::Relaxed);
+        for d in drained {
             if let Err(AfterWrite::Free(d)) = self.write(d.key, d.off, d.len, AfterWrite::Free(d)) {
                 c.free_drained(&d);
             }
@@ -488,7 +491,9 @@ async fn fetch(shared: &Shared, l2: &L2, c: Conn, f: &Fetch) -> u32 {
                 gets.spawn(async move { (i, r, k, c.get(&name, wait).await) });
             }
         }
-        let mut rows: Vec<Vec<Option<(ObjectKey, Vec<u8>)>>> = vec![vec![None; ranks]; window.len()];
+        // Per chunk of the window, per rank: the key and the object.
+        type Row = Vec<Option<(ObjectKey, Vec<u8>)>>;
+        let mut rows: Vec<Row> = vec![vec![None; ranks]; window.len()];
         let mut failed = false;
         while let Some(j) = gets.join_next().await {
             let Ok((i, r, k, res)) = j else {

@@ -39,6 +39,8 @@ impl Target {
     }
 }
 
+// Parsed once per process: the size of the server's options does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum Cmd {
     /// Run the cache server until SIGINT or SIGTERM.

@@ -1,0 +1,268 @@
+//! The second tier against real Valkey: two `kvring` servers under
+//! different names stand for two hosts sharing one L2 (store on A, look up
+//! and retrieve on B, every byte checked), write-through and write-back on
+//! eviction, a restarted server serving from L2, a corrupted value read as
+//! a miss, a three-node cluster, and Valkey stopped (SIGSTOP) and killed
+//! under load: no lookup waits past its deadline, no byte is wrong, the
+//! pool keeps serving, and the tier comes back when Valkey does.
+
+mod common;
+
+use common::valkey::{Valkey, ValkeyCluster};
+use common::*;
+use kvring::kv::{chunk_hashes, ChunkHash};
+use kvring::proto::kv::StatsReply;
+use kvring::Retrieve;
+use std::time::{Duration, Instant};
+
+/// A server with 64-token chunks (a 64 MiB pool unless `extra` sizes it)
+/// and a second tier at `urls`.
+fn server(tag: &str, urls: &[String], extra: &[&str]) -> Fixture {
+    let mut args: Vec<String> = vec!["--chunk-tokens".into(), CHUNK.to_string()];
+    if !extra.contains(&"--pool-bytes") {
+        args.extend(["--pool-bytes", "64MiB"].map(String::from));
+    }
+    for u in urls {
+        args.push("--l2".into());
+        args.push(u.clone());
+    }
+    args.extend(["--http", "off", "--l2-timeout-s", "0.5"].map(String::from));
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    Fixture::new(tag, Duration::from_secs(120), &args)
+}
+
+/// An engine on `s`, once the server's second tier is up (before, its
+/// writes are dropped and its lookups answered from the pool).
+fn engine(s: &Fixture) -> Engine {
+    let mut e = Engine::new(s, small_layout(), 1, 0);
+    until(&mut e, "the second tier up", |s| s.l2_state == 2);
+    e
+}
+
+fn stats(e: &mut Engine) -> StatsReply {
+    e.c.stats().unwrap()
+}
+
+/// Waits (10 s at most) until `f` holds of the server's counters.
+fn until(e: &mut Engine, what: &str, f: impl Fn(&StatsReply) -> bool) -> StatsReply {
+    let end = Instant::now() + Duration::from_secs(10);
+    loop {
+        let s = stats(e);
+        if f(&s) {
+            return s;
+        }
+        assert!(Instant::now() < end, "{what}: {s:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// `n` chunks of prompt `seed`, written into `e`'s cache and stored (at
+/// most 16 chunks: the test cache's 64 blocks).
+fn store(e: &mut Engine, seed: u32, n: usize) -> Vec<ChunkHash> {
+    let hashes = chunk_hashes(&prompt(seed, n * CHUNK as usize), CHUNK);
+    let blocks = e.blocks(0, n);
+    e.write(&hashes, &blocks);
+    assert_eq!(e.store(0, &hashes, &blocks).value, n as u64);
+    hashes
+}
+
+/// Looks `hashes` up on `e`'s server, retrieves the hits into fresh
+/// (poisoned) blocks and checks every byte; the hits.
+fn fetch_and_check(e: &mut Engine, hashes: &[ChunkHash]) -> u64 {
+    let lease = lookup(&mut e.c, 1, 0, hashes);
+    let hits = lease.hits();
+    if hits == 0 {
+        return 0;
+    }
+    e.cache.poison(0x5a);
+    let dst = e.blocks(1, hits as usize);
+    let r = done(e.c.retrieve(Retrieve::new(&e.inst, &lease, &dst)).unwrap());
+    assert_eq!(r.value, hits);
+    e.verify(&hashes[..hits as usize], &dst, 0, 0x5a);
+    let _ = lease.into_id();
+    hits
+}
+
+#[test]
+fn objects_stored_on_one_server_are_retrieved_on_another_through_valkey() {
+    let vk = Valkey::start("l2-share");
+    let a = server("l2-share-a", &[vk.url()], &["--l2-write", "through"]);
+    let b = server("l2-share-b", &[vk.url()], &[]);
+    let mut ea = engine(&a);
+    let mut eb = engine(&b);
+    let hashes = store(&mut ea, 1, 12);
+    until(&mut ea, "written through", |s| s.l2_written_objects == 12);
+    assert_eq!(vk.keys("kvring:*").len(), 12);
+    // B never saw them: its lookup waits for the tier, then every byte
+    // comes from A's stores.
+    assert_eq!(fetch_and_check(&mut eb, &hashes), 12);
+    let s = stats(&mut eb);
+    assert_eq!(
+        (s.lookup_l2_hit_chunks, s.l2_loaded_objects, s.l2_state),
+        (12, 12, 2)
+    );
+    // Now in B's pool: a second lookup needs no tier.
+    assert_eq!(fetch_and_check(&mut eb, &hashes), 12);
+    assert_eq!(stats(&mut eb).lookup_l2_hit_chunks, 12);
+    // A longer prompt: the tier has its first 12 chunks only.
+    let mut longer = hashes.clone();
+    longer.extend(chunk_hashes(&prompt(99, 3 * CHUNK as usize), CHUNK));
+    assert_eq!(lookup(&mut eb.c, 1, 0, &longer).hits(), 12);
+}
+
+#[test]
+fn evicted_objects_are_written_back_and_served_again() {
+    let vk = Valkey::start("l2-back");
+    // A 1 MiB pool holds about 30 of the 32 KiB objects.
+    let a = server("l2-back-a", &[vk.url()], &["--pool-bytes", "1MiB"]);
+    let mut e = engine(&a);
+    // Four chunks at a time, each batch written before the next: the
+    // objects waiting stay within a quarter of the pool.
+    let first: Vec<ChunkHash> = (0..16)
+        .step_by(4)
+        .flat_map(|i| {
+            let h = store(&mut e, 10 + i, 4);
+            until(&mut e, "queue drained", |s| s.l2_queue == 0);
+            h
+        })
+        .collect();
+    for seed in 30..42 {
+        store(&mut e, seed, 4);
+        until(&mut e, "queue drained", |s| s.l2_queue == 0);
+    }
+    let s = until(&mut e, "written back", |s| {
+        s.l2_written_objects + s.l2_write_dropped_objects == s.evicted_objects
+    });
+    assert!(s.evicted_objects >= 30, "{s:?}");
+    assert_eq!(s.l2_write_dropped_objects, 0, "{s:?}");
+    // A burst evicts more than may wait at once: the rest are dropped, and
+    // counted.
+    store(&mut e, 50, 16);
+    let s = until(&mut e, "burst accounted", |s| {
+        s.l2_queue == 0 && s.l2_written_objects + s.l2_write_dropped_objects == s.evicted_objects
+    });
+    assert!(s.l2_write_dropped_objects > 0, "{s:?}");
+    // The first prompt left the pool long ago; the tier has it.
+    assert_eq!(fetch_and_check(&mut e, &first), 16);
+    assert!(stats(&mut e).lookup_l2_hit_chunks >= 16);
+}
+
+#[test]
+fn a_restarted_server_serves_from_valkey() {
+    let vk = Valkey::start("l2-restart");
+    let mut a = server("l2-restart", &[vk.url()], &["--l2-write", "through"]);
+    let hashes = {
+        let mut e = engine(&a);
+        let h = store(&mut e, 20, 8);
+        until(&mut e, "written through", |s| s.l2_written_objects == 8);
+        h
+    };
+    a.srv.kill();
+    let url = vk.url();
+    a.restart(&[KV_SERVER_ARGS.as_slice(), &["--l2", &url, "--http", "off"]].concat());
+    let mut e = engine(&a);
+    assert_eq!(stats(&mut e).objects, 0);
+    assert_eq!(fetch_and_check(&mut e, &hashes), 8);
+}
+
+#[test]
+fn a_corrupted_or_truncated_value_is_a_miss() {
+    let vk = Valkey::start("l2-corrupt");
+    let a = server("l2-corrupt-a", &[vk.url()], &["--l2-write", "through"]);
+    let mut ea = engine(&a);
+    let hashes = store(&mut ea, 30, 6);
+    until(&mut ea, "written through", |s| s.l2_written_objects == 6);
+    let key_of = |h: &ChunkHash| {
+        let hex: String = h.iter().map(|b| format!("{b:02x}")).collect();
+        let keys = vk.keys(&format!("kvring:*:{hex}"));
+        assert_eq!(keys.len(), 1, "{keys:?}");
+        keys[0].clone()
+    };
+    // Chunk 4: one bit flipped in the object; chunk 2: cut short.
+    let k4 = key_of(&hashes[4]);
+    let mut v = vk.get_raw(&k4).unwrap();
+    let at = v.len() / 2;
+    v[at] ^= 0x10;
+    vk.set_raw(&k4, &v);
+    let k2 = key_of(&hashes[2]);
+    let v = vk.get_raw(&k2).unwrap();
+    vk.set_raw(&k2, &v[..v.len() - 100]);
+    let b = server("l2-corrupt-b", &[vk.url()], &[]);
+    let mut eb = engine(&b);
+    assert_eq!(fetch_and_check(&mut eb, &hashes), 2);
+    // Past the truncated chunk: the flipped one is a miss too.
+    assert_eq!(fetch_and_check(&mut eb, &hashes[3..]), 1);
+    assert_eq!(stats(&mut eb).l2_corrupt_objects, 2);
+}
+
+#[test]
+fn a_three_node_cluster_spreads_objects_over_its_slots() {
+    let cl = ValkeyCluster::start("l2-cluster");
+    let a = server("l2-cluster-a", &cl.urls(), &["--l2-write", "through"]);
+    let cluster_url = format!(
+        "redis+cluster://{}",
+        cl.urls()[1].trim_start_matches("redis://")
+    );
+    let b = server("l2-cluster-b", &[cluster_url], &[]);
+    let mut ea = engine(&a);
+    let mut eb = engine(&b);
+    let hashes = store(&mut ea, 40, 15);
+    until(&mut ea, "written through", |s| s.l2_written_objects == 15);
+    let per_node = cl.keys_per_node();
+    assert_eq!(per_node.iter().sum::<usize>(), 15);
+    assert!(per_node.iter().all(|&n| n > 0), "{per_node:?}");
+    assert_eq!(fetch_and_check(&mut eb, &hashes), 15);
+}
+
+#[test]
+fn valkey_stopped_or_killed_under_load_never_holds_up_the_pool() {
+    let mut vk = Valkey::start("l2-down");
+    let a = server(
+        "l2-down",
+        &[vk.url()],
+        &["--l2-write", "through", "--l2-lookup-wait-s", "1"],
+    );
+    let mut e = engine(&a);
+    let cached = store(&mut e, 50, 8);
+    until(&mut e, "up", |s| s.l2_written_objects == 8);
+    // Lookups that miss the pool ask the tier: bounded however it fails.
+    let absent = chunk_hashes(&prompt(51, 4 * CHUNK as usize), CHUNK);
+    let mut worst = Duration::ZERO;
+    let mut round = |e: &mut Engine, seed: u32| {
+        let t = Instant::now();
+        assert_eq!(lookup(&mut e.c, 1, 0, &absent).hits(), 0);
+        worst = worst.max(t.elapsed());
+        assert_eq!(fetch_and_check(e, &cached), 8);
+        store(e, seed, 2);
+    };
+    vk.pause();
+    for seed in 100..110 {
+        round(&mut e, seed);
+    }
+    let s = until(&mut e, "down while stopped", |s| s.l2_state == 3);
+    assert!(s.l2_errors > 0, "{s:?}");
+    vk.resume();
+    let before = until(&mut e, "up after SIGCONT", |s| s.l2_state == 2).l2_written_objects;
+    store(&mut e, 120, 2);
+    until(&mut e, "writing again", |s| {
+        s.l2_written_objects >= before + 2
+    });
+    vk.kill();
+    for seed in 130..140 {
+        round(&mut e, seed);
+    }
+    until(&mut e, "down while killed", |s| s.l2_state == 3);
+    vk.restart();
+    let before = until(&mut e, "up after restart", |s| s.l2_state == 2).l2_written_objects;
+    store(&mut e, 150, 2);
+    until(&mut e, "writing after restart", |s| {
+        s.l2_written_objects >= before + 2
+    });
+    // Each lookup took at most the wait bound (1 s) plus scheduling.
+    assert!(
+        worst < Duration::from_millis(1800),
+        "a lookup took {worst:?}"
+    );
+    // And the pool served every round, byte for byte (checked above).
+}
