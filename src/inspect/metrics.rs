@@ -339,8 +339,76 @@ fn registry(s: &Snapshot) -> Registry {
             None,
             c.leases_expired,
         ),
+        (
+            "lookup_l2_hit_chunks",
+            "chunks lookups found in the second tier beyond the pool's (part of lookup_hit_chunks)",
+            None,
+            c.lookup_l2_hit_chunks,
+        ),
+        (
+            "l2_written_objects",
+            "objects written to the second tier",
+            None,
+            c.l2_written_objects,
+        ),
+        (
+            "l2_write_dropped_objects",
+            "objects not written to the second tier (its queue full, it down, too many bytes waiting)",
+            None,
+            c.l2_write_dropped_objects,
+        ),
+        (
+            "l2_loaded_objects",
+            "objects read from the second tier into the pool",
+            None,
+            c.l2_loaded_objects,
+        ),
+        (
+            "l2_missed_objects",
+            "objects asked of the second tier and not there",
+            None,
+            c.l2_missed_objects,
+        ),
+        (
+            "l2_corrupt_objects",
+            "second-tier values that failed their check (read as misses)",
+            None,
+            c.l2_corrupt_objects,
+        ),
+        (
+            "l2_out",
+            "value bytes written to the second tier",
+            Some(Unit::Bytes),
+            c.l2_bytes_out,
+        ),
+        (
+            "l2_in",
+            "value bytes read from the second tier",
+            Some(Unit::Bytes),
+            c.l2_bytes_in,
+        ),
+        (
+            "l2_errors",
+            "second-tier commands that failed (timeouts, connection errors)",
+            None,
+            c.l2_errors,
+        ),
     ] {
         x.counter(name, help, unit, v);
+    }
+    x.gauge(
+        "l2_queue",
+        "operations queued for or running on the second tier",
+        None,
+        c.l2_queue as f64,
+    );
+    if c.l2_state != 0 {
+        x.gauge(
+            "l2_up",
+            "1 while the second tier answers, 0 while it is down or connecting (absent without one)",
+            None,
+            if c.l2_state == 2 { 1.0 } else { 0.0 },
+        );
     }
     x.gauge(
         "pool_ready",

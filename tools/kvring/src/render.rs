@@ -194,6 +194,28 @@ pub fn show(s: &Snapshot, rates: Option<Rates>) -> String {
             mib(c.pinned_bytes)
         );
     }
+    if c.l2_state != 0 {
+        let _ = writeln!(
+            o,
+            "second tier: {}, {} queued; written {} objects ({} dropped), loaded {} ({} missed, {} corrupt), {} MiB out, {} MiB in, {} errors; lookups found {} chunks there",
+            match c.l2_state {
+                1 => "connecting",
+                2 => "up",
+                3 => "down",
+                _ => "?",
+            },
+            c.l2_queue,
+            c.l2_written_objects,
+            c.l2_write_dropped_objects,
+            c.l2_loaded_objects,
+            c.l2_missed_objects,
+            c.l2_corrupt_objects,
+            mib(c.l2_bytes_out),
+            mib(c.l2_bytes_in),
+            c.l2_errors,
+            c.lookup_l2_hit_chunks
+        );
+    }
     for l in &s.lanes {
         let _ = writeln!(
             o,
