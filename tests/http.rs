@@ -18,45 +18,9 @@ use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
-/// A port free now on loopback.
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// Sends `raw` and returns the status code and the body.
-fn exchange(port: u16, raw: &[u8]) -> (u16, String) {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    s.write_all(raw).unwrap();
-    let mut out = Vec::new();
-    s.read_to_end(&mut out).unwrap();
-    let text = String::from_utf8(out).unwrap();
-    let code = text
-        .split(' ')
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or_else(|| panic!("no status line in {text:?}"));
-    let body = text
-        .split_once("\r\n\r\n")
-        .map_or("", |(_, b)| b)
-        .to_string();
-    (code, body)
-}
-
-fn get(port: u16, path: &str) -> (u16, String) {
-    exchange(
-        port,
-        format!("GET {path} HTTP/1.1\r\nHost: localhost\r\n\r\n").as_bytes(),
-    )
-}
-
 /// A `POST` of `body` (JSON) with its `Content-Length`.
 fn post_json(port: u16, path: &str, body: &str) -> (u16, String) {
-    exchange(
+    http_exchange(
         port,
         format!(
             "POST {path} HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
@@ -83,14 +47,6 @@ fn non_loopback_ip() -> Option<std::net::IpAddr> {
         })
 }
 
-fn server_with_http(tag: &str, extra: &[&str]) -> (Fixture, u16) {
-    let port = free_port();
-    let addr = format!("127.0.0.1:{port}");
-    let mut args = vec!["--http", addr.as_str(), "--pool-bytes", "64MiB"];
-    args.extend_from_slice(extra);
-    (Fixture::new(tag, Duration::from_secs(90), &args), port)
-}
-
 #[test]
 fn a_scrape_counts_what_was_done_and_health_sees_a_stuck_job() {
     let (s, port) = server_with_http("http-metrics", &["--stuck-job-s", "1"]);
@@ -101,7 +57,7 @@ fn a_scrape_counts_what_was_done_and_health_sees_a_stuck_job() {
         e.write(&hashes, &blocks);
         assert_eq!(e.store(0, &hashes, &blocks).value, 1);
     }
-    let (code, body) = get(port, "/metrics");
+    let (code, body) = http_get(port, "/metrics");
     assert_eq!(code, 200);
     let scrape =
         prometheus_parse::Scrape::parse(body.lines().map(|l| Ok(l.to_string()))).expect("parse");
@@ -123,7 +79,7 @@ fn a_scrape_counts_what_was_done_and_health_sees_a_stuck_job() {
     assert_eq!(value("kvring_clients_connected", None), 1.0);
 
     // Prometheus asks for OpenMetrics and gets it.
-    let (code, om) = exchange(
+    let (code, om) = http_exchange(
         port,
         b"GET /metrics HTTP/1.1\r\nAccept: application/openmetrics-text;version=1.0.0\r\n\r\n",
     );
@@ -134,17 +90,19 @@ fn a_scrape_counts_what_was_done_and_health_sees_a_stuck_job() {
     // Ready once the whole pool is (a CUDA server pins it after the
     // start, serving meanwhile: the stores above waited for their range).
     assert!(
-        eventually(Duration::from_secs(30), || get(port, "/readyz").0 == 200).is_some(),
+        eventually(Duration::from_secs(30), || http_get(port, "/readyz").0
+            == 200)
+        .is_some(),
         "{:?}",
-        get(port, "/readyz")
+        http_get(port, "/readyz")
     );
-    let (code, body) = get(port, "/readyz");
+    let (code, body) = http_get(port, "/readyz");
     assert_eq!(code, 200, "{body}");
     let ready: Value = serde_json::from_str(&body).unwrap();
     assert_eq!(ready["ready"], true);
     assert_eq!(ready["state"], "running");
     assert_eq!(ready["pool_ready_bytes"], ready["pool_bytes"]);
-    let (code, body) = get(port, "/status");
+    let (code, body) = http_get(port, "/status");
     assert_eq!(code, 200);
     let status: Value = serde_json::from_str(&body).unwrap();
     assert_eq!(status["name"], s.name.as_str());
@@ -165,7 +123,7 @@ fn a_scrape_counts_what_was_done_and_health_sees_a_stuck_job() {
         })
     };
     for _ in 0..3 {
-        let (code, body) = get(port, "/healthz");
+        let (code, body) = http_get(port, "/healthz");
         assert_eq!(code, 200, "{body}");
     }
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
@@ -177,14 +135,14 @@ fn a_scrape_counts_what_was_done_and_health_sees_a_stuck_job() {
         e.c.delay_job(DelayJob::new(Duration::ZERO, Duration::from_millis(2500)))
             .unwrap();
     std::thread::sleep(Duration::from_millis(1300));
-    let (code, body) = get(port, "/healthz");
+    let (code, body) = http_get(port, "/healthz");
     assert_eq!(code, 503, "{body}");
     let v: Value = serde_json::from_str(&body).unwrap();
     assert_eq!(v["status"], "unhealthy");
     assert_eq!(v["reasons"][0]["kind"], "job_stuck", "{body}");
     assert!(job.wait(far()).unwrap().is_terminal());
     drop(job);
-    let (code, body) = get(port, "/healthz");
+    let (code, body) = http_get(port, "/healthz");
     assert_eq!(code, 200, "{body}");
 }
 
@@ -200,9 +158,9 @@ fn admin_calls_change_what_the_inspector_shows() {
     }
     // A lease holds the last object: neither call may drop it.
     let held = lookup(&mut e.c, 1, 0, &prompt_hashes(3, 1));
-    let status = |port| -> Value { serde_json::from_str(&get(port, "/status").1).unwrap() };
+    let status = |port| -> Value { serde_json::from_str(&http_get(port, "/status").1).unwrap() };
     assert_eq!(status(port)["cache"]["objects"], 4);
-    let post = |path: &str| exchange(port, format!("POST {path} HTTP/1.1\r\n\r\n").as_bytes());
+    let post = |path: &str| http_exchange(port, format!("POST {path} HTTP/1.1\r\n\r\n").as_bytes());
     // One byte evicts the least recently used object, whole.
     let (code, body) = post("/evict?bytes=1");
     assert_eq!(code, 200, "{body}");
@@ -229,21 +187,24 @@ fn admin_calls_change_what_the_inspector_shows() {
     drop(held);
     assert_eq!(post("/evict").0, 400);
     assert_eq!(post("/evict?bytes=lots").0, 400);
-    assert_eq!(get(port, "/clear").0, 405);
+    assert_eq!(http_get(port, "/clear").0, 405);
 }
 
 #[test]
 fn bad_requests_and_silent_clients_never_hold_up_the_rings() {
     let (s, port) = server_with_http("http-bad", &[]);
-    assert_eq!(exchange(port, b"GARBAGE\r\n\r\n").0, 400);
+    assert_eq!(http_exchange(port, b"GARBAGE\r\n\r\n").0, 400);
     assert_eq!(
-        exchange(port, b"GET /metrics HTTP/1.1\r\nBad Header\r\n\r\n").0,
+        http_exchange(port, b"GET /metrics HTTP/1.1\r\nBad Header\r\n\r\n").0,
         400
     );
-    assert_eq!(exchange(port, b"POST /metrics HTTP/1.1\r\n\r\n").0, 405);
-    assert_eq!(get(port, "/nothing").0, 404);
+    assert_eq!(
+        http_exchange(port, b"POST /metrics HTTP/1.1\r\n\r\n").0,
+        405
+    );
+    assert_eq!(http_get(port, "/nothing").0, 404);
     let huge = format!("GET /metrics HTTP/1.1\r\nX: {}\r\n\r\n", "a".repeat(20_000));
-    assert_eq!(exchange(port, huge.as_bytes()).0, 413);
+    assert_eq!(http_exchange(port, huge.as_bytes()).0, 413);
     // A client that connects and says nothing holds the endpoint until its
     // deadline; the rings are served all along.
     let silent = TcpStream::connect(("127.0.0.1", port)).unwrap();
@@ -259,7 +220,7 @@ fn bad_requests_and_silent_clients_never_hold_up_the_rings() {
         slowest < Duration::from_millis(500),
         "a ping took {slowest:?}"
     );
-    let (code, _) = get(port, "/healthz");
+    let (code, _) = http_get(port, "/healthz");
     assert_eq!(code, 200);
     // It was answered 408 and closed at the deadline.
     let mut rest = String::new();
@@ -305,8 +266,8 @@ fn pinned_chunks_outlive_evict_and_clear_until_unpinned() {
     assert!(obj_bytes > 0);
     let model = model_id(MODEL);
     let pinned: Vec<String> = hashes[..K].iter().map(hex).collect();
-    let post = |path: &str| exchange(port, format!("POST {path} HTTP/1.1\r\n\r\n").as_bytes());
-    let status = || -> Value { serde_json::from_str(&get(port, "/status").1).unwrap() };
+    let post = |path: &str| http_exchange(port, format!("POST {path} HTTP/1.1\r\n\r\n").as_bytes());
+    let status = || -> Value { serde_json::from_str(&http_get(port, "/status").1).unwrap() };
 
     // The first K chunks, the model as a hex string, the salt left out.
     let body = serde_json::json!({ "model_id": format!("{model:#x}"), "hashes": pinned });
@@ -322,7 +283,7 @@ fn pinned_chunks_outlive_evict_and_clear_until_unpinned() {
         (code, serde_json::from_str::<Value>(&out).unwrap()),
         (200, want)
     );
-    let (code, out) = get(port, "/pins");
+    let (code, out) = http_get(port, "/pins");
     assert_eq!(code, 200, "{out}");
     let listed: Value = serde_json::from_str(&out).unwrap();
     let listed = listed["pins"].as_array().unwrap();
@@ -408,24 +369,24 @@ fn pinned_chunks_outlive_evict_and_clear_until_unpinned() {
     assert!(out.contains("Content-Length"), "{out}");
     assert_eq!(post_json(port, "/unpin", "").0, 400);
     // Too large for the request bound: 413 before any body is read.
-    let (code, _) = exchange(
+    let (code, _) = http_exchange(
         port,
         b"POST /pin HTTP/1.1\r\nContent-Length: 20000\r\n\r\n{",
     );
     assert_eq!(code, 413);
     assert_eq!(
-        exchange(port, b"POST /pin HTTP/1.1\r\nContent-Length: x\r\n\r\n").0,
+        http_exchange(port, b"POST /pin HTTP/1.1\r\nContent-Length: x\r\n\r\n").0,
         400
     );
     // A body shorter than said: answered 408 at the deadline.
     let t0 = Instant::now();
-    let (code, _) = exchange(
+    let (code, _) = http_exchange(
         port,
         b"POST /pin HTTP/1.1\r\nContent-Length: 50\r\n\r\n{\"model",
     );
     assert_eq!(code, 408);
     assert!(t0.elapsed() >= kvring::server::HTTP_CLIENT_DEADLINE - Duration::from_millis(100));
-    assert_eq!(get(port, "/pin").0, 405);
+    assert_eq!(http_get(port, "/pin").0, 405);
     assert_eq!(post("/pins").0, 405);
     assert_eq!(e.c.stats().unwrap().pinned_objects, k);
 
@@ -464,7 +425,7 @@ fn pinned_chunks_outlive_evict_and_clear_until_unpinned() {
     let st = e.c.stats().unwrap();
     assert_eq!((st.objects, st.pinned_objects, st.pinned_bytes), (0, 0, 0));
     assert_eq!(lookup(&mut e.c, 1, 0, &hashes).result().value, 0);
-    assert_eq!(get(port, "/pins").1, r#"{"pins":[]}"#);
+    assert_eq!(http_get(port, "/pins").1, r#"{"pins":[]}"#);
 }
 
 #[test]
