@@ -36,7 +36,7 @@
 /// Items compiled only outside the loom model check (which builds just the
 /// ring, the job table and what they use).
 macro_rules! not_loom {
-    ($($item:item)*) => { $( #[cfg(not(loom))] $item )* };
+    ($($item:item)*) => { $( #[cfg(not(kvring_loom))] $item )* };
 }
 
 pub mod jobs;
@@ -74,9 +74,9 @@ not_loom! {
     pub use server::{ServerConfig, ServerHandle};
 }
 
-#[cfg(all(feature = "cuda", not(loom)))]
+#[cfg(all(feature = "cuda", not(kvring_loom)))]
 pub mod gpu;
 
-#[cfg(all(not(loom), feature = "fuzzing"))]
+#[cfg(all(not(kvring_loom), feature = "fuzzing"))]
 #[doc(hidden)]
 pub mod fuzz;

@@ -33,7 +33,7 @@ pub trait Load {
     fn load_value(&self, order: std::sync::atomic::Ordering) -> Self::Value;
 }
 
-#[cfg(not(loom))]
+#[cfg(not(kvring_loom))]
 impl Load for std::sync::atomic::AtomicU32 {
     type Value = u32;
     #[inline]
@@ -42,7 +42,7 @@ impl Load for std::sync::atomic::AtomicU32 {
     }
 }
 
-#[cfg(not(loom))]
+#[cfg(not(kvring_loom))]
 impl Load for std::sync::atomic::AtomicU64 {
     type Value = u64;
     #[inline]
@@ -51,7 +51,7 @@ impl Load for std::sync::atomic::AtomicU64 {
     }
 }
 
-#[cfg(not(loom))]
+#[cfg(not(kvring_loom))]
 impl<A: Load> Load for crossbeam_utils::CachePadded<A> {
     type Value = A::Value;
     #[inline]
@@ -60,7 +60,7 @@ impl<A: Load> Load for crossbeam_utils::CachePadded<A> {
     }
 }
 
-#[cfg(not(loom))]
+#[cfg(not(kvring_loom))]
 impl<A: Load, const N: usize> Load for [A; N] {
     type Value = [A::Value; N];
     fn load_value(&self, order: std::sync::atomic::Ordering) -> [A::Value; N] {
@@ -92,7 +92,7 @@ macro_rules! shm_struct {
         /// The plain values of
         #[doc = concat!("[`", stringify!($name), "`]")]
         /// (see `shm_struct`): what a read-only view hands out.
-        #[cfg(not(loom))]
+        #[cfg(not(kvring_loom))]
         #[derive(Clone, Copy, Debug, PartialEq, Eq)]
         $vis struct $values {
             $(
@@ -101,7 +101,7 @@ macro_rules! shm_struct {
             )+
         }
 
-        #[cfg(not(loom))]
+        #[cfg(not(kvring_loom))]
         impl $crate::shm_struct::Load for $name {
             type Value = $values;
             fn load_value(&self, order: ::std::sync::atomic::Ordering) -> $values {
@@ -129,12 +129,12 @@ macro_rules! shm_struct {
             )+
         }
 
-        #[cfg(not(loom))]
+        #[cfg(not(kvring_loom))]
         const _: () = {
             $(assert!(::std::mem::offset_of!($name, $field) == $off);)+
         };
 
-        #[cfg(not(loom))]
+        #[cfg(not(kvring_loom))]
         impl $crate::shm_struct::ShmStruct for $name {
             const NAME: &'static str = stringify!($name);
             const FIELDS: &'static [$crate::shm_struct::FieldRow] = &[

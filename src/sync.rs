@@ -1,12 +1,12 @@
 //! The atomics every shared-memory algorithm uses, swapped for loom's under
-//! `--cfg loom` so the same code is model-checked.
+//! `--cfg kvring_loom` so the same code is model-checked.
 //!
 //! Only the algorithm cores (`ring`, `jobs::slot`) are compiled under loom;
-//! everything that maps real memory is `cfg(not(loom))`.
+//! everything that maps real memory is `cfg(not(kvring_loom))`.
 
-#[cfg(loom)]
+#[cfg(kvring_loom)]
 pub(crate) use loom::sync::atomic::{fence, AtomicU32, AtomicU64};
-#[cfg(not(loom))]
+#[cfg(not(kvring_loom))]
 pub(crate) use std::sync::atomic::{fence, AtomicU32, AtomicU64};
 
 pub(crate) use std::sync::atomic::Ordering;
@@ -15,8 +15,8 @@ pub(crate) use std::sync::atomic::Ordering;
 /// scheduler, which is what makes spinning loops checkable.
 #[inline(always)]
 pub(crate) fn spin_hint() {
-    #[cfg(loom)]
+    #[cfg(kvring_loom)]
     loom::thread::yield_now();
-    #[cfg(not(loom))]
+    #[cfg(not(kvring_loom))]
     std::hint::spin_loop();
 }

@@ -21,22 +21,22 @@
 
 pub mod slot;
 
-#[cfg(not(loom))]
+#[cfg(not(kvring_loom))]
 mod reader;
-#[cfg(not(loom))]
+#[cfg(not(kvring_loom))]
 mod table;
 
-#[cfg(not(loom))]
+#[cfg(not(kvring_loom))]
 pub use reader::{JobInfo, JobReader, ReadError};
-#[cfg(not(loom))]
+#[cfg(not(kvring_loom))]
 pub use slot::JobSlotValues;
 pub use slot::{JobSlot, SlotStatus};
-#[cfg(not(loom))]
+#[cfg(not(kvring_loom))]
 pub use table::{JobTable, NewJob, Released};
 
-#[cfg(all(test, loom))]
+#[cfg(all(test, kvring_loom))]
 mod loom_tests;
-#[cfg(all(test, not(loom)))]
+#[cfg(all(test, not(kvring_loom)))]
 mod tests;
 
 use crate::shm_struct::shm_struct;

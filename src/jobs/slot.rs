@@ -229,7 +229,7 @@ impl JobSlot {
 
     /// Takes the writers' lock, waiting as long as another writer holds it
     /// (tests and models, whose writers all play by the rules).
-    #[cfg(any(test, loom))]
+    #[cfg(any(test, kvring_loom))]
     pub fn lock(&self) -> SlotWriter<'_> {
         loop {
             if let Some(w) = self.try_lock(u32::MAX) {

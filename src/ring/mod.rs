@@ -108,10 +108,10 @@ pub struct RingPtrs {
     pub max_frame: usize,
 }
 
-#[cfg(not(loom))]
+#[cfg(not(kvring_loom))]
 #[doc(hidden)]
 pub mod heap;
-#[cfg(all(test, loom))]
+#[cfg(all(test, kvring_loom))]
 mod loom_tests;
-#[cfg(all(test, not(loom)))]
+#[cfg(all(test, not(kvring_loom)))]
 mod tests;

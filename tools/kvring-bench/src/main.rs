@@ -9,6 +9,7 @@ mod iceoryx;
 mod jobs;
 mod kv;
 mod kv_cuda;
+mod l2;
 mod peers;
 mod ring;
 mod scrape;
@@ -102,6 +103,15 @@ enum Cmd {
         /// The HTTP endpoint's address (none without it).
         #[arg(long)]
         http: Option<String>,
+        /// A write-through second tier at this URL (the `l2` benchmark).
+        #[arg(long)]
+        l2: Option<String>,
+        #[arg(long, default_value = "kvring:")]
+        l2_prefix: String,
+        #[arg(long, default_value_t = 1.0)]
+        l2_timeout_s: f64,
+        #[arg(long, default_value_t = 2.0)]
+        l2_lookup_wait_s: f64,
     },
     /// KV data path on the host backend: store and retrieve GB/s against
     /// memcpy with the same threads, and lookup latency.
@@ -139,6 +149,47 @@ enum Cmd {
         /// copied by cross-memory attach, as vLLM's CPU cache is).
         #[arg(long, default_value = "memfd")]
         memory: String,
+    },
+    /// The second tier (Valkey/Redis): STORE with write-through until the
+    /// tier has the object, and LOOKUP of objects only the tier has (on a
+    /// second server, fresh pool) then RETRIEVE, against SET and GET of
+    /// the same 32 MiB values with redis-rs directly; GB/s and per-chunk
+    /// latency.
+    L2 {
+        /// Print the JSON object (always the last line of stdout).
+        #[arg(long)]
+        json: bool,
+        /// A Valkey/Redis to use (its keys under this run's prefix are
+        /// deleted at the end); default: a valkey-server started on
+        /// loopback for the run ($KVRING_VALKEY_SERVER, PATH, or
+        /// tools/ensure-valkey.sh's).
+        #[arg(long)]
+        url: Option<String>,
+        /// Chunks (32 MiB each) per phase: one at a time for latency, and
+        /// the batch for GB/s.
+        #[arg(long, default_value_t = 20)]
+        chunks: usize,
+        /// Timed batch passes per GB/s figure (after a warm-up).
+        #[arg(long, default_value_t = 3)]
+        passes: usize,
+        /// Timed one-chunk lookups answered only by the tier.
+        #[arg(long, default_value_t = 40)]
+        lookups: usize,
+        /// Microseconds between STATS polls while waiting for a write (0:
+        /// back to back, which keeps this process and the server's ring
+        /// thread on a CPU each: on two cores, CPU the tier's thread and
+        /// Valkey lack).
+        #[arg(long, default_value_t = 1000)]
+        poll_us: u64,
+        /// The servers' --l2-lookup-wait-s (`kvring serve`'s default, 2 s,
+        /// cuts a lookup of the whole batch short here).
+        #[arg(long, default_value_t = 10.0)]
+        lookup_wait_s: f64,
+        /// The servers' --l2-timeout-s (and the direct connection's
+        /// response timeout). `kvring serve`'s default, 1 s, is too short
+        /// for a batch of 32 MiB SETs queued on one connection.
+        #[arg(long, default_value_t = 10.0)]
+        timeout_s: f64,
     },
 }
 
@@ -187,6 +238,49 @@ fn main() {
                 }
             }
         }
+        Cmd::L2 {
+            json,
+            url,
+            chunks,
+            passes,
+            lookups,
+            poll_us,
+            lookup_wait_s,
+            timeout_s,
+        } => l2::run(&l2::Opts {
+            json,
+            url,
+            chunks,
+            passes,
+            lookups,
+            poll_us,
+            lookup_wait_s,
+            timeout_s,
+        }),
+        Cmd::ServeChild {
+            name,
+            dir,
+            spin_us,
+            pool_mib,
+            copy_threads,
+            prefault,
+            l2: Some(url),
+            l2_prefix,
+            l2_timeout_s,
+            l2_lookup_wait_s,
+            ..
+        } => l2::serve_child(
+            &name,
+            &dir,
+            spin_us,
+            pool_mib,
+            copy_threads,
+            prefault,
+            &url,
+            &l2_prefix,
+            l2_timeout_s,
+            l2_lookup_wait_s,
+        ),
         Cmd::ServeChild {
             name,
             dir,
@@ -197,6 +291,7 @@ fn main() {
             backend,
             cuda_zero_copy_ctas,
             http,
+            ..
         } => peers::serve_child(
             &name,
             &dir,
