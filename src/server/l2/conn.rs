@@ -72,7 +72,7 @@ impl Conn {
     pub async fn set(
         &mut self,
         key: &str,
-        value: &[u8],
+        value: impl redis::ToRedisArgs,
         ttl: Option<Duration>,
         deadline: Duration,
     ) -> RedisResult<()> {

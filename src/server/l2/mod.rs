@@ -92,8 +92,8 @@ impl L2Config {
             prefix: "kvring:".into(),
             mode: WriteMode::Back,
             ttl: None,
-            connect_timeout: Duration::from_secs(1),
-            response_timeout: Duration::from_secs(1),
+            connect_timeout: Duration::from_secs(5),
+            response_timeout: Duration::from_secs(5),
             lookup_wait: Duration::from_secs(2),
             queue: 1024,
             concurrency: 32,
@@ -436,22 +436,21 @@ async fn run_op(shared: &Arc<Shared>, l2: &Arc<L2>, conn: &Shared2, op: Op) {
 
 /// Writes one object; whether the tier has it.
 async fn write(shared: &Shared, l2: &L2, mut c: Conn, key: &ObjectKey, off: u64, len: u64) -> bool {
-    let value = {
-        // SAFETY: `[off, off + len)` is an object's range in the pool, kept
-        // by the caller of `L2::write` until this write's `then` runs (a
-        // write-through hold on a ready object, which nothing writes; or
-        // an evicted object's range, kept out of the allocator): nothing
-        // writes or frees it meanwhile, and the pool lives as long as the
-        // server, whose shutdown joins this thread first.
-        let bytes = unsafe { std::slice::from_raw_parts(shared.kv.pool.at(off), len as usize) };
-        object::encode(bytes)
-    };
+    // SAFETY: `[off, off + len)` is an object's range in the pool, kept by
+    // the caller of `L2::write` until this write's `then` runs (a
+    // write-through hold on a ready object, which nothing writes; or an
+    // evicted object's range, kept out of the allocator): nothing writes or
+    // frees it meanwhile, and the pool lives as long as the server, whose
+    // shutdown joins this thread first.
+    let bytes = unsafe { std::slice::from_raw_parts(shared.kv.pool.at(off), len as usize) };
+    let value = object::Value::of(bytes);
+    let value_len = value.len();
     let k = key::key(&l2.cfg.prefix, key);
-    match c.set(&k, &value, l2.cfg.ttl, l2.cfg.response_timeout).await {
+    match c.set(&k, value, l2.cfg.ttl, l2.cfg.response_timeout).await {
         Ok(()) => {
             let r = Ordering::Relaxed;
             l2.counters.written.fetch_add(1, r);
-            l2.counters.bytes_out.fetch_add(value.len() as u64, r);
+            l2.counters.bytes_out.fetch_add(value_len as u64, r);
             true
         }
         Err(e) => {
@@ -491,7 +490,7 @@ async fn fetch(shared: &Shared, l2: &L2, c: Conn, f: &Fetch) -> u32 {
                 gets.spawn(async move { (i, r, k, c.get(&name, wait).await) });
             }
         }
-        // Per chunk of the window, per rank: the key and the object.
+        // Per chunk of the window, per rank: the key and its checked value.
         type Row = Vec<Option<(ObjectKey, Vec<u8>)>>;
         let mut rows: Vec<Row> = vec![vec![None; ranks]; window.len()];
         let mut failed = false;
@@ -504,8 +503,10 @@ async fn fetch(shared: &Shared, l2: &L2, c: Conn, f: &Fetch) -> u32 {
                 Ok(Some(v)) => {
                     // Relaxed: a counter.
                     l2.counters.bytes_in.fetch_add(v.len() as u64, Ordering::Relaxed);
+                    // Checked in place; the object is copied from the
+                    // reply into the pool below (no buffer of its own).
                     match object::decode(&v) {
-                        Ok(body) => rows[i][r] = Some((k, body.to_vec())),
+                        Ok(_) => rows[i][r] = Some((k, v)),
                         Err(e) => {
                             l2.counters.corrupt.fetch_add(1, Ordering::Relaxed);
                             tracing::warn!("second tier: {}: {e}: read as a miss", key::key(&l2.cfg.prefix, &k));
@@ -538,15 +539,13 @@ async fn fetch(shared: &Shared, l2: &L2, c: Conn, f: &Fetch) -> u32 {
     if found.is_empty() {
         return 0;
     }
-    let len = found[0].1[0].len() as u64;
-    if found.iter().any(|(_, bs)| bs.iter().any(|b| b.len() as u64 != len)) {
-        return 0;
-    }
+    // Every value was checked: its object follows the header.
+    let len = (found[0].1[0].len() - object::HEADER) as u64;
     let keys: Vec<ObjectKey> = found.iter().flat_map(|(ks, _)| ks.iter().copied()).collect();
     let values: Vec<&Vec<u8>> = found.iter().flat_map(|(_, bs)| bs.iter()).collect();
     let plan = shared.kv.with_cache(shared, |c| c.plan_objects(&keys, len));
     for p in &plan.write {
-        let v = values[p.chunk as usize];
+        let v = &values[p.chunk as usize][object::HEADER..];
         // SAFETY: the range of an object this plan made, `Writing`: no
         // reader sees it (lookups take ready objects only) and nothing
         // else writes it until `finish_objects` below; `len` bytes, the

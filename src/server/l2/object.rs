@@ -25,16 +25,45 @@ pub enum BadValue {
     Checksum,
 }
 
-/// The value of object `bytes`.
+/// Object `body` as a value: its header, and the object itself, written
+/// straight into a command's argument (no value buffer of its own: a
+/// 32 MiB object is copied once, into the command).
+pub struct Value<'a> {
+    header: [u8; HEADER],
+    body: &'a [u8],
+}
+
+impl<'a> Value<'a> {
+    pub fn of(body: &'a [u8]) -> Value<'a> {
+        let mut header = [0u8; HEADER];
+        header[0..8].copy_from_slice(&MAGIC.to_le_bytes());
+        header[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+        header[16..24].copy_from_slice(&(body.len() as u64).to_le_bytes());
+        header[24..32].copy_from_slice(&xxhash_rust::xxh3::xxh3_64(body).to_le_bytes());
+        Value { header, body }
+    }
+
+    /// Bytes of the value.
+    pub fn len(&self) -> usize {
+        HEADER + self.body.len()
+    }
+}
+
+impl redis::ToRedisArgs for Value<'_> {
+    fn write_redis_args<W: ?Sized + redis::RedisWrite>(&self, out: &mut W) {
+        use std::io::Write;
+        let mut w = out.writer_for_next_arg();
+        // Into the command's buffer: cannot fail.
+        let _ = w.write_all(&self.header);
+        let _ = w.write_all(self.body);
+    }
+}
+
+/// The value of object `bytes`, in a buffer of its own.
+#[cfg(test)]
 pub fn encode(bytes: &[u8]) -> Vec<u8> {
-    let mut v = Vec::with_capacity(HEADER + bytes.len());
-    v.extend_from_slice(&MAGIC.to_le_bytes());
-    v.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
-    v.extend_from_slice(&0u32.to_le_bytes());
-    v.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
-    v.extend_from_slice(&xxhash_rust::xxh3::xxh3_64(bytes).to_le_bytes());
-    v.extend_from_slice(bytes);
-    v
+    let v = Value::of(bytes);
+    [&v.header[..], v.body].concat()
 }
 
 /// The object in `value`, checked.
@@ -73,6 +102,8 @@ mod tests {
     fn an_object_round_trips_and_any_damage_is_caught() {
         let obj: Vec<u8> = (0..10_000u32).map(|i| (i * 7) as u8).collect();
         let v = encode(&obj);
+        // What a command carries is the same bytes, in one argument.
+        assert_eq!(redis::ToRedisArgs::to_redis_args(&Value::of(&obj)), vec![v.clone()]);
         assert_eq!(decode(&v).unwrap(), &obj[..]);
         assert_eq!(decode(&v[..v.len() - 1]).unwrap_err(), BadValue::Length { said: 10_000, found: 9_999 });
         assert_eq!(decode(&v[..10]).unwrap_err(), BadValue::Short(10));

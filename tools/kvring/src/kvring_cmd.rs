@@ -241,8 +241,10 @@ struct L2Args {
     /// store's maxmemory policy decides).
     #[arg(long, value_parser = parse_seconds)]
     l2_ttl_s: Option<f64>,
-    /// Connect within this, and take an answer within this (seconds).
-    #[arg(long, default_value_t = 1.0, value_parser = parse_seconds)]
+    /// Connect within this, and take an answer within this (seconds; a
+    /// command past it marks the tier down). One connection carries many
+    /// 32 MiB values at once: leave room for a burst.
+    #[arg(long, default_value_t = 5.0, value_parser = parse_seconds)]
     l2_timeout_s: f64,
     /// The longest a lookup waits for the second tier (seconds).
     #[arg(long, default_value_t = 2.0, value_parser = parse_seconds)]
