@@ -487,7 +487,16 @@ async fn fetch(shared: &Shared, l2: &L2, c: Conn, f: &Fetch) -> u32 {
             for (r, k) in rank_keys(*h).into_iter().enumerate() {
                 let mut c = c.clone();
                 let name = key::key(&l2.cfg.prefix, &k);
-                gets.spawn(async move { (i, r, k, c.get(&name, wait).await) });
+                // Each value is checked in its own task, so the checks of
+                // a window run on the runtime's workers beside the reads.
+                gets.spawn(async move {
+                    let res = c.get(&name, wait).await;
+                    let check = match &res {
+                        Ok(Some(v)) => Some(object::decode(v).map(|_| ())),
+                        _ => None,
+                    };
+                    (i, r, k, res, check)
+                });
             }
         }
         // Per chunk of the window, per rank: the key and its checked value.
@@ -495,7 +504,7 @@ async fn fetch(shared: &Shared, l2: &L2, c: Conn, f: &Fetch) -> u32 {
         let mut rows: Vec<Row> = vec![vec![None; ranks]; window.len()];
         let mut failed = false;
         while let Some(j) = gets.join_next().await {
-            let Ok((i, r, k, res)) = j else {
+            let Ok((i, r, k, res, check)) = j else {
                 failed = true;
                 continue;
             };
@@ -503,10 +512,11 @@ async fn fetch(shared: &Shared, l2: &L2, c: Conn, f: &Fetch) -> u32 {
                 Ok(Some(v)) => {
                     // Relaxed: a counter.
                     l2.counters.bytes_in.fetch_add(v.len() as u64, Ordering::Relaxed);
-                    // Checked in place; the object is copied from the
-                    // reply into the pool below (no buffer of its own).
-                    match object::decode(&v) {
-                        Ok(_) => rows[i][r] = Some((k, v)),
+                    // Checked in place (above); the object is copied
+                    // from the reply into the pool below (no buffer of its
+                    // own).
+                    match check.expect("a value was checked") {
+                        Ok(()) => rows[i][r] = Some((k, v)),
                         Err(e) => {
                             l2.counters.corrupt.fetch_add(1, Ordering::Relaxed);
                             tracing::warn!("second tier: {}: {e}: read as a miss", key::key(&l2.cfg.prefix, &k));
