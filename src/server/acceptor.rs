@@ -485,6 +485,7 @@ pub(super) fn run(shared: &Shared, listener: Listener, tick: Duration) {
         // A counter observers read on its own: Relaxed, no access pairs.
         h.jobs_retired
             .store(shared.jobs.retired(), Ordering::Relaxed);
+        // A gauge observers read on its own: Relaxed, no access pairs.
         h.pool_ready_bytes
             .store(shared.kv.pool_ready_bytes(), Ordering::Relaxed);
         // The second tier's state and counters change on its own thread.

@@ -626,6 +626,7 @@ pub fn start(cfg: ServerConfig) -> Result<ServerHandle> {
         .copier
         .publish_lanes(shared.seg.mapping.lanes(), shared.kv.copy_threads);
     let h = shared.seg.mapping.header();
+    // A gauge observers read on its own: Relaxed, no access pairs.
     h.pool_ready_bytes
         .store(shared.kv.pool_ready_bytes(), Ordering::Relaxed);
     h.server_state

@@ -184,6 +184,7 @@ impl L2 {
     }
 
     fn set_state(&self, s: L2State) {
+        // Relaxed: a hint (see `state`); no other access is ordered by it.
         let old = self.state.swap(s as u8, Ordering::Relaxed);
         if old != s as u8 {
             match s {
@@ -241,6 +242,7 @@ impl L2 {
     /// Copies the tier's counters into `s`.
     pub fn fill(&self, s: &mut StatsReply) {
         let c = &self.counters;
+        // Relaxed: counters, each read on its own; no access pairs.
         let r = Ordering::Relaxed;
         s.l2_state = u64::from(self.state());
         s.l2_written_objects = c.written.load(r);
@@ -448,6 +450,7 @@ async fn write(shared: &Shared, l2: &L2, mut c: Conn, key: &ObjectKey, off: u64,
     let k = key::key(&l2.cfg.prefix, key);
     match c.set(&k, value, l2.cfg.ttl, l2.cfg.response_timeout).await {
         Ok(()) => {
+            // Relaxed: counters.
             let r = Ordering::Relaxed;
             l2.counters.written.fetch_add(1, r);
             l2.counters.bytes_out.fetch_add(value_len as u64, r);

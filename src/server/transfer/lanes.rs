@@ -150,6 +150,8 @@ impl Copier {
     /// server runs).
     pub fn publish_lanes(&self, stats: &LaneStats, workers: u32) {
         for (lane, stat) in self.lanes.iter().zip(&stats.lanes) {
+            // Relaxed: written before the server is `running` and read by
+            // observers word by word; no access pairs.
             let r = Ordering::Relaxed;
             stat.device[0].store(u64::from_le_bytes(lane.uuid[..8].try_into().expect("8")), r);
             stat.device[1].store(u64::from_le_bytes(lane.uuid[8..].try_into().expect("8")), r);
@@ -201,6 +203,7 @@ impl Copier {
                 let mut q = lane.lock();
                 q.turn.clear();
                 q.queued = 0;
+                // Relaxed, under the lock: the last store is the depth.
                 stat.queued.store(0, Ordering::Relaxed);
                 q.per_client.iter_mut().map(std::mem::take).collect::<Vec<_>>()
             };

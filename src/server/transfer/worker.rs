@@ -28,7 +28,9 @@ fn chunk_done(shared: &Shared, job: &JobRun, outcome: ChunkOutcome) {
             job.failed.store(true, Ordering::Relaxed);
         }
         ChunkOutcome::EventTimeout => {
-            // Counted once per job (the first chunk to time out).
+            // Counted once per job (the first chunk to time out). Relaxed:
+            // published to `finish` by the AcqRel decrement below, as the
+            // other flags; the lane's counter is for observers only.
             if !job.event_timed_out.swap(true, Ordering::Relaxed) {
                 let lane = shared.kv.copier.lane_of(&job.inst.device_uuid);
                 shared.seg.mapping.lanes().lanes[lane]
@@ -286,6 +288,7 @@ pub fn run(shared: &Shared, lane: usize, worker: u32) {
             }
         }
     }
+    // Relaxed: this worker's own gauges, for observers only.
     me.in_flight.store(0, Ordering::Relaxed);
     me.held.store(0, Ordering::Relaxed);
     // Held tasks of a stopping server go as its queued ones do: their jobs

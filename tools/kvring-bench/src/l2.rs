@@ -56,14 +56,41 @@ const HEADER: usize = 32;
 const SALT: u64 = 0x6c32;
 
 /// The benchmark's settings (`kvring-bench l2 ...`).
+#[derive(clap::Args, Debug)]
 pub struct Opts {
+    /// Print the JSON object (always the last line of stdout).
+    #[arg(long)]
     pub json: bool,
+    /// A Valkey/Redis to use (its keys under this run's prefix are
+    /// deleted at the end); default: a valkey-server started on
+    /// loopback for the run ($KVRING_VALKEY_SERVER, PATH, or
+    /// tools/ensure-valkey.sh's).
+    #[arg(long)]
     pub url: Option<String>,
+    /// Chunks (32 MiB each) per phase: one at a time for latency, and
+    /// the batch for GB/s.
+    #[arg(long, default_value_t = 20)]
     pub chunks: usize,
+    /// Timed batch passes per GB/s figure (after a warm-up).
+    #[arg(long, default_value_t = 3)]
     pub passes: usize,
+    /// Timed one-chunk lookups answered only by the tier.
+    #[arg(long, default_value_t = 40)]
     pub lookups: usize,
+    /// Microseconds between STATS polls while waiting for a write (0:
+    /// back to back, which keeps this process and the server's ring
+    /// thread on a CPU each: on two cores, CPU the tier's thread and
+    /// Valkey lack).
+    #[arg(long, default_value_t = 1000)]
     pub poll_us: u64,
+    /// The servers' --l2-lookup-wait-s (`kvring serve`'s default, 2 s,
+    /// cuts a lookup of the whole batch short here).
+    #[arg(long, default_value_t = 10.0)]
     pub lookup_wait_s: f64,
+    /// The servers' --l2-timeout-s (and the direct connection's
+    /// response timeout). `kvring serve`'s default is 5 s; a batch of
+    /// 32 MiB SETs queued on one connection here can take longer.
+    #[arg(long, default_value_t = 10.0)]
     pub timeout_s: f64,
 }
 

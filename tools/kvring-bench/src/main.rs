@@ -155,42 +155,7 @@ enum Cmd {
     /// second server, fresh pool) then RETRIEVE, against SET and GET of
     /// the same 32 MiB values with redis-rs directly; GB/s and per-chunk
     /// latency.
-    L2 {
-        /// Print the JSON object (always the last line of stdout).
-        #[arg(long)]
-        json: bool,
-        /// A Valkey/Redis to use (its keys under this run's prefix are
-        /// deleted at the end); default: a valkey-server started on
-        /// loopback for the run ($KVRING_VALKEY_SERVER, PATH, or
-        /// tools/ensure-valkey.sh's).
-        #[arg(long)]
-        url: Option<String>,
-        /// Chunks (32 MiB each) per phase: one at a time for latency, and
-        /// the batch for GB/s.
-        #[arg(long, default_value_t = 20)]
-        chunks: usize,
-        /// Timed batch passes per GB/s figure (after a warm-up).
-        #[arg(long, default_value_t = 3)]
-        passes: usize,
-        /// Timed one-chunk lookups answered only by the tier.
-        #[arg(long, default_value_t = 40)]
-        lookups: usize,
-        /// Microseconds between STATS polls while waiting for a write (0:
-        /// back to back, which keeps this process and the server's ring
-        /// thread on a CPU each: on two cores, CPU the tier's thread and
-        /// Valkey lack).
-        #[arg(long, default_value_t = 1000)]
-        poll_us: u64,
-        /// The servers' --l2-lookup-wait-s (`kvring serve`'s default, 2 s,
-        /// cuts a lookup of the whole batch short here).
-        #[arg(long, default_value_t = 10.0)]
-        lookup_wait_s: f64,
-        /// The servers' --l2-timeout-s (and the direct connection's
-        /// response timeout). `kvring serve`'s default, 1 s, is too short
-        /// for a batch of 32 MiB SETs queued on one connection.
-        #[arg(long, default_value_t = 10.0)]
-        timeout_s: f64,
-    },
+    L2(l2::Opts),
 }
 
 fn main() {
@@ -238,25 +203,7 @@ fn main() {
                 }
             }
         }
-        Cmd::L2 {
-            json,
-            url,
-            chunks,
-            passes,
-            lookups,
-            poll_us,
-            lookup_wait_s,
-            timeout_s,
-        } => l2::run(&l2::Opts {
-            json,
-            url,
-            chunks,
-            passes,
-            lookups,
-            poll_us,
-            lookup_wait_s,
-            timeout_s,
-        }),
+        Cmd::L2(opts) => l2::run(&opts),
         Cmd::ServeChild {
             name,
             dir,
