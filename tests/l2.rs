@@ -191,9 +191,13 @@ fn a_corrupted_or_truncated_value_is_a_miss() {
     let b = server("l2-corrupt-b", &[vk.url()], &[]);
     let mut eb = engine(&b);
     assert_eq!(fetch_and_check(&mut eb, &hashes), 2);
+    // The truncated value, and the flipped one when the fetch read that far
+    // ahead before the truncated one ended it.
+    let first = stats(&mut eb).l2_corrupt_objects;
+    assert!(first == 1 || first == 2, "{first} corrupt values");
     // Past the truncated chunk: the flipped one is a miss too.
     assert_eq!(fetch_and_check(&mut eb, &hashes[3..]), 1);
-    assert_eq!(stats(&mut eb).l2_corrupt_objects, 2);
+    assert_eq!(stats(&mut eb).l2_corrupt_objects, first + 1);
 }
 
 #[test]

@@ -1,17 +1,28 @@
-//! The tier's connection: one multiplexed connection to a standalone server
-//! (redis-rs's `ConnectionManager`, which reconnects by itself) or a cluster
-//! connection (routing each key to its slot's node). Either is cloned per
-//! operation; every command has a deadline of its own on top of the
-//! client's response timeout.
+//! The tier's connections: a pool of `L2Config::connections` links, each a
+//! multiplexed connection to a standalone server (redis-rs's
+//! `ConnectionManager`, which reconnects by itself) or a cluster connection
+//! (one per node, routing each key to its slot's node). Commands take the
+//! links in turn, so replies are read and parsed on several of the
+//! runtime's tasks at once; every command has a deadline of its own on top
+//! of the client's response timeout.
 
 use super::L2Config;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::RedisResult;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
+/// The pool (cloned per operation: the clones share the links).
 #[derive(Clone)]
-pub(super) enum Conn {
+pub(super) struct Conn {
+    links: Arc<[Link]>,
+    next: Arc<AtomicUsize>,
+}
+
+#[derive(Clone)]
+enum Link {
     One(ConnectionManager),
     Cluster(ClusterConnection),
 }
@@ -27,37 +38,32 @@ fn late(what: &str, d: Duration) -> redis::RedisError {
 }
 
 impl Conn {
-    /// Connects (the cluster: reads its slots from the seeds).
+    /// Makes the pool's links (a cluster's: each reads the slots from the
+    /// seeds).
     pub async fn connect(cfg: &L2Config) -> RedisResult<Conn> {
-        let deadline = cfg.connect_timeout * 2 + cfg.response_timeout;
-        let attempt = async {
-            if cfg.cluster {
-                let c = redis::cluster::ClusterClientBuilder::new(cfg.urls.clone())
-                    .connection_timeout(cfg.connect_timeout)
-                    .response_timeout(cfg.response_timeout)
-                    .retries(1)
-                    .build()?;
-                Ok(Conn::Cluster(c.get_async_connection().await?))
-            } else {
-                let client = redis::Client::open(cfg.urls[0].as_str())?;
-                let mc = ConnectionManagerConfig::new()
-                    .set_connection_timeout(Some(cfg.connect_timeout))
-                    .set_response_timeout(Some(cfg.response_timeout))
-                    .set_number_of_retries(1)
-                    .set_max_delay(Duration::from_millis(500));
-                Ok(Conn::One(ConnectionManager::new_with_config(client, mc).await?))
-            }
-        };
-        tokio::time::timeout(deadline, attempt)
-            .await
-            .map_err(|_| late("connect", deadline))?
+        let mut links = Vec::new();
+        for _ in 0..cfg.connections.max(1) {
+            links.push(Link::connect(cfg).await?);
+        }
+        Ok(Conn {
+            links: links.into(),
+            next: Arc::new(AtomicUsize::new(0)),
+        })
     }
 
-    async fn run<T: redis::FromRedisValue>(&mut self, cmd: &redis::Cmd, deadline: Duration) -> RedisResult<T> {
+    /// The next link in turn.
+    fn link(&self) -> Link {
+        // Relaxed: spreads commands over the links; no access pairs.
+        let i = self.next.fetch_add(1, Ordering::Relaxed);
+        self.links[i % self.links.len()].clone()
+    }
+
+    async fn run<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd, deadline: Duration) -> RedisResult<T> {
+        let mut link = self.link();
         let q = async {
-            match self {
-                Conn::One(c) => cmd.query_async(c).await,
-                Conn::Cluster(c) => cmd.query_async(c).await,
+            match &mut link {
+                Link::One(c) => cmd.query_async(c).await,
+                Link::Cluster(c) => cmd.query_async(c).await,
             }
         };
         tokio::time::timeout(deadline, q)
@@ -65,12 +71,12 @@ impl Conn {
             .map_err(|_| late("command", deadline))?
     }
 
-    pub async fn get(&mut self, key: &str, deadline: Duration) -> RedisResult<Option<Vec<u8>>> {
+    pub async fn get(&self, key: &str, deadline: Duration) -> RedisResult<Option<Vec<u8>>> {
         self.run(redis::cmd("GET").arg(key), deadline).await
     }
 
     pub async fn set(
-        &mut self,
+        &self,
         key: &str,
         value: impl redis::ToRedisArgs,
         ttl: Option<Duration>,
@@ -84,8 +90,36 @@ impl Conn {
         self.run(&c, deadline).await
     }
 
-    pub async fn ping(&mut self, deadline: Duration) -> RedisResult<()> {
+    pub async fn ping(&self, deadline: Duration) -> RedisResult<()> {
         let _: String = self.run(&redis::cmd("PING"), deadline).await?;
         Ok(())
+    }
+}
+
+impl Link {
+    /// Connects one link (a cluster's: reads its slots from the seeds).
+    async fn connect(cfg: &L2Config) -> RedisResult<Link> {
+        let deadline = cfg.connect_timeout * 2 + cfg.response_timeout;
+        let attempt = async {
+            if cfg.cluster {
+                let c = redis::cluster::ClusterClientBuilder::new(cfg.urls.clone())
+                    .connection_timeout(cfg.connect_timeout)
+                    .response_timeout(cfg.response_timeout)
+                    .retries(1)
+                    .build()?;
+                Ok(Link::Cluster(c.get_async_connection().await?))
+            } else {
+                let client = redis::Client::open(cfg.urls[0].as_str())?;
+                let mc = ConnectionManagerConfig::new()
+                    .set_connection_timeout(Some(cfg.connect_timeout))
+                    .set_response_timeout(Some(cfg.response_timeout))
+                    .set_number_of_retries(1)
+                    .set_max_delay(Duration::from_millis(500));
+                Ok(Link::One(ConnectionManager::new_with_config(client, mc).await?))
+            }
+        };
+        tokio::time::timeout(deadline, attempt)
+            .await
+            .map_err(|_| late("connect", deadline))?
     }
 }

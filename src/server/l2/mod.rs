@@ -61,6 +61,9 @@ pub struct L2Config {
     pub queue: usize,
     /// Operations running at once.
     pub concurrency: usize,
+    /// Links in the pool of connections (a cluster: each link connects to
+    /// every node).
+    pub connections: usize,
 }
 
 impl L2Config {
@@ -97,6 +100,7 @@ impl L2Config {
             lookup_wait: Duration::from_secs(2),
             queue: 1024,
             concurrency: 32,
+            connections: 4,
         })
     }
 }
@@ -396,7 +400,7 @@ async fn supervise(l2: Arc<L2>, conn: Shared2, stop: Arc<AtomicBool>) {
                 tokio::time::sleep(Duration::from_millis(200)).await;
                 continue;
             }
-            Some(mut c) => c.ping(l2.cfg.response_timeout).await.is_ok(),
+            Some(c) => c.ping(l2.cfg.response_timeout).await.is_ok(),
         };
         if ok {
             l2.set_state(L2State::Up);
@@ -437,7 +441,7 @@ async fn run_op(shared: &Arc<Shared>, l2: &Arc<L2>, conn: &Shared2, op: Op) {
 }
 
 /// Writes one object; whether the tier has it.
-async fn write(shared: &Shared, l2: &L2, mut c: Conn, key: &ObjectKey, off: u64, len: u64) -> bool {
+async fn write(shared: &Shared, l2: &L2, c: Conn, key: &ObjectKey, off: u64, len: u64) -> bool {
     // SAFETY: `[off, off + len)` is an object's range in the pool, kept by
     // the caller of `L2::write` until this write's `then` runs (a
     // write-through hold on a ready object, which nothing writes; or an
@@ -463,111 +467,148 @@ async fn write(shared: &Shared, l2: &L2, mut c: Conn, key: &ObjectKey, off: u64,
     }
 }
 
-/// Chunks fetched at once (every rank's object each).
+/// Chunks whose objects are read at once (every rank's object each): a
+/// chunk's reads start as soon as an earlier chunk's have all ended.
 const WINDOW: usize = 4;
+
+/// What became of one object a fetch asked the tier for.
+enum Got {
+    /// Checked and copied into the pool: object `.0`, `Writing` until the
+    /// fetch finishes it.
+    Placed(u32),
+    /// Already in the pool (stored or brought in meanwhile).
+    Present,
+    /// Not in the tier, corrupt, no room in the pool, or the read failed.
+    Missing,
+}
 
 /// Brings the leading chunks of `f.hashes[f.l1..]` the tier has (for every
 /// rank, every value checked) into the pool; how many.
-async fn fetch(shared: &Shared, l2: &L2, c: Conn, f: &Fetch) -> u32 {
+///
+/// Each object is read, checked and copied into the pool by a task of its
+/// own, up to `WINDOW` chunks ahead, so copies overlap the reads that
+/// follow. Chunks past the first one the tier lacks are not asked for; the
+/// objects of chunks past the prefix that arrived anyway are dropped.
+async fn fetch(shared: &Arc<Shared>, l2: &Arc<L2>, c: Conn, f: &Fetch) -> u32 {
     let deadline = Instant::now() + l2.cfg.lookup_wait;
-    let rest = &f.hashes[f.l1 as usize..];
-    let mut found: Vec<(Vec<ObjectKey>, Vec<Vec<u8>>)> = Vec::new();
-    'windows: for window in rest.chunks(WINDOW) {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            break;
-        }
-        let wait = left.min(l2.cfg.response_timeout);
-        let mut gets = tokio::task::JoinSet::new();
-        // One key per rank (one for all when the ranks share objects).
-        let rank_keys = |h: ChunkHash| {
-            let mut ks = Cache::rank_keys(&f.meta, f.group, h);
+    // Per chunk past the pool's prefix, one key per rank (one for all when
+    // the ranks share objects).
+    let keys: Vec<Vec<ObjectKey>> = f.hashes[f.l1 as usize..]
+        .iter()
+        .map(|h| {
+            let mut ks = Cache::rank_keys(&f.meta, f.group, *h);
             ks.dedup();
             ks
-        };
-        let ranks = rank_keys(window[0]).len();
-        for (i, h) in window.iter().enumerate() {
-            for (r, k) in rank_keys(*h).into_iter().enumerate() {
-                let mut c = c.clone();
-                let name = key::key(&l2.cfg.prefix, &k);
-                // Each value is checked in its own task, so the checks of
-                // a window run on the runtime's workers beside the reads.
-                gets.spawn(async move {
-                    let res = c.get(&name, wait).await;
-                    let check = match &res {
-                        Ok(Some(v)) => Some(object::decode(v).map(|_| ())),
-                        _ => None,
-                    };
-                    (i, r, k, res, check)
-                });
+        })
+        .collect();
+    let mut got: Vec<Vec<Option<Got>>> = keys.iter().map(|ks| ks.iter().map(|_| None).collect()).collect();
+    // Reads outstanding per chunk.
+    let mut pending: Vec<usize> = keys.iter().map(Vec::len).collect();
+    // Chunks past `end` are not needed (a chunk before lacks an object).
+    let mut end = keys.len();
+    let (mut next, mut in_flight) = (0usize, 0usize);
+    let mut reads = tokio::task::JoinSet::new();
+    loop {
+        while next < end && in_flight < WINDOW {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                end = next;
+                break;
             }
+            let wait = left.min(l2.cfg.response_timeout);
+            for (r, k) in keys[next].iter().enumerate() {
+                let (shared, l2, c, k, i) = (shared.clone(), l2.clone(), c.clone(), *k, next);
+                reads.spawn(async move { (i, r, read_object(&shared, &l2, &c, k, wait).await) });
+            }
+            next += 1;
+            in_flight += 1;
         }
-        // Per chunk of the window, per rank: the key and its checked value.
-        type Row = Vec<Option<(ObjectKey, Vec<u8>)>>;
-        let mut rows: Vec<Row> = vec![vec![None; ranks]; window.len()];
-        let mut failed = false;
-        while let Some(j) = gets.join_next().await {
-            let Ok((i, r, k, res, check)) = j else {
-                failed = true;
+        let Some(done) = reads.join_next().await else { break };
+        let (i, r, g) = match done {
+            Ok(d) => d,
+            // A read task panicked (a bug): no more reads; its entry stays
+            // empty, so the prefix ends before its chunk.
+            Err(e) => {
+                tracing::error!("second tier: a read task failed: {e}");
+                end = 0;
                 continue;
-            };
-            match res {
-                Ok(Some(v)) => {
-                    // Relaxed: a counter.
-                    l2.counters.bytes_in.fetch_add(v.len() as u64, Ordering::Relaxed);
-                    // Checked in place (above); the object is copied
-                    // from the reply into the pool below (no buffer of its
-                    // own).
-                    match check.expect("a value was checked") {
-                        Ok(()) => rows[i][r] = Some((k, v)),
-                        Err(e) => {
-                            l2.counters.corrupt.fetch_add(1, Ordering::Relaxed);
-                            tracing::warn!("second tier: {}: {e}: read as a miss", key::key(&l2.cfg.prefix, &k));
-                        }
-                    }
-                }
-                Ok(None) => {
-                    l2.counters.missed.fetch_add(1, Ordering::Relaxed);
-                }
-                Err(e) => {
-                    l2.failed("GET", &e);
-                    failed = true;
-                }
             }
+        };
+        if matches!(g, Got::Missing) {
+            end = end.min(i);
         }
-        for row in rows {
-            let Some(row) = row.into_iter().collect::<Option<Vec<_>>>() else {
-                break 'windows;
-            };
-            let len = row[0].1.len();
-            if row.iter().any(|(_, b)| b.len() != len) {
-                break 'windows;
-            }
-            found.push(row.into_iter().unzip());
-        }
-        if failed {
-            break;
+        got[i][r] = Some(g);
+        pending[i] -= 1;
+        if pending[i] == 0 {
+            in_flight -= 1;
         }
     }
-    if found.is_empty() {
-        return 0;
-    }
-    // Every value was checked: its object follows the header.
-    let len = (found[0].1[0].len() - object::HEADER) as u64;
-    let keys: Vec<ObjectKey> = found.iter().flat_map(|(ks, _)| ks.iter().copied()).collect();
-    let values: Vec<&Vec<u8>> = found.iter().flat_map(|(_, bs)| bs.iter()).collect();
-    let plan = shared.kv.with_cache(shared, |c| c.plan_objects(&keys, len));
-    for p in &plan.write {
-        let v = &values[p.chunk as usize][object::HEADER..];
-        // SAFETY: the range of an object this plan made, `Writing`: no
-        // reader sees it (lookups take ready objects only) and nothing
-        // else writes it until `finish_objects` below; `len` bytes, the
-        // object's size, in the pool.
-        unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), shared.kv.pool.at(p.off), v.len()) };
-    }
-    let objs: Vec<u32> = plan.write.iter().map(|p| p.obj).collect();
-    shared.kv.with_cache(shared, |c| c.finish_objects(&objs, true, true));
+    // The prefix: leading chunks with every rank's object placed or present.
+    let hits = got
+        .iter()
+        .take_while(|row| row.iter().all(|g| matches!(g, Some(Got::Placed(_) | Got::Present))))
+        .count();
+    let placed = |rows: &[Vec<Option<Got>>]| -> Vec<u32> {
+        rows.iter()
+            .flatten()
+            .filter_map(|g| match g {
+                Some(Got::Placed(o)) => Some(*o),
+                _ => None,
+            })
+            .collect()
+    };
+    let (keep, drop) = (placed(&got[..hits]), placed(&got[hits..]));
+    shared.kv.with_cache(shared, |c| {
+        c.finish_objects(&keep, true, true);
+        c.finish_objects(&drop, false, false);
+    });
     // Relaxed: a counter.
-    l2.counters.loaded.fetch_add(objs.len() as u64, Ordering::Relaxed);
-    found.len() as u32
+    l2.counters.loaded.fetch_add(keep.len() as u64, Ordering::Relaxed);
+    hits as u32
+}
+
+/// Reads object `k` from the tier, checks it, and copies it into a new
+/// `Writing` object of the pool.
+async fn read_object(shared: &Shared, l2: &L2, c: &Conn, k: ObjectKey, wait: Duration) -> Got {
+    // Relaxed (all counters here): no access pairs with them.
+    let r = Ordering::Relaxed;
+    let v = match c.get(&key::key(&l2.cfg.prefix, &k), wait).await {
+        Ok(Some(v)) => v,
+        Ok(None) => {
+            l2.counters.missed.fetch_add(1, r);
+            return Got::Missing;
+        }
+        Err(e) => {
+            l2.failed("GET", &e);
+            return Got::Missing;
+        }
+    };
+    l2.counters.bytes_in.fetch_add(v.len() as u64, r);
+    let corrupt = |e: object::BadValue| {
+        l2.counters.corrupt.fetch_add(1, r);
+        tracing::warn!("second tier: {}: {e}: read as a miss", key::key(&l2.cfg.prefix, &k));
+        Got::Missing
+    };
+    let (body, sum) = match object::open(&v) {
+        Ok(b) => b,
+        Err(e) => return corrupt(e),
+    };
+    let plan = shared.kv.with_cache(shared, |c| c.plan_objects(&[k], body.len() as u64));
+    let Some(p) = plan.write.first() else {
+        return if plan.present > 0 { Got::Present } else { Got::Missing };
+    };
+    // SAFETY: the range of an object just planned, `Writing`: no reader
+    // sees it (lookups take ready objects only) and nothing else writes or
+    // frees it until this fetch finishes it (below, or at the fetch's end);
+    // `body.len()` bytes, the object's size, in the pool.
+    let dst = unsafe { std::slice::from_raw_parts_mut(shared.kv.pool.at(p.off), body.len()) };
+    // Copied from the reply into the pool, checked on the way (no buffer of
+    // its own, one pass over the reply).
+    match object::copy_checked(body, dst, sum) {
+        Ok(()) => Got::Placed(p.obj),
+        Err(e) => {
+            shared.kv.with_cache(shared, |c| c.finish_objects(&[p.obj], false, false));
+            corrupt(e)
+        }
+    }
 }

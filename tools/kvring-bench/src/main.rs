@@ -112,6 +112,8 @@ enum Cmd {
         l2_timeout_s: f64,
         #[arg(long, default_value_t = 2.0)]
         l2_lookup_wait_s: f64,
+        #[arg(long, default_value_t = 4)]
+        l2_connections: usize,
     },
     /// KV data path on the host backend: store and retrieve GB/s against
     /// memcpy with the same threads, and lookup latency.
@@ -215,6 +217,7 @@ fn main() {
             l2_prefix,
             l2_timeout_s,
             l2_lookup_wait_s,
+            l2_connections,
             ..
         } => l2::serve_child(
             &name,
@@ -227,6 +230,7 @@ fn main() {
             &l2_prefix,
             l2_timeout_s,
             l2_lookup_wait_s,
+            l2_connections,
         ),
         Cmd::ServeChild {
             name,

@@ -253,6 +253,10 @@ struct L2Args {
     /// dropped and counted; lookups answer from the pool).
     #[arg(long, default_value_t = 1024)]
     l2_queue: usize,
+    /// Connections to the second tier (a cluster: to each of its nodes);
+    /// commands take them in turn, and their replies are read in parallel.
+    #[arg(long, default_value_t = 4)]
+    l2_connections: usize,
 }
 
 impl L2Args {
@@ -278,6 +282,12 @@ impl L2Args {
             ));
         }
         c.queue = self.l2_queue;
+        if self.l2_connections == 0 || self.l2_connections > 64 {
+            return Err(kvring::Error::Config(
+                "--l2-connections must be 1 to 64".into(),
+            ));
+        }
+        c.connections = self.l2_connections;
         Ok(Some(c))
     }
 }
