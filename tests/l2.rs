@@ -1,7 +1,8 @@
 //! The second tier against real Valkey: two `kvring` servers under
 //! different names stand for two hosts sharing one L2 (store on A, look up
 //! and retrieve on B, every byte checked), write-through and write-back on
-//! eviction, a restarted server serving from L2, a corrupted value read as
+//! eviction (also of an object the store dropped after the pool read it),
+//! a restarted server serving from L2, a corrupted value read as
 //! a miss, a three-node cluster, and Valkey stopped (SIGSTOP) and killed
 //! under load: no lookup waits past its deadline, no byte is wrong, the
 //! pool keeps serving, and the tier comes back when Valkey does.
@@ -146,6 +147,49 @@ fn evicted_objects_are_written_back_and_served_again() {
     // The first prompt left the pool long ago; the tier has it.
     assert_eq!(fetch_and_check(&mut e, &first), 16);
     assert!(stats(&mut e).lookup_l2_hit_chunks >= 16);
+}
+
+#[test]
+fn an_object_the_store_dropped_is_written_again_when_the_pool_evicts_it() {
+    let vk = Valkey::start("l2-rewrite");
+    let a = server("l2-rewrite-a", &[vk.url()], &["--l2-write", "through"]);
+    let mut ea = engine(&a);
+    let hashes = store(&mut ea, 60, 8);
+    until(&mut ea, "written through", |s| s.l2_written_objects == 8);
+    // B (write-back, a 1 MiB pool) reads the prompt from the tier.
+    let b = server("l2-rewrite-b", &[vk.url()], &["--pool-bytes", "1MiB"]);
+    let mut eb = engine(&b);
+    assert_eq!(fetch_and_check(&mut eb, &hashes), 8);
+    // The store lets three of them go (as its maxmemory policy would).
+    let key_of = |h: &ChunkHash| {
+        let hex: String = h.iter().map(|b| format!("{b:02x}")).collect();
+        let keys = vk.keys(&format!("kvring:*:{hex}"));
+        assert_eq!(keys.len(), 1, "{keys:?}");
+        keys[0].clone()
+    };
+    let keys: Vec<String> = hashes.iter().map(key_of).collect();
+    let mut c = vk.client();
+    let gone: u64 = redis::cmd("DEL").arg(&keys[2..5]).query(&mut c).unwrap();
+    assert_eq!(gone, 3);
+    // Other prompts push the eight out of B's pool, four chunks at a time.
+    for seed in 70..82 {
+        store(&mut eb, seed, 4);
+        until(&mut eb, "queue drained", |s| s.l2_queue == 0);
+    }
+    let s = stats(&mut eb);
+    assert!(s.evicted_objects >= 8 + 12, "{s:?}");
+    // Every eviction ended written, dropped, or (five of the eight) found
+    // in the tier: B wrote back its own objects and the three the store
+    // had dropped, and not the five it still had.
+    assert_eq!(s.l2_write_dropped_objects, 0, "{s:?}");
+    assert_eq!(s.l2_written_objects + 5, s.evicted_objects, "{s:?}");
+    for k in &keys {
+        assert!(vk.get_raw(k).is_some(), "{k} back in the tier");
+    }
+    // And they are the right bytes: a fresh server reads all eight.
+    let c2 = server("l2-rewrite-c", &[vk.url()], &[]);
+    let mut ec = engine(&c2);
+    assert_eq!(fetch_and_check(&mut ec, &hashes), 8);
 }
 
 #[test]

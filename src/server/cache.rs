@@ -168,6 +168,9 @@ pub struct Drained {
     pub key: ObjectKey,
     pub off: u64,
     pub len: u64,
+    /// The tier had it when last heard of (written there, or read from
+    /// it): written only if the tier no longer has it.
+    pub in_l2: bool,
 }
 
 /// What a lease was taken for; a retrieve must match it.
@@ -295,17 +298,21 @@ impl Cache {
         o
     }
 
-    /// Evicts object `id`: with write-back, one the second tier does not
-    /// have keeps its range until written (while the bytes waiting allow).
+    /// Evicts object `id`: with write-back, it keeps its range until the
+    /// second tier has it (while the bytes waiting allow). One the tier had
+    /// when last heard of is only checked for there, and written again if
+    /// the store has evicted it meanwhile; past the bound it is let go
+    /// uncounted, as the tier most likely has it.
     fn evict_object(&mut self, id: u32) {
         let o = self.unlink_object(id);
         match self.writeback {
-            Some(budget) if !o.in_l2 && self.draining_bytes + o.len <= budget => {
+            Some(budget) if self.draining_bytes + o.len <= budget => {
                 self.draining_bytes += o.len;
                 self.drained.push(Drained {
                     key: o.key,
                     off: o.off,
                     len: o.len,
+                    in_l2: o.in_l2,
                 });
             }
             Some(_) if !o.in_l2 => {

@@ -75,6 +75,11 @@ impl Conn {
         self.run(redis::cmd("GET").arg(key), deadline).await
     }
 
+    pub async fn exists(&self, key: &str, deadline: Duration) -> RedisResult<bool> {
+        let n: u64 = self.run(redis::cmd("EXISTS").arg(key), deadline).await?;
+        Ok(n > 0)
+    }
+
     pub async fn set(
         &self,
         key: &str,

@@ -1,11 +1,13 @@
 //! The second tier: chunk objects in Valkey/Redis (standalone or cluster),
 //! shared by servers on many hosts and kept across restarts.
 //!
-//! * Writes: with write-back, an object the pool evicts that the tier does
-//!   not have keeps its pool range until written (at most a quarter of the
-//!   pool waits so; past that, or with the tier down or its queue full, the
-//!   object is dropped and counted); with write-through, every stored object
-//!   is held (readable, not evicted) until written.
+//! * Writes: with write-back, an object the pool evicts keeps its pool
+//!   range until written (at most a quarter of the pool waits so; past
+//!   that, or with the tier down or its queue full, the object is dropped
+//!   and counted); one the tier had (written there or read from it) is
+//!   written only if an EXISTS finds the store evicted it meanwhile. With
+//!   write-through, every stored object is held (readable, not evicted)
+//!   until written.
 //! * Reads: a LOOKUP that misses the pool after a prefix asks the tier for
 //!   the rest, brings the leading chunks it has (every rank's object, each
 //!   value checked) into the pool, and only then takes its lease and ends:
@@ -417,8 +419,9 @@ async fn run_op(shared: &Arc<Shared>, l2: &Arc<L2>, conn: &Shared2, op: Op) {
     let c = conn.read().await.clone();
     match op {
         Op::Write { key, off, len, then } => {
+            let check = matches!(&then, AfterWrite::Free(d) if d.in_l2);
             let ok = match c {
-                Some(c) => write(shared, l2, c, &key, off, len).await,
+                Some(c) => write(shared, l2, c, &key, off, len, check).await,
                 None => false,
             };
             if !ok {
@@ -440,8 +443,20 @@ async fn run_op(shared: &Arc<Shared>, l2: &Arc<L2>, conn: &Shared2, op: Op) {
     }
 }
 
-/// Writes one object; whether the tier has it.
-async fn write(shared: &Shared, l2: &L2, c: Conn, key: &ObjectKey, off: u64, len: u64) -> bool {
+/// Writes one object (`check`: unless the tier has it already); whether the
+/// tier has it.
+async fn write(shared: &Shared, l2: &L2, c: Conn, key: &ObjectKey, off: u64, len: u64, check: bool) -> bool {
+    let k = key::key(&l2.cfg.prefix, key);
+    if check {
+        match c.exists(&k, l2.cfg.response_timeout).await {
+            Ok(true) => return true,
+            Ok(false) => {}
+            Err(e) => {
+                l2.failed("EXISTS", &e);
+                return false;
+            }
+        }
+    }
     // SAFETY: `[off, off + len)` is an object's range in the pool, kept by
     // the caller of `L2::write` until this write's `then` runs (a
     // write-through hold on a ready object, which nothing writes; or an
@@ -451,7 +466,6 @@ async fn write(shared: &Shared, l2: &L2, c: Conn, key: &ObjectKey, off: u64, len
     let bytes = unsafe { std::slice::from_raw_parts(shared.kv.pool.at(off), len as usize) };
     let value = object::Value::of(bytes);
     let value_len = value.len();
-    let k = key::key(&l2.cfg.prefix, key);
     match c.set(&k, value, l2.cfg.ttl, l2.cfg.response_timeout).await {
         Ok(()) => {
             // Relaxed: counters.

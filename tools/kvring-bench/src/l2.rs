@@ -666,7 +666,10 @@ fn direct_get_all(
                     let from = check(&v);
                     // A buffer per read in flight stands for the objects'
                     // ranges (a read may wait for one still in use).
-                    d[next % d.len()].lock().expect("pool").copy_from_slice(from);
+                    d[next % d.len()]
+                        .lock()
+                        .expect("pool")
+                        .copy_from_slice(from);
                 });
                 next += 1;
             }
@@ -1018,8 +1021,16 @@ pub fn run(o: &Opts) {
             let (phase, cs, work) = match step {
                 0 => ("store_batch", &direct[..], None),
                 1 => ("direct_set_batch", &direct[..], Some(SetWork::Plain)),
-                2 => ("direct_set_one_connection_batch", &direct[..1], Some(SetWork::Plain)),
-                _ => ("direct_set_in_command_batch", &direct[..], Some(SetWork::InPlace)),
+                2 => (
+                    "direct_set_one_connection_batch",
+                    &direct[..1],
+                    Some(SetWork::Plain),
+                ),
+                _ => (
+                    "direct_set_in_command_batch",
+                    &direct[..],
+                    Some(SetWork::InPlace),
+                ),
             };
             let secs = match work {
                 // The warm-up pass warms kvring's path (the direct one was
@@ -1086,9 +1097,24 @@ pub fn run(o: &Opts) {
             let (phase, cs, window, work) = match step {
                 0 => ("load_batch", &direct[..], 0, GetWork::Plain),
                 1 => ("direct_get_batch", &direct[..], WINDOW, GetWork::Plain),
-                2 => ("direct_get_all_at_once_batch", &direct[..], n, GetWork::Plain),
-                3 => ("direct_get_one_connection_batch", &direct[..1], WINDOW, GetWork::Plain),
-                _ => ("direct_get_in_place_batch", &direct[..], WINDOW, GetWork::InPlace),
+                2 => (
+                    "direct_get_all_at_once_batch",
+                    &direct[..],
+                    n,
+                    GetWork::Plain,
+                ),
+                3 => (
+                    "direct_get_one_connection_batch",
+                    &direct[..1],
+                    WINDOW,
+                    GetWork::Plain,
+                ),
+                _ => (
+                    "direct_get_in_place_batch",
+                    &direct[..],
+                    WINDOW,
+                    GetWork::InPlace,
+                ),
             };
             if step > 0 && pass == 0 {
                 continue;
