@@ -77,6 +77,9 @@ not_loom! {
 #[cfg(all(feature = "cuda", not(kvring_loom)))]
 pub mod gpu;
 
+#[cfg(all(feature = "jemalloc", not(kvring_loom)))]
+mod alloc;
+
 #[cfg(all(not(kvring_loom), feature = "fuzzing"))]
 #[doc(hidden)]
 pub mod fuzz;
