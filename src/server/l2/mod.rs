@@ -13,7 +13,8 @@
 //!   value checked) into the pool, and only then takes its lease and ends:
 //!   its job stays `Running` meanwhile, at most `lookup_wait`.
 //! * Network I/O runs on the tier's own thread (`kvring-l2`, a Tokio
-//!   runtime with two workers): the ring loop and the copy workers only
+//!   runtime with a worker per connection of its pool, `kvring-l2-io`):
+//!   the ring loop and the copy workers only
 //!   queue operations (`try_send` on a bounded queue, never waiting). Every
 //!   command has a deadline; a failed one marks the tier down, and while it
 //!   is down nothing waits on it: writes are dropped, lookups answer from
@@ -64,7 +65,7 @@ pub struct L2Config {
     /// Operations running at once.
     pub concurrency: usize,
     /// Links in the pool of connections (a cluster: each link connects to
-    /// every node).
+    /// every node), and workers of the tier's runtime.
     pub connections: usize,
 }
 
@@ -301,8 +302,11 @@ impl L2Thread {
             .unwrap_or_else(|e| e.into_inner())
             .take()
             .expect("started once");
+        // A worker per connection: each connection's replies are read and
+        // parsed on a worker of their own, and values checked and copied
+        // on the others.
         let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
+            .worker_threads(l2.cfg.connections.max(1))
             .thread_name("kvring-l2-io")
             .enable_all()
             .build()

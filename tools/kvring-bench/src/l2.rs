@@ -12,7 +12,8 @@
 //!   checked); GB/s of a LOOKUP of the whole batch;
 //! * direct: SET and GET of values of the same size with redis-rs (async,
 //!   as many multiplexed connections as the servers' tiers have, taken in
-//!   turn, on a two-worker Tokio runtime, as the server's tier thread):
+//!   turn, on a Tokio runtime with a worker per connection, as the
+//!   server's tier thread):
 //!   one at a time for latency; for GB/s, the whole batch of SETs in
 //!   flight (the server writes one SET per object, up to its concurrency)
 //!   and GETs four in flight (the server's fetch window); and the same on
@@ -824,8 +825,9 @@ pub fn run(o: &Opts) {
         o.lookups
     );
 
+    // As the servers' tier: a worker per connection.
     let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+        .worker_threads(o.connections.max(1))
         .thread_name("bench-redis")
         .enable_all()
         .build()

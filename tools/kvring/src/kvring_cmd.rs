@@ -253,8 +253,9 @@ struct L2Args {
     /// dropped and counted; lookups answer from the pool).
     #[arg(long, default_value_t = 1024)]
     l2_queue: usize,
-    /// Connections to the second tier (a cluster: to each of its nodes);
-    /// commands take them in turn, and their replies are read in parallel.
+    /// Connections to the second tier (a cluster: to each of its nodes),
+    /// and threads of its runtime; commands take the connections in turn,
+    /// and their replies are read and checked in parallel.
     #[arg(long, default_value_t = 4)]
     l2_connections: usize,
 }
