@@ -1,5 +1,7 @@
 //! The global allocator of the programs that run a server (feature
-//! `jemalloc`: `kvring` and `kvring-bench`), and its one setting.
+//! `jemalloc`: `kvring` and `kvring-bench`; not the Python package's
+//! extension, which lives in an interpreter's process), and its one
+//! setting.
 //!
 //! The second tier moves 32 MiB values: one SET command and one GET reply
 //! buffer each. glibc maps every allocation over 32 MiB afresh and unmaps

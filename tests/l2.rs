@@ -85,6 +85,14 @@ fn fetch_and_check(e: &mut Engine, hashes: &[ChunkHash]) -> u64 {
     hits
 }
 
+/// The one key in `vk` of chunk `h`.
+fn key_of(vk: &Valkey, h: &ChunkHash) -> String {
+    let hex: String = h.iter().map(|b| format!("{b:02x}")).collect();
+    let keys = vk.keys(&format!("kvring:*:{hex}"));
+    assert_eq!(keys.len(), 1, "{keys:?}");
+    keys[0].clone()
+}
+
 #[test]
 fn objects_stored_on_one_server_are_retrieved_on_another_through_valkey() {
     let vk = Valkey::start("l2-share");
@@ -161,13 +169,7 @@ fn an_object_the_store_dropped_is_written_again_when_the_pool_evicts_it() {
     let mut eb = engine(&b);
     assert_eq!(fetch_and_check(&mut eb, &hashes), 8);
     // The store lets three of them go (as its maxmemory policy would).
-    let key_of = |h: &ChunkHash| {
-        let hex: String = h.iter().map(|b| format!("{b:02x}")).collect();
-        let keys = vk.keys(&format!("kvring:*:{hex}"));
-        assert_eq!(keys.len(), 1, "{keys:?}");
-        keys[0].clone()
-    };
-    let keys: Vec<String> = hashes.iter().map(key_of).collect();
+    let keys: Vec<String> = hashes.iter().map(|h| key_of(&vk, h)).collect();
     let mut c = vk.client();
     let gone: u64 = redis::cmd("DEL").arg(&keys[2..5]).query(&mut c).unwrap();
     assert_eq!(gone, 3);
@@ -217,19 +219,13 @@ fn a_corrupted_or_truncated_value_is_a_miss() {
     let mut ea = engine(&a);
     let hashes = store(&mut ea, 30, 6);
     until(&mut ea, "written through", |s| s.l2_written_objects == 6);
-    let key_of = |h: &ChunkHash| {
-        let hex: String = h.iter().map(|b| format!("{b:02x}")).collect();
-        let keys = vk.keys(&format!("kvring:*:{hex}"));
-        assert_eq!(keys.len(), 1, "{keys:?}");
-        keys[0].clone()
-    };
     // Chunk 4: one bit flipped in the object; chunk 2: cut short.
-    let k4 = key_of(&hashes[4]);
+    let k4 = key_of(&vk, &hashes[4]);
     let mut v = vk.get_raw(&k4).unwrap();
     let at = v.len() / 2;
     v[at] ^= 0x10;
     vk.set_raw(&k4, &v);
-    let k2 = key_of(&hashes[2]);
+    let k2 = key_of(&vk, &hashes[2]);
     let v = vk.get_raw(&k2).unwrap();
     vk.set_raw(&k2, &v[..v.len() - 100]);
     let b = server("l2-corrupt-b", &[vk.url()], &[]);
