@@ -2,7 +2,7 @@
 //! different names stand for two hosts sharing one L2 (store on A, look up
 //! and retrieve on B, every byte checked), write-through and write-back on
 //! eviction (also of an object the store dropped after the pool read it),
-//! a restarted server serving from L2, a corrupted value read as
+//! a restarted server serving from L2, a corrupted value (or a well-formed one of another size) read as
 //! a miss, a three-node cluster, and Valkey stopped (SIGSTOP) and killed
 //! under load: no lookup waits past its deadline, no byte is wrong, the
 //! pool keeps serving, and the tier comes back when Valkey does.
@@ -238,6 +238,31 @@ fn a_corrupted_or_truncated_value_is_a_miss() {
     // Past the truncated chunk: the flipped one is a miss too.
     assert_eq!(fetch_and_check(&mut eb, &hashes[3..]), 1);
     assert_eq!(stats(&mut eb).l2_corrupt_objects, first + 1);
+}
+
+#[test]
+fn a_well_formed_value_of_another_size_is_a_miss() {
+    let vk = Valkey::start("l2-size");
+    let a = server("l2-size-a", &[vk.url()], &["--l2-write", "through"]);
+    let mut ea = engine(&a);
+    let hashes = store(&mut ea, 35, 3);
+    until(&mut ea, "written through", |s| s.l2_written_objects == 3);
+    // Chunk 1: a value whose header, length and checksum agree with each
+    // other, holding half an object (the value format of README's "A
+    // second tier on Valkey/Redis": magic, version, length, xxh3-64).
+    let k1 = key_of(&vk, &hashes[1]);
+    let whole = vk.get_raw(&k1).unwrap();
+    let half = &whole[32..32 + (whole.len() - 32) / 2];
+    let mut v = whole[..16].to_vec();
+    v.extend((half.len() as u64).to_le_bytes());
+    v.extend(xxhash_rust::xxh3::xxh3_64(half).to_le_bytes());
+    v.extend(half);
+    vk.set_raw(&k1, &v);
+    let b = server("l2-size-b", &[vk.url()], &[]);
+    let mut eb = engine(&b);
+    assert_eq!(fetch_and_check(&mut eb, &hashes), 1);
+    let s = stats(&mut eb);
+    assert_eq!((s.l2_corrupt_objects, s.l2_loaded_objects), (1, 1), "{s:?}");
 }
 
 #[test]

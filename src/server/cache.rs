@@ -875,6 +875,7 @@ mod tests {
     fn group() -> Group {
         Group {
             fingerprint: 9,
+            object_bytes: LEN,
             shared_objects: false,
             members: 2,
         }

@@ -125,6 +125,8 @@ pub fn rank_tag(world_size: u32, rank: u32) -> u32 {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Group {
     pub fingerprint: u64,
+    /// Bytes of each of its chunk objects (fixed by the fingerprint).
+    pub object_bytes: u64,
     pub shared_objects: bool,
     pub(crate) members: u32,
 }
@@ -408,6 +410,7 @@ impl Registry {
             .entry(gkey)
             .or_insert(Group {
                 fingerprint,
+                object_bytes: inst.layout.object_bytes(chunk_tokens),
                 shared_objects: shared,
                 members: 0,
             })

@@ -536,7 +536,8 @@ async fn fetch(shared: &Arc<Shared>, l2: &Arc<L2>, c: Conn, f: &Fetch) -> u32 {
             let wait = left.min(l2.cfg.response_timeout);
             for (r, k) in keys[next].iter().enumerate() {
                 let (shared, l2, c, k, i) = (shared.clone(), l2.clone(), c.clone(), *k, next);
-                reads.spawn(async move { (i, r, read_object(&shared, &l2, &c, k, wait).await) });
+                let len = f.group.object_bytes;
+                reads.spawn(async move { (i, r, read_object(&shared, &l2, &c, k, len, wait).await) });
             }
             next += 1;
             in_flight += 1;
@@ -585,9 +586,9 @@ async fn fetch(shared: &Arc<Shared>, l2: &Arc<L2>, c: Conn, f: &Fetch) -> u32 {
     hits as u32
 }
 
-/// Reads object `k` from the tier, checks it, and copies it into a new
-/// `Writing` object of the pool.
-async fn read_object(shared: &Shared, l2: &L2, c: &Conn, k: ObjectKey, wait: Duration) -> Got {
+/// Reads object `k` (`len` bytes, as its fingerprint fixes) from the tier,
+/// checks it, and copies it into a new `Writing` object of the pool.
+async fn read_object(shared: &Shared, l2: &L2, c: &Conn, k: ObjectKey, len: u64, wait: Duration) -> Got {
     // Relaxed (all counters here): no access pairs with them.
     let r = Ordering::Relaxed;
     let v = match c.get(&key::key(&l2.cfg.prefix, &k), wait).await {
@@ -611,7 +612,16 @@ async fn read_object(shared: &Shared, l2: &L2, c: &Conn, k: ObjectKey, wait: Dur
         Ok(b) => b,
         Err(e) => return corrupt(e),
     };
-    let plan = shared.kv.with_cache(shared, |c| c.plan_objects(&[k], body.len() as u64));
+    // A value whose header agrees with itself but not with the object size
+    // of its key's format (written by something else) is no object: a
+    // retrieve copies `len` bytes from the object's range.
+    if body.len() as u64 != len {
+        return corrupt(object::BadValue::Size {
+            expected: len,
+            found: body.len() as u64,
+        });
+    }
+    let plan = shared.kv.with_cache(shared, |c| c.plan_objects(&[k], len));
     let Some(p) = plan.write.first() else {
         return if plan.present > 0 { Got::Present } else { Got::Missing };
     };

@@ -23,6 +23,8 @@ pub enum BadValue {
     Length { said: u64, found: u64 },
     #[error("checksum mismatch")]
     Checksum,
+    #[error("{found} bytes of object where its key's format has {expected}")]
+    Size { expected: u64, found: u64 },
 }
 
 /// Object `body` as a value: its header, and the object itself, written
