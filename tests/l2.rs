@@ -85,6 +85,23 @@ fn fetch_and_check(e: &mut Engine, hashes: &[ChunkHash]) -> u64 {
     hits
 }
 
+/// A server `tag` writing through to `vk`, and `n` chunks of prompt `seed`
+/// stored on it and written to the tier.
+fn stored_through(
+    vk: &Valkey,
+    tag: &str,
+    seed: u32,
+    n: usize,
+) -> (Fixture, Engine, Vec<ChunkHash>) {
+    let a = server(tag, &[vk.url()], &["--l2-write", "through"]);
+    let mut e = engine(&a);
+    let hashes = store(&mut e, seed, n);
+    until(&mut e, "written through", |s| {
+        s.l2_written_objects == n as u64
+    });
+    (a, e, hashes)
+}
+
 /// The one key in `vk` of chunk `h`.
 fn key_of(vk: &Valkey, h: &ChunkHash) -> String {
     let hex: String = h.iter().map(|b| format!("{b:02x}")).collect();
@@ -160,10 +177,7 @@ fn evicted_objects_are_written_back_and_served_again() {
 #[test]
 fn an_object_the_store_dropped_is_written_again_when_the_pool_evicts_it() {
     let vk = Valkey::start("l2-rewrite");
-    let a = server("l2-rewrite-a", &[vk.url()], &["--l2-write", "through"]);
-    let mut ea = engine(&a);
-    let hashes = store(&mut ea, 60, 8);
-    until(&mut ea, "written through", |s| s.l2_written_objects == 8);
+    let (_a, _ea, hashes) = stored_through(&vk, "l2-rewrite-a", 60, 8);
     // B (write-back, a 1 MiB pool) reads the prompt from the tier.
     let b = server("l2-rewrite-b", &[vk.url()], &["--pool-bytes", "1MiB"]);
     let mut eb = engine(&b);
@@ -215,10 +229,7 @@ fn a_restarted_server_serves_from_valkey() {
 #[test]
 fn a_corrupted_or_truncated_value_is_a_miss() {
     let vk = Valkey::start("l2-corrupt");
-    let a = server("l2-corrupt-a", &[vk.url()], &["--l2-write", "through"]);
-    let mut ea = engine(&a);
-    let hashes = store(&mut ea, 30, 6);
-    until(&mut ea, "written through", |s| s.l2_written_objects == 6);
+    let (_a, _ea, hashes) = stored_through(&vk, "l2-corrupt-a", 30, 6);
     // Chunk 4: one bit flipped in the object; chunk 2: cut short.
     let k4 = key_of(&vk, &hashes[4]);
     let mut v = vk.get_raw(&k4).unwrap();
@@ -243,10 +254,7 @@ fn a_corrupted_or_truncated_value_is_a_miss() {
 #[test]
 fn a_well_formed_value_of_another_size_is_a_miss() {
     let vk = Valkey::start("l2-size");
-    let a = server("l2-size-a", &[vk.url()], &["--l2-write", "through"]);
-    let mut ea = engine(&a);
-    let hashes = store(&mut ea, 35, 3);
-    until(&mut ea, "written through", |s| s.l2_written_objects == 3);
+    let (_a, _ea, hashes) = stored_through(&vk, "l2-size-a", 35, 3);
     // Chunk 1: a value whose header, length and checksum agree with each
     // other, holding half an object (the value format of README's "A
     // second tier on Valkey/Redis": magic, version, length, xxh3-64).
