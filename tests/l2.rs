@@ -9,106 +9,12 @@
 
 mod common;
 
+use common::tier::*;
 use common::valkey::{Valkey, ValkeyCluster};
 use common::*;
 use kvring::kv::{chunk_hashes, ChunkHash};
-use kvring::proto::kv::StatsReply;
-use kvring::Retrieve;
+use kvring::server::l2::value;
 use std::time::{Duration, Instant};
-
-/// A server with 64-token chunks (a 64 MiB pool unless `extra` sizes it)
-/// and a second tier at `urls`.
-fn server(tag: &str, urls: &[String], extra: &[&str]) -> Fixture {
-    let mut args: Vec<String> = vec!["--chunk-tokens".into(), CHUNK.to_string()];
-    if !extra.contains(&"--pool-bytes") {
-        args.extend(["--pool-bytes", "64MiB"].map(String::from));
-    }
-    for u in urls {
-        args.push("--l2".into());
-        args.push(u.clone());
-    }
-    args.extend(["--http", "off", "--l2-timeout-s", "0.5"].map(String::from));
-    args.extend(extra.iter().map(|s| s.to_string()));
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    Fixture::new(tag, Duration::from_secs(120), &args)
-}
-
-/// An engine on `s`, once the server's second tier is up (before, its
-/// writes are dropped and its lookups answered from the pool).
-fn engine(s: &Fixture) -> Engine {
-    let mut e = Engine::new(s, small_layout(), 1, 0);
-    until(&mut e, "the second tier up", |s| s.l2_state == 2);
-    e
-}
-
-fn stats(e: &mut Engine) -> StatsReply {
-    e.c.stats().unwrap()
-}
-
-/// Waits (10 s at most) until `f` holds of the server's counters.
-fn until(e: &mut Engine, what: &str, f: impl Fn(&StatsReply) -> bool) -> StatsReply {
-    let end = Instant::now() + Duration::from_secs(10);
-    loop {
-        let s = stats(e);
-        if f(&s) {
-            return s;
-        }
-        assert!(Instant::now() < end, "{what}: {s:?}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-/// `n` chunks of prompt `seed`, written into `e`'s cache and stored (at
-/// most 16 chunks: the test cache's 64 blocks).
-fn store(e: &mut Engine, seed: u32, n: usize) -> Vec<ChunkHash> {
-    let hashes = chunk_hashes(&prompt(seed, n * CHUNK as usize), CHUNK);
-    let blocks = e.blocks(0, n);
-    e.write(&hashes, &blocks);
-    assert_eq!(e.store(0, &hashes, &blocks).value, n as u64);
-    hashes
-}
-
-/// Looks `hashes` up on `e`'s server, retrieves the hits into fresh
-/// (poisoned) blocks and checks every byte; the hits.
-fn fetch_and_check(e: &mut Engine, hashes: &[ChunkHash]) -> u64 {
-    let lease = lookup(&mut e.c, 1, 0, hashes);
-    let hits = lease.hits();
-    if hits == 0 {
-        return 0;
-    }
-    e.cache.poison(0x5a);
-    let dst = e.blocks(1, hits as usize);
-    let r = done(e.c.retrieve(Retrieve::new(&e.inst, &lease, &dst)).unwrap());
-    assert_eq!(r.value, hits);
-    e.verify(&hashes[..hits as usize], &dst, 0, 0x5a);
-    let _ = lease.into_id();
-    hits
-}
-
-/// A server `tag` writing through to `vk`, and `n` chunks of prompt `seed`
-/// stored on it and written to the tier.
-fn stored_through(
-    vk: &Valkey,
-    tag: &str,
-    seed: u32,
-    n: usize,
-) -> (Fixture, Engine, Vec<ChunkHash>) {
-    let a = server(tag, &[vk.url()], &["--l2-write", "through"]);
-    let mut e = engine(&a);
-    let hashes = store(&mut e, seed, n);
-    until(&mut e, "written through", |s| {
-        s.l2_written_objects == n as u64
-    });
-    (a, e, hashes)
-}
-
-/// The one key in `vk` of chunk `h`.
-fn key_of(vk: &Valkey, h: &ChunkHash) -> String {
-    let hex: String = h.iter().map(|b| format!("{b:02x}")).collect();
-    let keys = vk.keys(&format!("kvring:*:{hex}"));
-    assert_eq!(keys.len(), 1, "{keys:?}");
-    keys[0].clone()
-}
 
 #[test]
 fn objects_stored_on_one_server_are_retrieved_on_another_through_valkey() {
@@ -255,16 +161,12 @@ fn a_corrupted_or_truncated_value_is_a_miss() {
 fn a_well_formed_value_of_another_size_is_a_miss() {
     let vk = Valkey::start("l2-size");
     let (_a, _ea, hashes) = stored_through(&vk, "l2-size-a", 35, 3);
-    // Chunk 1: a value whose header, length and checksum agree with each
-    // other, holding half an object (the value format of README's "A
-    // second tier on Valkey/Redis": magic, version, length, xxh3-64).
+    // Chunk 1: a value sealed under its key whose header, length and seal
+    // agree with each other, holding half an object.
     let k1 = key_of(&vk, &hashes[1]);
     let whole = vk.get_raw(&k1).unwrap();
-    let half = &whole[32..32 + (whole.len() - 32) / 2];
-    let mut v = whole[..16].to_vec();
-    v.extend((half.len() as u64).to_le_bytes());
-    v.extend(xxhash_rust::xxh3::xxh3_64(half).to_le_bytes());
-    v.extend(half);
+    let half = &whole[value::HEADER..value::HEADER + (whole.len() - value::HEADER) / 2];
+    let v = value::Value::seal(&k1, half, &value::Seal::Checksum).to_vec();
     vk.set_raw(&k1, &v);
     let b = server("l2-size-b", &[vk.url()], &[]);
     let mut eb = engine(&b);

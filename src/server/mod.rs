@@ -22,7 +22,7 @@ mod capacity;
 mod delay;
 mod http;
 mod kv_ops;
-mod l2;
+pub mod l2;
 mod model_rows;
 mod peer_memory;
 mod pool;

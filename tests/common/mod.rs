@@ -8,6 +8,7 @@
 //! ([`Host`], [`SimulatedDevices`], `Cuda`).
 #![allow(dead_code)]
 
+pub mod tier;
 pub mod valkey;
 
 use kvring::jobs::{JobResult, JobStatus};

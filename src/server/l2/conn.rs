@@ -71,8 +71,12 @@ impl Conn {
             .map_err(|_| late("command", deadline))?
     }
 
-    pub async fn get(&self, key: &str, deadline: Duration) -> RedisResult<Option<Vec<u8>>> {
-        self.run(redis::cmd("GET").arg(key), deadline).await
+    /// The first `most` bytes of the string at `key` (`GETRANGE`): empty
+    /// when there is no such key.
+    pub async fn get_at_most(&self, key: &str, most: u64, deadline: Duration) -> RedisResult<Vec<u8>> {
+        let last = most.saturating_sub(1);
+        self.run(redis::cmd("GETRANGE").arg(key).arg(0u64).arg(last), deadline)
+            .await
     }
 
     pub async fn exists(&self, key: &str, deadline: Duration) -> RedisResult<bool> {

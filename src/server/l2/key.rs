@@ -2,7 +2,7 @@
 //! text, so an operator can read them (`SCAN MATCH kvring:*`). No hash
 //! tags: a cluster spreads a prompt's chunks over its slots.
 
-use super::object::FORMAT_VERSION;
+use super::value::FORMAT_VERSION;
 use crate::server::cache::ObjectKey;
 use std::fmt::Write;
 
@@ -42,7 +42,7 @@ mod tests {
         };
         assert_eq!(
             key("kvring:", &k),
-            "kvring:v1:00000000000000ab:4:3:0000000000001234:0000000000000007:11111111111111111111111111111111"
+            "kvring:v2:00000000000000ab:4:3:0000000000001234:0000000000000007:11111111111111111111111111111111"
         );
         let mut other = k;
         other.rank_tag = (4 << 16) | 2;

@@ -22,7 +22,7 @@
 
 mod conn;
 mod key;
-mod object;
+pub mod value;
 
 use super::cache::{Cache, Drained, LeaseMeta, ObjectKey};
 use super::registry::Group;
@@ -32,6 +32,7 @@ use crate::kv::ChunkHash;
 use crate::proto::kv::StatsReply;
 use conn::Conn;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::fmt;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -67,6 +68,9 @@ pub struct L2Config {
     /// Links in the pool of connections (a cluster: each link connects to
     /// every node), and workers of the tier's runtime.
     pub connections: usize,
+    /// How values are sealed, and the only seal taken
+    /// (`--l2-secret-file`: a MAC).
+    pub seal: value::Seal,
 }
 
 impl L2Config {
@@ -104,6 +108,7 @@ impl L2Config {
             queue: 1024,
             concurrency: 32,
             connections: 4,
+            seal: value::Seal::Checksum,
         })
     }
 }
@@ -167,6 +172,13 @@ pub(crate) struct L2 {
     rx: Mutex<Option<tokio::sync::mpsc::Receiver<Op>>>,
     state: AtomicU8,
     counters: Counters,
+    /// When the tier was made (what `warned_ms` counts from).
+    born: Instant,
+    /// When a rate-limited warning was logged last (ms since `born`; 0:
+    /// never).
+    warned_ms: AtomicU64,
+    /// Warnings left out since.
+    unwarned: AtomicU64,
 }
 
 impl L2 {
@@ -178,6 +190,9 @@ impl L2 {
             rx: Mutex::new(Some(rx)),
             state: AtomicU8::new(L2State::Connecting as u8),
             counters: Counters::default(),
+            born: Instant::now(),
+            warned_ms: AtomicU64::new(0),
+            unwarned: AtomicU64::new(0),
         }
     }
 
@@ -276,12 +291,54 @@ impl L2 {
         }
     }
 
-    /// A command failed: counted, and the tier is down until it answers.
-    fn failed(&self, what: &str, e: &redis::RedisError) {
+    /// Command `what` on `key` failed: counted. A connection error or a
+    /// timeout marks the tier down until it answers again; an error reply
+    /// (a wrong-typed key, the store out of memory, a key the ACL denies)
+    /// is about that command only: a miss or a dropped write, the tier
+    /// stays up.
+    fn failed(&self, what: &str, key: &str, e: &redis::RedisError) {
         // Relaxed: a counter.
         self.counters.errors.fetch_add(1, Ordering::Relaxed);
-        tracing::debug!("second tier: {what}: {e}");
-        self.set_state(L2State::Down);
+        if is_reply(e) {
+            self.warn(format_args!("second tier: {what} {key}: {e}: a miss (or a dropped write)"));
+        } else {
+            tracing::debug!("second tier: {what} {key}: {e}");
+            self.set_state(L2State::Down);
+        }
+    }
+
+    /// Logs `msg` as a warning, at most one a second (what others write
+    /// into the tier decides how many there are); says how many were left
+    /// out.
+    fn warn(&self, msg: fmt::Arguments<'_>) {
+        let now = self.born.elapsed().as_millis() as u64;
+        // Relaxed (both): a rate limit; a race logs one line more or less.
+        let last = self.warned_ms.load(Ordering::Relaxed);
+        if now.saturating_sub(last) < 1_000 && last != 0 {
+            self.unwarned.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        self.warned_ms.store(now.max(1), Ordering::Relaxed);
+        match self.unwarned.swap(0, Ordering::Relaxed) {
+            0 => tracing::warn!("{msg}"),
+            n => tracing::warn!("{msg} ({n} more such lines left out)"),
+        }
+    }
+}
+
+/// Whether `e` is the store's answer about one command (an error reply),
+/// not a failure of the connection or of the store as a whole.
+fn is_reply(e: &redis::RedisError) -> bool {
+    use redis::{ErrorKind as K, ServerErrorKind as S};
+    match e.kind() {
+        // Replies the client does not know (WRONGTYPE, OOM, ...), a reply
+        // of an unexpected type, and replies about the command.
+        K::Extension | K::UnexpectedReturnType => true,
+        K::Server(s) => matches!(
+            s,
+            S::ResponseError | S::NoPerm | S::ReadOnly | S::ExecAbort | S::NoScript | S::CrossSlot
+        ),
+        _ => false,
     }
 }
 
@@ -456,7 +513,7 @@ async fn write(shared: &Shared, l2: &L2, c: Conn, key: &ObjectKey, off: u64, len
             Ok(true) => return true,
             Ok(false) => {}
             Err(e) => {
-                l2.failed("EXISTS", &e);
+                l2.failed("EXISTS", &k, &e);
                 return false;
             }
         }
@@ -468,7 +525,7 @@ async fn write(shared: &Shared, l2: &L2, c: Conn, key: &ObjectKey, off: u64, len
     // frees it meanwhile, and the pool lives as long as the server, whose
     // shutdown joins this thread first.
     let bytes = unsafe { std::slice::from_raw_parts(shared.kv.pool.at(off), len as usize) };
-    let value = object::Value::of(bytes);
+    let value = value::Value::seal(&k, bytes, &l2.cfg.seal);
     let value_len = value.len();
     match c.set(&k, value, l2.cfg.ttl, l2.cfg.response_timeout).await {
         Ok(()) => {
@@ -479,7 +536,7 @@ async fn write(shared: &Shared, l2: &L2, c: Conn, key: &ObjectKey, off: u64, len
             true
         }
         Err(e) => {
-            l2.failed("SET", &e);
+            l2.failed("SET", &k, &e);
             false
         }
     }
@@ -588,39 +645,38 @@ async fn fetch(shared: &Arc<Shared>, l2: &Arc<L2>, c: Conn, f: &Fetch) -> u32 {
 
 /// Reads object `k` (`len` bytes, as its fingerprint fixes) from the tier,
 /// checks it, and copies it into a new `Writing` object of the pool.
+///
+/// The read asks for at most one byte more than such a value has
+/// (`GETRANGE`), so a value of another size, whatever its size, costs this
+/// server no more memory than the object it expects.
 async fn read_object(shared: &Shared, l2: &L2, c: &Conn, k: ObjectKey, len: u64, wait: Duration) -> Got {
     // Relaxed (all counters here): no access pairs with them.
     let r = Ordering::Relaxed;
-    let v = match c.get(&key::key(&l2.cfg.prefix, &k), wait).await {
-        Ok(Some(v)) => v,
-        Ok(None) => {
+    let name = key::key(&l2.cfg.prefix, &k);
+    let v = match c.get_at_most(&name, value::HEADER as u64 + len + 1, wait).await {
+        // An empty reply: no such key (or an empty string under it).
+        Ok(v) if v.is_empty() => {
             l2.counters.missed.fetch_add(1, r);
             return Got::Missing;
         }
+        Ok(v) => v,
         Err(e) => {
-            l2.failed("GET", &e);
+            l2.failed("GETRANGE", &name, &e);
             return Got::Missing;
         }
     };
     l2.counters.bytes_in.fetch_add(v.len() as u64, r);
-    let corrupt = |e: object::BadValue| {
+    let corrupt = |e: value::BadValue| {
         l2.counters.corrupt.fetch_add(1, r);
-        tracing::warn!("second tier: {}: {e}: read as a miss", key::key(&l2.cfg.prefix, &k));
+        l2.warn(format_args!("second tier: {name}: {e}: read as a miss"));
         Got::Missing
     };
-    let (body, sum) = match object::open(&v) {
-        Ok(b) => b,
+    // Bound to this key, of this size, with this server's seal; the seal
+    // itself is checked on the copy below.
+    let opened = match value::open(&v, &name, len, &l2.cfg.seal) {
+        Ok(o) => o,
         Err(e) => return corrupt(e),
     };
-    // A value whose header agrees with itself but not with the object size
-    // of its key's format (written by something else) is no object: a
-    // retrieve copies `len` bytes from the object's range.
-    if body.len() as u64 != len {
-        return corrupt(object::BadValue::Size {
-            expected: len,
-            found: body.len() as u64,
-        });
-    }
     let plan = shared.kv.with_cache(shared, |c| c.plan_objects(&[k], len));
     let Some(p) = plan.write.first() else {
         return if plan.present > 0 { Got::Present } else { Got::Missing };
@@ -628,11 +684,12 @@ async fn read_object(shared: &Shared, l2: &L2, c: &Conn, k: ObjectKey, len: u64,
     // SAFETY: the range of an object just planned, `Writing`: no reader
     // sees it (lookups take ready objects only) and nothing else writes or
     // frees it until this fetch finishes it (below, or at the fetch's end);
-    // `body.len()` bytes, the object's size, in the pool.
-    let dst = unsafe { std::slice::from_raw_parts_mut(shared.kv.pool.at(p.off), body.len()) };
-    // Copied from the reply into the pool, checked on the way (no buffer of
-    // its own, one pass over the reply).
-    match object::copy_checked(body, dst, sum) {
+    // `len` bytes, the object's size (which `open` checked the value's
+    // object has), in the pool.
+    let dst = unsafe { std::slice::from_raw_parts_mut(shared.kv.pool.at(p.off), opened.len()) };
+    // Copied from the reply into the pool, its seal checked on the way (no
+    // buffer of its own, one pass over the reply).
+    match opened.copy_into(dst) {
         Ok(()) => Got::Placed(p.obj),
         Err(e) => {
             shared.kv.with_cache(shared, |c| c.finish_objects(&[p.obj], false, false));

@@ -38,6 +38,7 @@ use crate::stats::{Spread, Summary};
 use kvring::jobs::JobStatus;
 use kvring::kv::{chunk_hashes, model_id, pattern, KvLayout, LayoutPreset};
 use kvring::proto::kv::StatsReply;
+use kvring::server::l2::value::{self, MacKey, Seal, Value};
 use kvring::wait::WaitPolicy;
 use kvring::{HostKvCache, Job, KvSpec, Lookup, Registration, Retrieve, Store};
 use serde_json::json;
@@ -51,8 +52,8 @@ use std::time::{Duration, Instant};
 const CHUNK: u32 = 256;
 /// The server's fetch window (chunks whose objects it GETs at once).
 const WINDOW: usize = 4;
-/// The value header of the server's format (magic, version, length, xxh3).
-const HEADER: usize = 32;
+/// The value header of the server's format.
+const HEADER: usize = value::HEADER;
 const SALT: u64 = 0x6c32;
 
 /// The benchmark's settings (`kvring-bench l2 ...`).
@@ -96,6 +97,11 @@ pub struct Opts {
     /// (taken in turn, as the server does).
     #[arg(long, default_value_t = 4)]
     pub connections: usize,
+    /// The servers' --l2-secret-file: values sealed with a MAC (the direct
+    /// commands that build or check values seal them so too); default: a
+    /// checksum.
+    #[arg(long)]
+    pub secret_file: Option<PathBuf>,
 }
 
 // ---------------------------------------------------------------------------
@@ -273,6 +279,7 @@ pub fn serve_child(
     timeout_s: f64,
     lookup_wait_s: f64,
     connections: usize,
+    secret_file: Option<&Path>,
 ) {
     use std::io::Read;
     let mut cfg = kvring::ServerConfig::new(name);
@@ -293,6 +300,7 @@ pub fn serve_child(
     l2.response_timeout = Duration::from_secs_f64(timeout_s);
     l2.lookup_wait = Duration::from_secs_f64(lookup_wait_s);
     l2.connections = connections;
+    l2.seal = seal_of(secret_file);
     cfg.kv.l2 = Some(l2);
     let srv = kvring::server::start(cfg).expect("start server");
     let mut b = [0u8; 1];
@@ -308,7 +316,7 @@ struct Server {
 
 impl Server {
     fn start(tag: &str, url: &str, prefix: &str, pool_mib: u64, o: &Opts) -> Server {
-        let extra: Vec<String> = [
+        let mut extra: Vec<String> = [
             "--pool-mib",
             &pool_mib.to_string(),
             "--copy-threads",
@@ -327,6 +335,9 @@ impl Server {
         ]
         .map(String::from)
         .into();
+        if let Some(f) = &o.secret_file {
+            extra.extend(["--l2-secret-file".into(), f.display().to_string()]);
+        }
         // Not pinned: the server, its tier's threads, Valkey and this
         // process share the machine's CPUs as a deployment would.
         let (child, name) = kvring_server_with(tag, WaitPolicy::default(), &extra, false);
@@ -522,49 +533,12 @@ impl CpuLog {
 
 type Conn = redis::aio::MultiplexedConnection;
 
-/// The 32-byte header of the server's value format (`server/l2/object.rs`:
-/// magic, format version, length, xxh3 of the object).
-fn header(body: &[u8]) -> [u8; HEADER] {
-    let mut h = [0u8; HEADER];
-    h[..8].copy_from_slice(b"KVRINGL2");
-    h[8..12].copy_from_slice(&1u32.to_le_bytes());
-    h[16..24].copy_from_slice(&(body.len() as u64).to_le_bytes());
-    h[24..].copy_from_slice(&xxhash_rust::xxh3::xxh3_64(body).to_le_bytes());
-    h
-}
-
-/// The value of `body` as the server builds it (`object::encode`): a fresh
-/// vector, the header, a copy of the object.
-fn encode(body: &[u8]) -> Vec<u8> {
-    let mut v = Vec::with_capacity(HEADER + body.len());
-    v.extend_from_slice(&header(body));
-    v.extend_from_slice(body);
-    v
-}
-
-/// The object in `value`, checked as the server checks it (length and
-/// xxh3 against the header).
-fn check(value: &[u8]) -> &[u8] {
-    let body = &value[HEADER..];
-    assert_eq!(value[16..24], (body.len() as u64).to_le_bytes(), "length");
-    assert_eq!(
-        value[24..32],
-        xxhash_rust::xxh3::xxh3_64(body).to_le_bytes(),
-        "xxh3"
-    );
-    body
-}
-
-/// A value written straight into the command as one argument: the header,
-/// then the object (no value buffer of its own).
-struct Framed<'a>([u8; HEADER], &'a [u8]);
-
-impl redis::ToRedisArgs for Framed<'_> {
-    fn write_redis_args<W: ?Sized + redis::RedisWrite>(&self, out: &mut W) {
-        use std::io::Write;
-        let mut w = out.writer_for_next_arg();
-        w.write_all(&self.0).expect("into the command");
-        w.write_all(self.1).expect("into the command");
+/// How the values are sealed: with a MAC keyed by `secret_file`'s secret,
+/// else a checksum (as `kvring serve`).
+fn seal_of(secret_file: Option<&Path>) -> Seal {
+    match secret_file {
+        Some(f) => Seal::Mac(MacKey::from_file(f).unwrap_or_else(|e| panic!("--secret-file {e}"))),
+        None => Seal::Checksum,
     }
 }
 
@@ -585,18 +559,22 @@ enum GetWork {
     InPlace,
 }
 
-/// The direct values: the object and its value (header + object).
+/// The direct values: the object, its value (header + object), and what
+/// it is sealed with and under. Every direct value is sealed under one
+/// name, `name` (sealing under each key costs the same).
 struct Values {
-    body: Arc<Vec<u8>>,
-    value: Arc<Vec<u8>>,
+    body: Vec<u8>,
+    value: Vec<u8>,
+    seal: Seal,
+    name: String,
 }
 
-async fn set(mut c: Conn, k: String, v: Arc<Vec<u8>>, body: Arc<Vec<u8>>, work: SetWork) {
+async fn set(mut c: Conn, k: String, d: Arc<Values>, work: SetWork) {
     let mut cmd = redis::cmd("SET");
     cmd.arg(&k);
     match work {
-        SetWork::InPlace => cmd.arg(Framed(header(&body), &body)),
-        SetWork::Plain => cmd.arg(&v[..]),
+        SetWork::InPlace => cmd.arg(Value::seal(&d.name, &d.body, &d.seal)),
+        SetWork::Plain => cmd.arg(&d.value[..]),
     };
     let r: redis::RedisResult<()> = cmd.query_async(&mut c).await;
     r.unwrap_or_else(|e| panic!("SET {k}: {e}"));
@@ -614,20 +592,14 @@ fn direct_set_all(
     rt: &tokio::runtime::Runtime,
     cs: &[Conn],
     keys: &[String],
-    d: &Values,
+    d: &Arc<Values>,
     work: SetWork,
 ) -> f64 {
     let t = Instant::now();
     rt.block_on(async {
         let mut js = tokio::task::JoinSet::new();
         for (i, k) in keys.iter().enumerate() {
-            js.spawn(set(
-                cs[i % cs.len()].clone(),
-                k.clone(),
-                d.value.clone(),
-                d.body.clone(),
-                work,
-            ));
+            js.spawn(set(cs[i % cs.len()].clone(), k.clone(), d.clone(), work));
         }
         while let Some(r) = js.join_next().await {
             r.expect("SET task");
@@ -649,28 +621,36 @@ fn direct_get_all(
     len: usize,
     work: GetWork,
     pool: &Arc<Vec<std::sync::Mutex<Vec<u8>>>>,
+    vals: &Arc<Values>,
 ) -> f64 {
-    let (cs, keys, d) = (cs.to_vec(), keys.to_vec(), pool.clone());
+    let (cs, keys, d, vals) = (cs.to_vec(), keys.to_vec(), pool.clone(), vals.clone());
     let t = Instant::now();
     let task = rt.spawn(async move {
         let mut js = tokio::task::JoinSet::new();
         let mut next = 0;
         loop {
             while next < keys.len() && js.len() < window {
-                let (c, k, d) = (cs[next % cs.len()].clone(), keys[next].clone(), d.clone());
+                let (c, k, d, vals) = (
+                    cs[next % cs.len()].clone(),
+                    keys[next].clone(),
+                    d.clone(),
+                    vals.clone(),
+                );
                 js.spawn(async move {
                     let v = get(c, k).await;
                     assert_eq!(v.len(), len);
                     if work == GetWork::Plain {
                         return;
                     }
-                    let from = check(&v);
-                    // A buffer per read in flight stands for the objects'
-                    // ranges (a read may wait for one still in use).
-                    d[next % d.len()]
-                        .lock()
-                        .expect("pool")
-                        .copy_from_slice(from);
+                    // Opened and checked as the server does, copied into
+                    // a buffer per read in flight that stands for the
+                    // objects' ranges (a read may wait for one still in
+                    // use).
+                    let opened = value::open(&v, &vals.name, (len - HEADER) as u64, &vals.seal)
+                        .expect("a direct value");
+                    opened
+                        .copy_into(&mut d[next % d.len()].lock().expect("pool"))
+                        .expect("a direct value's seal");
                 });
                 next += 1;
             }
@@ -744,9 +724,18 @@ fn object_costs(obj: usize) -> serde_json::Value {
     let xxh3 = median_ms(reps, || {
         std::hint::black_box(xxhash_rust::xxh3::xxh3_64(std::hint::black_box(&src)));
     });
-    // object::encode: a fresh Vec, the header, the object (after hashing it).
+    // The two seals of a value (header and object), no copy.
+    let mac = Seal::Mac(MacKey::from_secret(b"a secret of the benchmark").expect("a secret"));
+    let seal_checksum = median_ms(reps, || {
+        std::hint::black_box(Value::seal("k", std::hint::black_box(&src), &Seal::Checksum));
+    });
+    let seal_mac = median_ms(reps, || {
+        std::hint::black_box(Value::seal("k", std::hint::black_box(&src), &mac));
+    });
+    // A value in a buffer of its own: a fresh Vec, the header, the object
+    // (after sealing it).
     let encode = median_ms(reps, || {
-        std::hint::black_box(encode(&src));
+        std::hint::black_box(Value::seal("k", &src, &Seal::Checksum).to_vec());
     });
     // The fetch: `body.to_vec()` of a checked value.
     let to_vec = median_ms(reps, || {
@@ -766,6 +755,8 @@ fn object_costs(obj: usize) -> serde_json::Value {
     });
     json!({
         "xxh3": xxh3,
+        "seal_checksum_xxh3_128": seal_checksum,
+        "seal_mac_blake3_keyed": seal_mac,
         "encode_copy_and_xxh3": encode,
         "to_vec_fresh": to_vec,
         "memcpy_warm": memcpy,
@@ -885,10 +876,14 @@ pub fn run(o: &Opts) {
     let body: Vec<u8> = (0..obj as usize)
         .map(|i| (i as u32).wrapping_mul(40503) as u8)
         .collect();
-    let vals = Values {
-        value: Arc::new(encode(&body)),
-        body: Arc::new(body),
-    };
+    let seal = seal_of(o.secret_file.as_deref());
+    let name = format!("{prefix}direct");
+    let vals = Arc::new(Values {
+        value: Value::seal(&name, &body, &seal).to_vec(),
+        body,
+        seal,
+        name,
+    });
     // Stands for the pool in the direct GETs that copy into it (warm).
     let warm = Arc::new(
         (0..WINDOW)
@@ -925,6 +920,7 @@ pub fn run(o: &Opts) {
             value_len,
             GetWork::Plain,
             &warm,
+            &vals,
         );
     }
     let mut took: Vec<(&str, f64)> = vec![("setup", started.elapsed().as_secs_f64())];
@@ -998,6 +994,7 @@ pub fn run(o: &Opts) {
                 value_len,
                 GetWork::Plain,
                 &warm,
+                &vals,
             )
         });
         d_get.push((t * 1e9) as u64);
@@ -1123,7 +1120,7 @@ pub fn run(o: &Opts) {
             }
             if step > 0 {
                 let secs = cpu.measure(label(phase), n as u64, || {
-                    direct_get_all(&rt, cs, &dkeys, window, value_len, work, &warm)
+                    direct_get_all(&rt, cs, &dkeys, window, value_len, work, &warm, &vals)
                 });
                 if pass > 0 {
                     let v = [

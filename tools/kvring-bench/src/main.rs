@@ -114,6 +114,8 @@ enum Cmd {
         l2_lookup_wait_s: f64,
         #[arg(long, default_value_t = 4)]
         l2_connections: usize,
+        #[arg(long)]
+        l2_secret_file: Option<std::path::PathBuf>,
     },
     /// KV data path on the host backend: store and retrieve GB/s against
     /// memcpy with the same threads, and lookup latency.
@@ -218,6 +220,7 @@ fn main() {
             l2_timeout_s,
             l2_lookup_wait_s,
             l2_connections,
+            l2_secret_file,
             ..
         } => l2::serve_child(
             &name,
@@ -231,6 +234,7 @@ fn main() {
             l2_timeout_s,
             l2_lookup_wait_s,
             l2_connections,
+            l2_secret_file.as_deref(),
         ),
         Cmd::ServeChild {
             name,

@@ -258,6 +258,12 @@ struct L2Args {
     /// and their replies are read and checked in parallel.
     #[arg(long, default_value_t = 4)]
     l2_connections: usize,
+    /// Seal values with a MAC keyed by the secret in this file (at least
+    /// 16 bytes; a trailing newline is left out), and take only values so
+    /// sealed: a writer without the secret cannot make a value this server
+    /// takes. Every server sharing the tier needs the same secret.
+    #[arg(long, env = "KVRING_L2_SECRET_FILE")]
+    l2_secret_file: Option<std::path::PathBuf>,
 }
 
 impl L2Args {
@@ -289,6 +295,11 @@ impl L2Args {
             ));
         }
         c.connections = self.l2_connections;
+        if let Some(path) = &self.l2_secret_file {
+            let key = kvring::server::l2::value::MacKey::from_file(path)
+                .map_err(|e| kvring::Error::Config(format!("--l2-secret-file {e}")))?;
+            c.seal = kvring::server::l2::value::Seal::Mac(key);
+        }
         Ok(Some(c))
     }
 }
