@@ -85,3 +85,9 @@ fn requests() {
     let _w = common::watchdog(Duration::from_secs(120));
     run("requests", kvring::fuzz::requests, 2_000, 2048);
 }
+
+#[test]
+fn l2_value() {
+    let _w = common::watchdog(Duration::from_secs(120));
+    run("l2_value", kvring::fuzz::l2_value, 20_000, 4096);
+}

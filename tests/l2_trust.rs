@@ -51,14 +51,22 @@ fn attackers_kv(len: u64) -> Vec<u8> {
 /// corrupt, with the tier still up and no command failed.
 fn refused(e: &mut Engine, h: &ChunkHash, what: &str) {
     let before = stats(e);
-    assert_eq!(fetch_and_check(e, std::slice::from_ref(h)), 0, "{what}: a hit");
+    assert_eq!(
+        fetch_and_check(e, std::slice::from_ref(h)),
+        0,
+        "{what}: a hit"
+    );
     let s = stats(e);
     assert_eq!(
         s.l2_corrupt_objects,
         before.l2_corrupt_objects + 1,
         "{what}: not counted: {s:?}"
     );
-    assert_eq!((s.l2_state, s.l2_errors), (2, before.l2_errors), "{what}: {s:?}");
+    assert_eq!(
+        (s.l2_state, s.l2_errors),
+        (2, before.l2_errors),
+        "{what}: {s:?}"
+    );
 }
 
 /// A 0600 file holding `secret`, removed on drop.
@@ -66,8 +74,8 @@ struct SecretFile(PathBuf);
 
 impl SecretFile {
     fn new(tag: &str, secret: &str) -> SecretFile {
-        use std::os::unix::fs::OpenOptionsExt;
         use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
         let p = std::env::temp_dir().join(format!("kvring-secret-{tag}-{}", std::process::id()));
         let _ = std::fs::remove_file(&p);
         let mut f = std::fs::OpenOptions::new()
@@ -107,7 +115,9 @@ fn values_not_bound_to_their_key_are_misses() {
     let k: Vec<String> = hashes.iter().map(|h| key_of_model(&vk, MODEL, h)).collect();
     let get = |i: usize| vk.get_raw(&k[i]).unwrap();
     // Chunk 1: the other model's value of the same chunk, copied here.
-    let foreign = vk.get_raw(&key_of_model(&vk, "another-model", &hashes[1])).unwrap();
+    let foreign = vk
+        .get_raw(&key_of_model(&vk, "another-model", &hashes[1]))
+        .unwrap();
     assert_ne!(foreign, get(1));
     vk.set_raw(&k[1], &foreign);
     // Chunks 2 and 3: two genuine values of this prompt, swapped.
@@ -151,7 +161,11 @@ fn a_secret_makes_a_value_only_its_holders_can_write() {
     let hashes = store(&mut ea, 61, 6);
     until(&mut ea, "written through", |s| s.l2_written_objects == 6);
     // A server with the same secret takes them all.
-    let b = server("l2t-mac-b", &[vk.url()], &["--l2-secret-file", secret.arg()]);
+    let b = server(
+        "l2t-mac-b",
+        &[vk.url()],
+        &["--l2-secret-file", secret.arg()],
+    );
     let mut eb = engine(&b);
     assert_eq!(fetch_and_check(&mut eb, &hashes), 6);
     assert_eq!(stats(&mut eb).l2_corrupt_objects, 0);
@@ -174,13 +188,20 @@ fn a_secret_makes_a_value_only_its_holders_can_write() {
     let len = object_len(&vk.get_raw(&k[0]).unwrap());
     let theirs = attackers_kv(len);
     let by_checksum = Value::seal(&k[2], &theirs, &Seal::Checksum).to_vec();
-    assert_eq!(value::decode(&by_checksum, &k[2], len, &Seal::Checksum).unwrap(), &theirs[..]);
+    assert_eq!(
+        value::decode(&by_checksum, &k[2], len, &Seal::Checksum).unwrap(),
+        &theirs[..]
+    );
     vk.set_raw(&k[2], &by_checksum);
     let guessed = Seal::Mac(MacKey::from_secret(b"a guess at the operators' secret").unwrap());
     vk.set_raw(&k[3], &Value::seal(&k[3], &theirs, &guessed).to_vec());
     // And a genuine value, swapped.
     vk.set_raw(&k[4], &vk.get_raw(&k[5]).unwrap());
-    let e = server("l2t-mac-e", &[vk.url()], &["--l2-secret-file", secret.arg()]);
+    let e = server(
+        "l2t-mac-e",
+        &[vk.url()],
+        &["--l2-secret-file", secret.arg()],
+    );
     let mut ee = engine(&e);
     assert_eq!(fetch_and_check(&mut ee, &hashes), 2);
     refused(&mut ee, &hashes[2], "sealed with a checksum");
@@ -197,7 +218,10 @@ fn values_of_the_previous_format_are_misses_not_errors() {
     let len = object_len(&vk.get_raw(&k[0]).unwrap());
     // What a server of the previous version left: its own keys (`v1`).
     for key in &k {
-        vk.set_raw(&key.replacen(":v2:", ":v1:", 1), &previous_format(&attackers_kv(len)));
+        vk.set_raw(
+            &key.replacen(":v2:", ":v1:", 1),
+            &previous_format(&attackers_kv(len)),
+        );
     }
     // And such a value under a key of this version.
     vk.set_raw(&k[1], &previous_format(&attackers_kv(len)));
@@ -205,7 +229,11 @@ fn values_of_the_previous_format_are_misses_not_errors() {
     let mut eb = engine(&b);
     assert_eq!(fetch_and_check(&mut eb, &hashes), 1);
     let s = stats(&mut eb);
-    assert_eq!((s.l2_corrupt_objects, s.l2_errors, s.l2_state), (1, 0, 2), "{s:?}");
+    assert_eq!(
+        (s.l2_corrupt_objects, s.l2_errors, s.l2_state),
+        (1, 0, 2),
+        "{s:?}"
+    );
 }
 
 #[test]
@@ -215,7 +243,12 @@ fn a_wrong_typed_key_is_a_miss_and_the_tier_stays_up() {
     let k2 = key_of(&vk, &hashes[2]);
     let mut c = vk.client();
     let _: () = redis::cmd("DEL").arg(&k2).query(&mut c).unwrap();
-    let _: () = redis::cmd("RPUSH").arg(&k2).arg("a").arg("b").query(&mut c).unwrap();
+    let _: () = redis::cmd("RPUSH")
+        .arg(&k2)
+        .arg("a")
+        .arg("b")
+        .query(&mut c)
+        .unwrap();
     let b = server("l2t-type-b", &[vk.url()], &[]);
     let mut eb = engine(&b);
     let mut errors = 0;
@@ -224,7 +257,10 @@ fn a_wrong_typed_key_is_a_miss_and_the_tier_stays_up() {
         assert_eq!(fetch_and_check(&mut eb, &hashes), 2, "round {round}");
         let s = stats(&mut eb);
         assert_eq!(s.l2_state, 2, "round {round}: the tier went down: {s:?}");
-        assert!(s.l2_errors > errors, "round {round}: the reply not counted: {s:?}");
+        assert!(
+            s.l2_errors > errors,
+            "round {round}: the reply not counted: {s:?}"
+        );
         errors = s.l2_errors;
     }
     // The chunk after it is served on its own, and another prompt whole.
@@ -269,7 +305,13 @@ fn an_oversized_value_is_refused_before_it_is_read_whole() {
     assert_eq!(s.l2_corrupt_objects, 1, "{s:?}");
     // Read: at most one byte past what the object's value has, per value.
     let len = object_len(&vk.get_raw(&key_of(&vk, &hashes[0])).unwrap());
-    assert!(s.l2_bytes_in <= 3 * (value::HEADER as u64 + len + 1), "{s:?}");
-    assert!(grew_mib < 32, "the server's peak memory grew {grew_mib} MiB");
+    assert!(
+        s.l2_bytes_in <= 3 * (value::HEADER as u64 + len + 1),
+        "{s:?}"
+    );
+    assert!(
+        grew_mib < 32,
+        "the server's peak memory grew {grew_mib} MiB"
+    );
     assert!(took < Duration::from_secs(2), "{took:?}");
 }

@@ -371,7 +371,7 @@ fn registry(s: &Snapshot) -> Registry {
         ),
         (
             "l2_corrupt_objects",
-            "second-tier values that failed their check (read as misses)",
+            "second-tier values that are not the object their key names (read as misses)",
             None,
             c.l2_corrupt_objects,
         ),
@@ -389,7 +389,7 @@ fn registry(s: &Snapshot) -> Registry {
         ),
         (
             "l2_errors",
-            "second-tier commands that failed (timeouts, connection errors)",
+            "second-tier commands that failed (timeouts and connection errors; error replies about one key)",
             None,
             c.l2_errors,
         ),

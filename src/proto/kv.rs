@@ -162,12 +162,13 @@ shm_struct! {
         [192] pub l2_loaded_objects: u64,
         /// Objects asked of the second tier and not there.
         [200] pub l2_missed_objects: u64,
-        /// Values that failed their check (read as misses).
+        /// Values that are not the object their key names (read as misses).
         [208] pub l2_corrupt_objects: u64,
         /// Bytes written to and read from the second tier (values).
         [216] pub l2_bytes_out: u64,
         [224] pub l2_bytes_in: u64,
-        /// Commands that failed (timeouts, connection errors).
+        /// Commands that failed: timeouts and connection errors (the tier
+        /// goes down), error replies about one key (a miss or a dropped write).
         [232] pub l2_errors: u64,
         /// Operations queued for or running on the tier now.
         [240] pub l2_queue: u64,

@@ -102,4 +102,3 @@ pub fn key_of(vk: &Valkey, h: &ChunkHash) -> String {
     assert_eq!(keys.len(), 1, "{keys:?}");
     keys[0].clone()
 }
-

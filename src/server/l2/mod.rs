@@ -646,31 +646,35 @@ async fn fetch(shared: &Arc<Shared>, l2: &Arc<L2>, c: Conn, f: &Fetch) -> u32 {
 /// Reads object `k` (`len` bytes, as its fingerprint fixes) from the tier,
 /// checks it, and copies it into a new `Writing` object of the pool.
 ///
-/// The read asks for at most one byte more than such a value has
-/// (`GETRANGE`), so a value of another size, whatever its size, costs this
-/// server no more memory than the object it expects.
+/// A value whose length is not that of such a value is refused before it
+/// is read ([`Conn::get_sized`]), so it costs this server no memory.
 async fn read_object(shared: &Shared, l2: &L2, c: &Conn, k: ObjectKey, len: u64, wait: Duration) -> Got {
     // Relaxed (all counters here): no access pairs with them.
     let r = Ordering::Relaxed;
     let name = key::key(&l2.cfg.prefix, &k);
-    let v = match c.get_at_most(&name, value::HEADER as u64 + len + 1, wait).await {
-        // An empty reply: no such key (or an empty string under it).
-        Ok(v) if v.is_empty() => {
-            l2.counters.missed.fetch_add(1, r);
-            return Got::Missing;
-        }
-        Ok(v) => v,
-        Err(e) => {
-            l2.failed("GETRANGE", &name, &e);
-            return Got::Missing;
-        }
-    };
-    l2.counters.bytes_in.fetch_add(v.len() as u64, r);
     let corrupt = |e: value::BadValue| {
         l2.counters.corrupt.fetch_add(1, r);
         l2.warn(format_args!("second tier: {name}: {e}: read as a miss"));
         Got::Missing
     };
+    let v = match c.get_sized(&name, value::HEADER as u64 + len, wait).await {
+        Ok(conn::Sized::Value(v)) => v,
+        Ok(conn::Sized::Missing) => {
+            l2.counters.missed.fetch_add(1, r);
+            return Got::Missing;
+        }
+        Ok(conn::Sized::Other(n)) => {
+            return corrupt(value::BadValue::ValueSize {
+                expected: value::HEADER as u64 + len,
+                found: n,
+            })
+        }
+        Err(e) => {
+            l2.failed("GET", &name, &e);
+            return Got::Missing;
+        }
+    };
+    l2.counters.bytes_in.fetch_add(v.len() as u64, r);
     // Bound to this key, of this size, with this server's seal; the seal
     // itself is checked on the copy below.
     let opened = match value::open(&v, &name, len, &l2.cfg.seal) {

@@ -57,6 +57,8 @@ pub enum BadValue {
     Size { expected: u64, said: u64 },
     #[error("{found} bytes of object where the header says {said}")]
     Length { said: u64, found: u64 },
+    #[error("a value of {found} bytes where its key's format makes {expected} (not read)")]
+    ValueSize { expected: u64, found: u64 },
     #[error("written under another key")]
     Key,
     #[error("its {0} does not match")]

@@ -557,6 +557,12 @@ enum GetWork {
     Plain,
     /// Checked in place, copied from the reply into the pool.
     InPlace,
+    /// Read as the server reads (`STRLEN`, then `GET` of a value of the
+    /// size expected), checked in place, copied into the pool.
+    SizedInPlace,
+    /// Read with `GETRANGE` up to one byte past the value's size (one
+    /// command that bounds the read), checked in place, copied.
+    RangeInPlace,
 }
 
 /// The direct values: the object, its value (header + object), and what
@@ -580,10 +586,27 @@ async fn set(mut c: Conn, k: String, d: Arc<Values>, work: SetWork) {
     r.unwrap_or_else(|e| panic!("SET {k}: {e}"));
 }
 
-async fn get(mut c: Conn, k: String) -> Vec<u8> {
-    let r: redis::RedisResult<Option<Vec<u8>>> =
-        redis::cmd("GET").arg(&k).query_async(&mut c).await;
+/// The value at `k` (`len` bytes), read as `work` says: GET, STRLEN
+/// then GET (as the server reads), or GETRANGE up to one byte past it.
+async fn get(mut c: Conn, k: String, len: usize, work: GetWork) -> Vec<u8> {
+    let r: redis::RedisResult<Option<Vec<u8>>> = match work {
+        GetWork::Plain | GetWork::InPlace => redis::cmd("GET").arg(&k).query_async(&mut c).await,
+        GetWork::SizedInPlace => {
+            let n: u64 = redis::cmd("STRLEN")
+                .arg(&k)
+                .query_async(&mut c)
+                .await
+                .unwrap_or_else(|e| panic!("STRLEN {k}: {e}"));
+            assert_eq!(n, len as u64, "STRLEN {k}");
+            redis::cmd("GET").arg(&k).query_async(&mut c).await
+        }
+        GetWork::RangeInPlace => {
+            let cmd = redis::cmd("GETRANGE").arg(&k).arg(0).arg(len).clone();
+            cmd.query_async(&mut c).await
+        }
+    };
     r.unwrap_or_else(|e| panic!("GET {k}: {e}"))
+        .filter(|v| !v.is_empty())
         .unwrap_or_else(|| panic!("GET {k}: no value"))
 }
 
@@ -637,7 +660,7 @@ fn direct_get_all(
                     vals.clone(),
                 );
                 js.spawn(async move {
-                    let v = get(c, k).await;
+                    let v = get(c, k, len, work).await;
                     assert_eq!(v.len(), len);
                     if work == GetWork::Plain {
                         return;
@@ -727,7 +750,11 @@ fn object_costs(obj: usize) -> serde_json::Value {
     // The two seals of a value (header and object), no copy.
     let mac = Seal::Mac(MacKey::from_secret(b"a secret of the benchmark").expect("a secret"));
     let seal_checksum = median_ms(reps, || {
-        std::hint::black_box(Value::seal("k", std::hint::black_box(&src), &Seal::Checksum));
+        std::hint::black_box(Value::seal(
+            "k",
+            std::hint::black_box(&src),
+            &Seal::Checksum,
+        ));
     });
     let seal_mac = median_ms(reps, || {
         std::hint::black_box(Value::seal("k", std::hint::black_box(&src), &mac));
@@ -1086,13 +1113,13 @@ pub fn run(o: &Opts) {
     // connections, and on one), all at once, and four at a time with the
     // server's work per value (what-if); rotating order.
     let (mut load_gbps, mut retr_gbps) = (Vec::new(), Vec::new());
-    let [mut get_gbps, mut get_all_gbps, mut get_one_gbps, mut get_inplace_gbps] =
-        [(); 4].map(|_| Vec::new());
+    let [mut get_gbps, mut get_all_gbps, mut get_one_gbps, mut get_inplace_gbps, mut sized_inplace_gbps, mut getrange_inplace_gbps] =
+        [(); 6].map(|_| Vec::new());
     for pass in 0..=o.passes {
         let label = |l| if pass > 0 { l } else { "warmup" };
         let last = pass == o.passes;
-        for k in 0..5 {
-            let step = (k + pass) % 5;
+        for k in 0..7 {
+            let step = (k + pass) % 7;
             let (phase, cs, window, work) = match step {
                 0 => ("load_batch", &direct[..], 0, GetWork::Plain),
                 1 => ("direct_get_batch", &direct[..], WINDOW, GetWork::Plain),
@@ -1108,11 +1135,23 @@ pub fn run(o: &Opts) {
                     WINDOW,
                     GetWork::Plain,
                 ),
-                _ => (
+                4 => (
                     "direct_get_in_place_batch",
                     &direct[..],
                     WINDOW,
                     GetWork::InPlace,
+                ),
+                5 => (
+                    "direct_strlen_get_in_place_batch",
+                    &direct[..],
+                    WINDOW,
+                    GetWork::SizedInPlace,
+                ),
+                _ => (
+                    "direct_getrange_in_place_batch",
+                    &direct[..],
+                    WINDOW,
+                    GetWork::RangeInPlace,
                 ),
             };
             if step > 0 && pass == 0 {
@@ -1128,6 +1167,8 @@ pub fn run(o: &Opts) {
                         &mut get_all_gbps,
                         &mut get_one_gbps,
                         &mut get_inplace_gbps,
+                        &mut sized_inplace_gbps,
+                        &mut getrange_inplace_gbps,
                     ];
                     v.into_iter()
                         .nth(step - 1)
@@ -1289,6 +1330,10 @@ pub fn run(o: &Opts) {
             "direct_get_check_in_place_copy_gbps": median(&get_inplace_gbps),
             "hash_in_command_over_direct_set": median(&set_inplace_gbps) / set_m,
             "check_in_place_over_direct_get": median(&get_inplace_gbps) / get_m,
+            "direct_strlen_get_check_in_place_copy_gbps": median(&sized_inplace_gbps),
+            "strlen_get_over_get_check_in_place": median(&sized_inplace_gbps) / median(&get_inplace_gbps),
+            "direct_getrange_check_in_place_copy_gbps": median(&getrange_inplace_gbps),
+            "getrange_over_get_check_in_place": median(&getrange_inplace_gbps) / median(&get_inplace_gbps),
         },
         "chunk_ms": {
             "store": ms_json(&st_written),
