@@ -113,6 +113,9 @@ pub struct ServerPaths {
     pub socket: PathBuf,
     /// Start-up lock, held by the running server.
     pub lock: PathBuf,
+    /// The HTTP endpoint's admin token (mode 0600), written at the start
+    /// and removed at a clean stop: who can read it may make admin calls.
+    pub admin_token: PathBuf,
     /// POSIX shm object name (with the leading '/').
     pub shm_name: String,
 }
@@ -131,6 +134,7 @@ impl ServerPaths {
             dir: dir.to_path_buf(),
             socket: dir.join(format!("{name}.sock")),
             lock: dir.join(format!("{name}.lock")),
+            admin_token: dir.join(format!("{name}.admin-token")),
             shm_name: shm_name(name),
         })
     }

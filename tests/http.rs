@@ -6,7 +6,15 @@
 //! and dropped over HTTP keep a prompt prefix's chunks (with the counters
 //! saying so), admin calls from a non-loopback peer are refused, malformed
 //! requests and silent clients are refused without holding up the rings,
-//! and an address asked for that is taken fails the start.
+//! and an address asked for that is taken fails the start. Under abuse:
+//! the probes answer within a second with a thousand idle, slow and
+//! half-open connections open (PINGs going on meanwhile), each of those is
+//! answered at its deadline, a connection past the bound or out of
+//! descriptors closes the oldest idle one, and the endpoint never spins.
+//! The admin token: 0600 in the runtime directory, needed by every admin
+//! call (401 without it, with another, or with two headers; never from
+//! another local user, who cannot read it), removed at a clean stop,
+//! another at each start.
 
 mod common;
 
@@ -18,12 +26,14 @@ use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
-/// A `POST` of `body` (JSON) with its `Content-Length`.
+/// A `POST` of `body` (JSON) with its `Content-Length`, with the admin
+/// token of the server on `port`.
 fn post_json(port: u16, path: &str, body: &str) -> (u16, String) {
     http_exchange(
         port,
         format!(
-            "POST {path} HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            "POST {path} HTTP/1.1\r\n{}Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            admin_header(port),
             body.len()
         )
         .as_bytes(),
@@ -160,7 +170,7 @@ fn admin_calls_change_what_the_inspector_shows() {
     let held = lookup(&mut e.c, 1, 0, &prompt_hashes(3, 1));
     let status = |port| -> Value { serde_json::from_str(&http_get(port, "/status").1).unwrap() };
     assert_eq!(status(port)["cache"]["objects"], 4);
-    let post = |path: &str| http_exchange(port, format!("POST {path} HTTP/1.1\r\n\r\n").as_bytes());
+    let post = |path: &str| admin_post(port, path);
     // One byte evicts the least recently used object, whole.
     let (code, body) = post("/evict?bytes=1");
     assert_eq!(code, 200, "{body}");
@@ -266,7 +276,7 @@ fn pinned_chunks_outlive_evict_and_clear_until_unpinned() {
     assert!(obj_bytes > 0);
     let model = model_id(MODEL);
     let pinned: Vec<String> = hashes[..K].iter().map(hex).collect();
-    let post = |path: &str| http_exchange(port, format!("POST {path} HTTP/1.1\r\n\r\n").as_bytes());
+    let post = |path: &str| admin_post(port, path);
     let status = || -> Value { serde_json::from_str(&http_get(port, "/status").1).unwrap() };
 
     // The first K chunks, the model as a hex string, the salt left out.
@@ -283,7 +293,7 @@ fn pinned_chunks_outlive_evict_and_clear_until_unpinned() {
         (code, serde_json::from_str::<Value>(&out).unwrap()),
         (200, want)
     );
-    let (code, out) = http_get(port, "/pins");
+    let (code, out) = admin_get(port, "/pins");
     assert_eq!(code, 200, "{out}");
     let listed: Value = serde_json::from_str(&out).unwrap();
     let listed = listed["pins"].as_array().unwrap();
@@ -396,7 +406,8 @@ fn pinned_chunks_outlive_evict_and_clear_until_unpinned() {
     c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     write!(
         c,
-        "POST /unpin HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: {}\r\n\r\n",
+        "POST /unpin HTTP/1.1\r\n{}Expect: 100-continue\r\nContent-Length: {}\r\n\r\n",
+        admin_header(port),
         body.len()
     )
     .unwrap();
@@ -425,7 +436,7 @@ fn pinned_chunks_outlive_evict_and_clear_until_unpinned() {
     let st = e.c.stats().unwrap();
     assert_eq!((st.objects, st.pinned_objects, st.pinned_bytes), (0, 0, 0));
     assert_eq!(lookup(&mut e.c, 1, 0, &hashes).result().value, 0);
-    assert_eq!(http_get(port, "/pins").1, r#"{"pins":[]}"#);
+    assert_eq!(admin_get(port, "/pins").1, r#"{"pins":[]}"#);
 }
 
 #[test]
@@ -435,10 +446,15 @@ fn admin_calls_from_a_non_loopback_peer_are_refused() {
         return;
     };
     let body = r#"{"model_id": 1, "hashes": ["00000000000000000000000000000000"]}"#;
-    let request = |port: u16, head: &str| {
+    let request = |port: u16, head: &str, auth: &str| {
         let mut s = TcpStream::connect((ip, port)).expect("connect");
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        write!(s, "{head}\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
+        write!(
+            s,
+            "{head}\r\n{auth}Content-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
         let mut out = String::new();
         s.read_to_string(&mut out).unwrap();
         out
@@ -450,7 +466,9 @@ fn admin_calls_from_a_non_loopback_peer_are_refused() {
         if remote {
             args.push("--http-admin-remote");
         }
-        let _s = Fixture::new(tag, Duration::from_secs(60), &args);
+        let s = Fixture::new(tag, Duration::from_secs(60), &args);
+        remember_token(port, &s);
+        let auth = admin_header(port);
         for head in [
             "POST /pin HTTP/1.1",
             "POST /unpin HTTP/1.1",
@@ -458,17 +476,460 @@ fn admin_calls_from_a_non_loopback_peer_are_refused() {
             "POST /clear HTTP/1.1",
             "POST /evict?bytes=1 HTTP/1.1",
         ] {
-            let out = request(port, head);
+            // Even with the token, only with --http-admin-remote.
+            let out = request(port, head, &auth);
             let want = if remote {
                 "HTTP/1.1 200"
             } else {
                 "HTTP/1.1 403"
             };
             assert!(out.starts_with(want), "{head} (remote {remote}): {out}");
+            // Never without the token.
+            let out = request(port, head, "");
+            let want = if remote {
+                "HTTP/1.1 401"
+            } else {
+                "HTTP/1.1 403"
+            };
+            assert!(out.starts_with(want), "{head} (remote {remote}): {out}");
         }
         // The read-only calls answer any peer.
-        assert!(request(port, "GET /status HTTP/1.1").starts_with("HTTP/1.1 200"));
-        // Loopback peers may always.
+        assert!(request(port, "GET /status HTTP/1.1", "").starts_with("HTTP/1.1 200"));
+        // Loopback peers may always, with the token.
         assert_eq!(post_json(port, "/pin", body).0, 200);
     }
+}
+
+/// A connection to loopback `port`, made within `limit`.
+fn connect_within(port: u16, limit: Duration) -> std::io::Result<TcpStream> {
+    TcpStream::connect_timeout(&std::net::SocketAddr::from(([127, 0, 0, 1], port)), limit)
+}
+
+/// `GET path` from loopback `port`, given `limit` to connect and answer:
+/// the status code, the body and the time the whole exchange took.
+fn timed_get(port: u16, path: &str, limit: Duration) -> Result<(u16, String, Duration), String> {
+    let t0 = Instant::now();
+    let mut s = connect_within(port, limit).map_err(|e| format!("connect: {e}"))?;
+    s.set_read_timeout(Some(limit)).unwrap();
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: localhost\r\n\r\n").as_bytes())
+        .map_err(|e| format!("send: {e}"))?;
+    let mut out = Vec::new();
+    s.read_to_end(&mut out)
+        .map_err(|e| format!("no answer after {:?}: {e}", t0.elapsed()))?;
+    let text = String::from_utf8_lossy(&out).into_owned();
+    let code = text
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .ok_or_else(|| format!("no status line in {text:?}"))?;
+    let body = text
+        .split_once("\r\n\r\n")
+        .map_or("", |(_, b)| b)
+        .to_string();
+    Ok((code, body, t0.elapsed()))
+}
+
+/// Whether `c` is still open with nothing to read (the server has neither
+/// answered nor closed it).
+fn still_waiting(c: &TcpStream) -> bool {
+    c.set_nonblocking(true).unwrap();
+    let mut b = [0u8; 1];
+    let waiting = matches!(c.peek(&mut b), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock);
+    c.set_nonblocking(false).unwrap();
+    waiting
+}
+
+/// What the server sent on `c` before closing it (within `limit`).
+fn answer_of(c: &mut TcpStream, limit: Duration) -> String {
+    c.set_read_timeout(Some(limit)).unwrap();
+    let mut out = Vec::new();
+    // A reset after the answer (the server closed with bytes unread) still
+    // leaves the answer read.
+    let _ = c.read_to_end(&mut out);
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[test]
+fn health_answers_within_a_second_under_a_thousand_idle_slow_and_half_open_connections() {
+    const IDLE: usize = 1000;
+    const SLOW: usize = 20;
+    const HALF_OPEN: usize = 20;
+    let limit = raise_open_files(4096);
+    assert!(limit >= 2 * IDLE as u64, "open-descriptor limit {limit}");
+    let (s, port) = server_with_http("http-abuse", &[]);
+    assert!(
+        eventually(Duration::from_secs(30), || http_get(port, "/readyz").0
+            == 200)
+        .is_some(),
+        "never ready"
+    );
+    // A client's PING round trips all along.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let pinger = {
+        let stop = stop.clone();
+        let mut c = s.client();
+        std::thread::spawn(move || {
+            let (mut n, mut slowest) = (0u64, Duration::ZERO);
+            // Relaxed: a plain flag; the join below orders what it saw.
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let t = Instant::now();
+                c.ping(b"abuse", far()).unwrap();
+                slowest = slowest.max(t.elapsed());
+                n += 1;
+            }
+            (n, slowest)
+        })
+    };
+
+    let t0 = Instant::now();
+    let idle: Vec<TcpStream> = (0..IDLE)
+        .map(|i| {
+            connect_within(port, Duration::from_secs(1))
+                .unwrap_or_else(|e| panic!("idle connection {i}: {e} after {:?}", t0.elapsed()))
+        })
+        .collect();
+    // Half-open: part of a request, then the write side shut.
+    let mut half: Vec<TcpStream> = (0..HALF_OPEN)
+        .map(|_| {
+            let mut c = connect_within(port, Duration::from_secs(1)).unwrap();
+            c.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+                .unwrap();
+            c.shutdown(std::net::Shutdown::Write).unwrap();
+            c
+        })
+        .collect();
+    // Slow: a byte of a request every 500 ms, for 3 s (past the deadline).
+    let slow: Vec<TcpStream> = (0..SLOW)
+        .map(|_| connect_within(port, Duration::from_secs(1)).unwrap())
+        .collect();
+    let slow_started = Instant::now();
+    let trickle = std::thread::spawn(move || {
+        let mut slow = slow;
+        for b in b"GET /metrics HTTP/1.1\r\n".iter().take(6) {
+            for c in &mut slow {
+                // (Refused once the server closed it at its deadline.)
+                let _ = c.write_all(&[*b]);
+            }
+            std::thread::sleep(Duration::from_millis(500));
+        }
+        slow
+    });
+    let opened = t0.elapsed();
+
+    for path in ["/healthz", "/readyz", "/metrics", "/healthz"] {
+        let (code, body, took) = timed_get(port, path, Duration::from_secs(10))
+            .unwrap_or_else(|e| panic!("{path} with {IDLE} idle connections open: {e}"));
+        eprintln!(
+            "{path}: {code} in {took:?} with {} connections open",
+            IDLE + SLOW + HALF_OPEN
+        );
+        assert_eq!(code, 200, "{path}: {body}");
+        assert!(took < Duration::from_secs(1), "{path} took {took:?}");
+    }
+    // All of them were open and unanswered while the probes ran.
+    let waiting = idle.iter().filter(|c| still_waiting(c)).count();
+    assert_eq!(
+        waiting,
+        IDLE,
+        "idle connections still waiting after the probes ({:?} after the first; {opened:?} to open them)",
+        t0.elapsed()
+    );
+
+    // Each connection's time is bounded: a half-open one is answered at
+    // once, an idle one at its deadline, a slow one too (trickling does
+    // not extend it).
+    for c in &mut half {
+        let a = answer_of(c, Duration::from_secs(5));
+        assert!(a.starts_with("HTTP/1.1 400"), "half-open: {a:?}");
+    }
+    for mut c in idle {
+        let a = answer_of(&mut c, Duration::from_secs(10));
+        assert!(a.starts_with("HTTP/1.1 408"), "idle: {a:?}");
+    }
+    let deadline = kvring::server::HTTP_CLIENT_DEADLINE;
+    assert!(t0.elapsed() >= deadline);
+    let slow = trickle.join().unwrap();
+    assert!(slow_started.elapsed() >= deadline + Duration::from_millis(500));
+    for mut c in slow {
+        // Already answered and closed: nothing more to wait for.
+        let a = answer_of(&mut c, Duration::from_millis(500));
+        assert!(a.starts_with("HTTP/1.1 408"), "slow: {a:?}");
+    }
+
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (pings, slowest) = pinger.join().unwrap();
+    eprintln!("{pings} PINGs meanwhile, the slowest {slowest:?}");
+    assert!(pings > 0);
+    assert!(
+        slowest < Duration::from_millis(500),
+        "a ping took {slowest:?}"
+    );
+    let (code, _) = http_get(port, "/healthz");
+    assert_eq!(code, 200);
+}
+
+#[test]
+fn past_the_connection_bound_the_oldest_idle_connection_makes_room() {
+    const IDLE: usize = 100;
+    let (_s, port) = server_with_http("http-bound", &["--http-max-connections", "32"]);
+    let idle: Vec<TcpStream> = (0..IDLE)
+        .map(|_| connect_within(port, Duration::from_secs(1)).unwrap())
+        .collect();
+    let t0 = Instant::now();
+    let (code, body, took) = timed_get(port, "/healthz", Duration::from_secs(10))
+        .unwrap_or_else(|e| panic!("/healthz past the bound: {e}"));
+    assert_eq!(code, 200, "{body}");
+    assert!(took < Duration::from_secs(1), "/healthz took {took:?}");
+    // The newest stay (31 of them fit besides the probe) ...
+    for (i, c) in idle.iter().enumerate().skip(IDLE - 20) {
+        assert!(still_waiting(c), "connection {i} was closed");
+    }
+    assert!(t0.elapsed() < kvring::server::HTTP_CLIENT_DEADLINE);
+    // ... the oldest went at once, told why.
+    for (i, mut c) in idle.into_iter().enumerate().take(60) {
+        let a = answer_of(&mut c, Duration::from_millis(500));
+        assert!(a.starts_with("HTTP/1.1 503"), "connection {i}: {a:?}");
+        assert!(a.contains("too many connections"), "{a}");
+    }
+}
+
+/// The lowest descriptor number process `pid` has free.
+fn lowest_free_fd(pid: i32) -> u64 {
+    let used: std::collections::BTreeSet<u64> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .collect();
+    (0..).find(|n| !used.contains(n)).unwrap()
+}
+
+/// Sets the soft limit on open descriptors of process `pid` (its hard
+/// limit unchanged).
+fn set_open_files_of(pid: i32, soft: u64) {
+    let mut old = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: reads the limit of `pid` into `old`, a valid rlimit.
+    let r = unsafe { libc::prlimit(pid, libc::RLIMIT_NOFILE, std::ptr::null(), &mut old) };
+    assert_eq!(r, 0, "{}", std::io::Error::last_os_error());
+    let new = libc::rlimit {
+        rlim_cur: soft,
+        rlim_max: old.rlim_max,
+    };
+    // SAFETY: `new` is a valid rlimit; no old value is asked for.
+    let r = unsafe { libc::prlimit(pid, libc::RLIMIT_NOFILE, &new, std::ptr::null_mut()) };
+    assert_eq!(r, 0, "{}", std::io::Error::last_os_error());
+}
+
+/// The CPU time process `pid` used so far, in clock ticks.
+fn cpu_ticks(pid: i32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let fields: Vec<&str> = stat[stat.rfind(')').unwrap() + 2..].split(' ').collect();
+    // utime and stime: fields 14 and 15 of the line, 12 and 13 after the
+    // name.
+    fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap()
+}
+
+#[test]
+fn out_of_descriptors_the_endpoint_makes_room_and_never_spins() {
+    let (s, port) = server_with_http("http-emfile", &[]);
+    let pid = s.srv.pid();
+    // Room for about 16 more descriptors: 100 idle connections exhaust it.
+    set_open_files_of(pid, lowest_free_fd(pid) + 16);
+    let mut idle: Vec<TcpStream> = (0..100)
+        .map(|_| connect_within(port, Duration::from_secs(1)).unwrap())
+        .collect();
+    let (code, body, took) = timed_get(port, "/healthz", Duration::from_secs(10))
+        .unwrap_or_else(|e| panic!("/healthz out of descriptors: {e}"));
+    assert_eq!(code, 200, "{body}");
+    assert!(took < Duration::from_secs(1), "/healthz took {took:?}");
+    // The oldest made room.
+    let a = answer_of(&mut idle[0], Duration::from_secs(1));
+    assert!(a.starts_with("HTTP/1.1 503"), "{a:?}");
+    drop(idle);
+
+    // No descriptor at all, and no connection to close: connections wait
+    // in the listen queue, and the endpoint does not spin on accept.
+    std::thread::sleep(Duration::from_millis(300));
+    set_open_files_of(pid, lowest_free_fd(pid));
+    let waiting: Vec<TcpStream> = (0..3)
+        .map(|_| connect_within(port, Duration::from_secs(1)).unwrap())
+        .collect();
+    let before = cpu_ticks(pid);
+    std::thread::sleep(Duration::from_secs(1));
+    let used = cpu_ticks(pid) - before;
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as u64;
+    assert!(
+        used * 5 < hz,
+        "the server used {used} of {hz} ticks in a second out of descriptors"
+    );
+    // With descriptors again, it serves.
+    set_open_files_of(pid, 4096);
+    let (code, _, _) = timed_get(port, "/healthz", Duration::from_secs(10)).unwrap();
+    assert_eq!(code, 200);
+    drop(waiting);
+}
+
+#[test]
+fn admin_calls_need_the_token_from_the_runtime_directory() {
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let args = ["--http", addr.as_str(), "--pool-bytes", "64MiB"];
+    let mut s = Fixture::new("http-token", Duration::from_secs(90), &args);
+    let path = admin_token_path(&s);
+    use std::os::unix::fs::MetadataExt;
+    let md = std::fs::metadata(&path).unwrap();
+    assert_eq!(md.mode() & 0o777, 0o600, "{}", path.display());
+    assert_eq!(md.uid(), nix::unistd::geteuid().as_raw());
+    let token = admin_token(&s);
+    assert_eq!(token.len(), 64, "{token:?}");
+    assert!(token.bytes().all(|c| c.is_ascii_hexdigit()), "{token:?}");
+
+    let mut e = Engine::new(&s, small_layout(), 1, 0);
+    for seed in 0..2 {
+        let hashes = prompt_hashes(seed, 1);
+        let blocks = e.blocks(seed * 4, 1);
+        e.write(&hashes, &blocks);
+        e.store(0, &hashes, &blocks);
+    }
+    let objects = || -> Value {
+        serde_json::from_str::<Value>(&http_get(port, "/status").1).unwrap()["cache"]["objects"]
+            .clone()
+    };
+    let evict = |auth: &str| {
+        http_exchange(
+            port,
+            format!("POST /evict?bytes=1GiB HTTP/1.1\r\n{auth}\r\n").as_bytes(),
+        )
+    };
+    let mut near = token.clone().into_bytes();
+    near[63] = if near[63] == b'0' { b'1' } else { b'0' };
+    let near = String::from_utf8(near).unwrap();
+    for auth in [
+        String::new(),
+        "Authorization: Bearer\r\n".into(),
+        "Authorization: Bearer nope\r\n".into(),
+        format!("Authorization: Bearer {near}\r\n"),
+        format!("Authorization: Bearer {token}0\r\n"),
+        format!("Authorization: Bearer {}\r\n", &token[..63]),
+        format!("Authorization: Basic {token}\r\n"),
+        format!("Authorization: {token}\r\n"),
+        format!("X-Token: {token}\r\n"),
+    ] {
+        let (code, body) = evict(&auth);
+        assert_eq!(code, 401, "{auth:?}: {body}");
+        assert!(body.contains(&path.display().to_string()), "{body}");
+    }
+    // Two headers, one of them right: refused as ambiguous.
+    let (code, body) = evict(&format!(
+        "Authorization: Bearer nope\r\nAuthorization: Bearer {token}\r\n"
+    ));
+    assert_eq!(code, 400, "{body}");
+    assert_eq!(objects(), 2, "nothing was evicted");
+    // The read-only calls need none.
+    for p in ["/metrics", "/healthz", "/readyz", "/status"] {
+        assert_eq!(http_get(port, p).0, 200, "{p}");
+    }
+    // The token (the scheme in any case) is taken.
+    let (code, body) = evict(&format!("authorization: bearer {token}\r\n"));
+    assert_eq!(code, 200, "{body}");
+    assert_eq!(objects(), 0);
+
+    // A clean stop removes it; the next server has another.
+    assert!(s.srv.terminate().success());
+    assert!(!path.exists(), "{} left after a clean stop", path.display());
+    s.restart(&args);
+    let again = admin_token(&s);
+    assert_ne!(again, token);
+    assert_eq!(evict(&format!("Authorization: Bearer {token}\r\n")).0, 401);
+    assert_eq!(evict(&format!("Authorization: Bearer {again}\r\n")).0, 200);
+    // A killed server leaves its file; the next start replaces it.
+    s.srv.kill();
+    assert!(path.exists());
+    s.restart(&args);
+    let third = admin_token(&s);
+    assert_ne!(third, again);
+    assert_eq!(evict(&format!("Authorization: Bearer {again}\r\n")).0, 401);
+    assert_eq!(evict(&format!("Authorization: Bearer {third}\r\n")).0, 200);
+}
+
+/// The uid another local user runs as here: `nobody`.
+const OTHER_UID: u32 = 65534;
+
+#[test]
+fn another_local_users_admin_call_is_refused() {
+    if let Some((role, _name, _dir)) = child_role() {
+        // The other user: it cannot read the token, and without it the
+        // endpoint refuses its admin call.
+        let port: u16 = role.strip_prefix("evict:").unwrap().parse().unwrap();
+        let token = std::env::var("KVRING_CHILD_TOKEN").unwrap();
+        tell_parent(&format!("uid: {}", nix::unistd::geteuid()));
+        match std::fs::read(&token) {
+            Ok(_) => tell_parent("token: read"),
+            Err(e) => tell_parent(&format!("token: {:?}", e.kind())),
+        }
+        let (code, _) = http_exchange(port, b"POST /evict?bytes=1GiB HTTP/1.1\r\n\r\n");
+        tell_parent(&format!("evict: {code}"));
+        let guess = "0".repeat(64);
+        let (code, _) = http_exchange(
+            port,
+            format!("POST /clear HTTP/1.1\r\nAuthorization: Bearer {guess}\r\n\r\n").as_bytes(),
+        );
+        tell_parent(&format!("clear: {code}"));
+        return;
+    }
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!(
+            "SKIPPED (not a pass): starting a process of another uid ({OTHER_UID}) needs root; \
+             run this test as root to check that another local user's admin call is refused"
+        );
+        return;
+    }
+    let (s, port) = server_with_http("http-other-uid", &[]);
+    let mut e = Engine::new(&s, small_layout(), 1, 0);
+    for seed in 0..2 {
+        let hashes = prompt_hashes(seed, 1);
+        let blocks = e.blocks(seed * 4, 1);
+        e.write(&hashes, &blocks);
+        e.store(0, &hashes, &blocks);
+    }
+    use std::os::unix::process::CommandExt;
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "another_local_users_admin_call_is_refused",
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("KVRING_CHILD_ROLE", format!("evict:{port}"))
+        .env("KVRING_CHILD_NAME", &s.name)
+        .env("KVRING_CHILD_DIR", &s.dir)
+        .env("KVRING_CHILD_TOKEN", admin_token_path(&s))
+        .uid(OTHER_UID)
+        .gid(OTHER_UID)
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{said}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = |prefix: &str| {
+        said.lines()
+            .find_map(|l| {
+                l.find(prefix)
+                    .map(|at| l[at + prefix.len()..].trim().to_string())
+            })
+            .unwrap_or_else(|| panic!("the child did not say {prefix:?}: {said}"))
+    };
+    assert_eq!(line("uid: "), OTHER_UID.to_string());
+    assert_eq!(line("token: "), "PermissionDenied");
+    assert_eq!(line("evict: "), "401");
+    assert_eq!(line("clear: "), "401");
+    let status: Value = serde_json::from_str(&http_get(port, "/status").1).unwrap();
+    assert_eq!(status["cache"]["objects"], 2, "nothing was evicted");
+    // The owner, with the token, may.
+    assert_eq!(admin_post(port, "/evict?bytes=1GiB").0, 200);
 }

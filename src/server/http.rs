@@ -1,25 +1,42 @@
 //! The server's HTTP endpoint (`kvring serve --http ADDR`): Prometheus
-//! metrics, a liveness probe that sees a stall, a readiness probe and the
-//! inspector's JSON, served by one thread (`kvring-http`) from the segment
-//! as the inspector reads it: its own read-only mapping, the same snapshot
-//! and anomaly checks ([`crate::inspect`]), and no lock the ring loop, the
-//! acceptor or a copy worker takes.
+//! metrics, a liveness probe that sees a stall, a readiness probe, the
+//! inspector's JSON and the operator's admin calls. One thread
+//! (`kvring-http`, a single-threaded Tokio runtime) serves every
+//! connection from the segment as the inspector reads it: its own
+//! read-only mapping, the same snapshot and anomaly checks
+//! ([`crate::inspect`]), and no lock the ring loop, the acceptor or a copy
+//! worker takes. The admin calls, which take the cache's lock, run one at a
+//! time on a thread of their own (`kvring-http-admin`), never on the one
+//! that answers the probes.
 //!
-//! One request per connection (`Connection: close`), read within
-//! [`CLIENT_DEADLINE`] and at most [`REQUEST_LIMIT`] bytes: a malformed
-//! request is answered 400, a slow or silent client is dropped at the
-//! deadline. Connections are served one after another, so a client can
-//! delay the next scrape by the deadline at most, never the server's
-//! other threads.
+//! Connections are served concurrently, and each is bounded. One request
+//! per connection (`Connection: close`), read within [`CLIENT_DEADLINE`]
+//! and at most [`REQUEST_LIMIT`] bytes, however slowly it trickles in (a
+//! malformed request is answered 400, one too large 413, a slow or silent
+//! client 408 at the deadline); the answer is written within
+//! [`CLIENT_DEADLINE`] too, then the connection is closed. At most
+//! [`HttpConfig::max_connections`] are open ([`DEFAULT_MAX_CONNECTIONS`],
+//! and never more than a quarter of the process's open-descriptor limit:
+//! the rest is the engines' registrations'). A connection past the bound,
+//! or one that finds no descriptor left, makes room by closing the oldest
+//! connection that waits on its client (still sending its request, or not
+//! taking its answer), which is answered 503: idle, slow and half-open
+//! clients cannot keep a probe out, and a new connection waits for none of
+//! them. When every connection is being answered (a bounded wait) a new
+//! one is answered 503 at once. An accept that fails is retried after a
+//! pause, never in a loop. The request reader ([`RequestReader`]) does no
+//! I/O: its answer is a function of the bytes received, however they are
+//! split (the `http_request` fuzz target checks it).
 //!
 //! * `GET /metrics`: the metrics of a reading ([`crate::inspect::openmetrics`]
 //!   when the client accepts OpenMetrics, as Prometheus does, else
 //!   Prometheus's text format 0.0.4).
-//! * `GET /healthz`: two readings 100 ms apart; 200 and `{"status":"ok"}`
-//!   unless the reading shows a stall (503, `{"status":"unhealthy",
-//!   "reasons": [...]}`): the heartbeat stopped (the acceptor keeps it), a
-//!   request ring with bytes waiting whose head did not move (the ring
-//!   loop), a copy worker with work that made no step for longer than the
+//! * `GET /healthz`: two readings 100 ms apart (the connection waits, the
+//!   others are served meanwhile); 200 and `{"status":"ok"}` unless the
+//!   reading shows a stall (503, `{"status":"unhealthy", "reasons":
+//!   [...]}`): the heartbeat stopped (the acceptor keeps it), a request
+//!   ring with bytes waiting whose head did not move (the ring loop), a
+//!   copy worker with work that made no step for longer than the
 //!   stalled-lane bound (a wedged copy, a stopped thread), a job unfinished
 //!   for longer than the stuck-job bound (an engine event that never
 //!   completes), or words that contradict each other.
@@ -27,39 +44,75 @@
 //!   and its whole pool is ready for copies (pinned, with the CUDA
 //!   backend, which pins it 1 GiB at a time after the start), else 503.
 //! * `GET /status`: the inspector's `show --json` object.
-//! * Admin, from loopback peers only unless `admin_remote`: `POST /clear`
-//!   (drops every object no lease holds and no pin covers, as CLEAR) and
-//!   `POST /evict?bytes=N` (evicts at least N bytes of such objects, least
-//!   recently used first), both answering `{"objects": n, "bytes": b}` of
-//!   what went; `POST /pin` and `POST /unpin` with a JSON body
-//!   `{"model_id": M, "salt": S, "hashes": ["<32 hex digits>", ...]}` (M
-//!   and S: a number or a `"0x..."` hex string; S optional, 0) add or
-//!   remove the pins of those chunks ([`super::cache::Pin`]: their objects
-//!   of any fingerprint and rank, stored now or later, are neither evicted
-//!   nor cleared), answering `{"pins", "objects", "bytes", "matched"}`
-//!   ([`super::cache::PinCount`]); `GET /pins` lists the pins. These take
-//!   the cache's lock for their work, as a client's CLEAR does.
+//! * Admin: `POST /clear` (drops every object no lease holds and no pin
+//!   covers, as CLEAR) and `POST /evict?bytes=N` (evicts at least N bytes
+//!   of such objects, least recently used first), both answering
+//!   `{"objects": n, "bytes": b}` of what went; `POST /pin` and `POST
+//!   /unpin` with a JSON body `{"model_id": M, "salt": S, "hashes": ["<32
+//!   hex digits>", ...]}` (M and S: a number or a `"0x..."` hex string; S
+//!   optional, 0) add or remove the pins of those chunks
+//!   ([`super::cache::Pin`]: their objects of any fingerprint and rank,
+//!   stored now or later, are neither evicted nor cleared), answering
+//!   `{"pins", "objects", "bytes", "matched"}` ([`super::cache::PinCount`]);
+//!   `GET /pins` lists the pins. These take the cache's lock for their
+//!   work, as a client's CLEAR does.
+//!
+//! Who may do what: the read-only calls answer whoever can connect (the
+//! default address is loopback). An admin call needs the server's admin
+//! token, `Authorization: Bearer <token>`: 64 hex digits (32 bytes of the
+//! OS's random source, drawn at each start) in
+//! `<runtime dir>/<name>.admin-token`
+//! ([`crate::rundir::ServerPaths::admin_token`]), mode 0600 in the 0700
+//! runtime directory, so only the server's user (and root) can read it,
+//! like the segment itself; it is compared in constant time, and is
+//! removed at a clean stop. Without it (or with another) the call is
+//! answered 401, saying where the token is. From a peer other than
+//! loopback, admin calls are refused (403) unless `admin_remote`, and then
+//! still need the token (which crosses the network in clear text).
 
 use super::cache::Pin;
 use crate::inspect::{self, AnomalyKind, Snapshot, Thresholds};
 use crate::segment::ReadOnlySegment;
 use crate::shm::ServerState;
-use std::io::{ErrorKind, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::os::fd::AsFd;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::collections::BTreeMap;
+use std::io::ErrorKind;
+use std::net::{SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::Notify;
 
-/// How long a client has to send its request (and to take the answer).
+/// How long a client has to send its request, and to take the answer.
 pub const CLIENT_DEADLINE: Duration = Duration::from_secs(2);
 /// The largest request read (method, path, headers and body).
 pub const REQUEST_LIMIT: usize = 16 * 1024;
 /// The default address: loopback, Prometheus's conventional exporter port.
 pub const DEFAULT_ADDR: &str = "127.0.0.1:9090";
+/// The default bound on the endpoint's open connections.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 4096;
 /// Two readings this far apart show a ring that stopped moving.
 const STALL_SAMPLE: Duration = Duration::from_millis(100);
+/// How long an admin call may wait for its turn and do its work before
+/// its client is answered 503 (the call itself then still finishes).
+const ADMIN_DEADLINE: Duration = Duration::from_secs(30);
+/// After the answer, what the client still sends is read (and dropped)
+/// for this long and this much at most: closing with unread bytes would
+/// reset the connection before the client read the answer.
+const DRAIN_TIME: Duration = Duration::from_millis(100);
+const DRAIN_LIMIT: usize = 64 * 1024;
+/// The pause after an accept that failed with nothing to close.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
+/// Connections the kernel completes before they are accepted (capped by
+/// `net.core.somaxconn`): a burst waits for the accept loop instead of
+/// being dropped.
+const LISTEN_BACKLOG: i32 = 1024;
+/// The connections of a full endpoint that is answering every one.
+const BUSY: &str = "too many connections: every one is being answered; try again\n";
+/// The oldest connection waiting on its client, closed to make room.
+const CLOSED_FOR_ROOM: &str = "too many connections: this one, the oldest waiting on its client, was closed to make room\n";
 
 /// The endpoint's settings.
 #[derive(Clone, Debug)]
@@ -73,8 +126,12 @@ pub struct HttpConfig {
     /// A copy worker with work that made no step for longer than this
     /// makes `/healthz` unhealthy.
     pub stalled_lane: Duration,
-    /// Accept the admin calls from peers other than loopback.
+    /// Accept the admin calls (still with the token) from peers other than
+    /// loopback.
     pub admin_remote: bool,
+    /// At most this many connections open; never more than a quarter of
+    /// the process's open-descriptor limit.
+    pub max_connections: usize,
 }
 
 impl HttpConfig {
@@ -86,15 +143,18 @@ impl HttpConfig {
             stuck_job: Duration::from_secs(60),
             stalled_lane: Duration::from_secs_f64(inspect::DEFAULT_LANE_STALL_S),
             admin_remote: false,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
         }
     }
 }
 
-/// The running endpoint: stopped and joined on drop.
+/// The running endpoint: stopped and joined on drop, its admin token
+/// removed.
 pub(crate) struct HttpServer {
-    stop: Arc<AtomicBool>,
+    stop: Arc<Notify>,
     thread: Option<JoinHandle<()>>,
     pub addr: SocketAddr,
+    token_path: PathBuf,
 }
 
 impl HttpServer {
@@ -102,15 +162,19 @@ impl HttpServer {
     /// address that is taken fails the start cleanly).
     pub fn bind(cfg: &HttpConfig) -> std::io::Result<TcpListener> {
         let l = TcpListener::bind(cfg.addr)?;
+        // The standard library listens with a queue of 128; listening
+        // again sets a deeper one.
+        nix::sys::socket::listen(&l, nix::sys::socket::Backlog::new(LISTEN_BACKLOG)?)?;
         l.set_nonblocking(true)?;
         Ok(l)
     }
 
     /// Serves on `listener` from the segment `shm_name`; admin calls act
-    /// on `shared`'s cache.
+    /// on `shared`'s cache and need the token written to `token_path`.
     pub fn start(
         listener: TcpListener,
         shm_name: &str,
+        token_path: &Path,
         cfg: &HttpConfig,
         shared: Arc<super::Shared>,
     ) -> crate::Result<HttpServer> {
@@ -118,46 +182,88 @@ impl HttpServer {
         let addr = listener
             .local_addr()
             .map_err(crate::error::io("the HTTP endpoint's address"))?;
-        let stop = Arc::new(AtomicBool::new(false));
         let th = Thresholds {
             job_age_s: cfg.stuck_job.as_secs_f64(),
             lane_stall_s: cfg.stalled_lane.as_secs_f64(),
         };
+        let max_connections = connection_bound(cfg.max_connections);
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_io()
+            .enable_time()
+            // The admin calls: one at a time, on a thread of their own.
+            .max_blocking_threads(1)
+            .thread_name("kvring-http-admin")
+            .build()
+            .map_err(crate::error::io("start the HTTP endpoint's runtime"))?;
+        let token = AdminToken::create(token_path)?;
+        let ep = Arc::new(Endpoint {
+            seg,
+            th,
+            prev: Mutex::new(None),
+            shared,
+            admin_remote: cfg.admin_remote,
+            token,
+        });
+        let stop = Arc::new(Notify::new());
         let s = stop.clone();
-        let admin_remote = cfg.admin_remote;
         let thread = std::thread::Builder::new()
             .name("kvring-http".into())
             .spawn(move || {
-                Endpoint {
-                    seg,
-                    th,
-                    prev: None,
-                    shared,
-                    admin_remote,
-                }
-                .run(&listener, &s)
-            })
-            .map_err(crate::error::io("spawn the HTTP thread"))?;
+                rt.block_on(serve(listener, ep, max_connections, &s));
+                // An admin call still running finishes (the server's other
+                // threads still run: the endpoint stops first).
+                rt.shutdown_timeout(Duration::from_secs(5));
+            });
+        let thread = match thread {
+            Ok(t) => t,
+            Err(e) => {
+                let _ = std::fs::remove_file(token_path);
+                return Err(crate::error::io("spawn the HTTP thread")(e));
+            }
+        };
         Ok(HttpServer {
             stop,
             thread: Some(thread),
             addr,
+            token_path: token_path.to_path_buf(),
         })
     }
 }
 
 impl Drop for HttpServer {
     fn drop(&mut self) {
-        // Release pairs with the loop's Acquire load.
-        self.stop.store(true, Ordering::Release);
+        // A permit is stored when the accept loop is not waiting: it stops
+        // at its next turn either way.
+        self.stop.notify_one();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
+        // No admin call is taken any more.
+        let _ = std::fs::remove_file(&self.token_path);
     }
 }
 
+/// The bound on open connections: `configured`, but at most a quarter of
+/// this process's open-descriptor limit (which the server raised to its
+/// hard limit at the start).
+fn connection_bound(configured: usize) -> usize {
+    use nix::sys::resource::{getrlimit, Resource};
+    let fds = getrlimit(Resource::RLIMIT_NOFILE).map_or(1024, |(soft, _)| soft);
+    let cap = usize::try_from(fds / 4).unwrap_or(usize::MAX).max(16);
+    let n = configured.clamp(1, cap);
+    if n < configured {
+        tracing::warn!(
+            "HTTP endpoint: at most {n} connections, not {configured}: a quarter of the open-descriptor limit ({fds})"
+        );
+    } else {
+        tracing::info!("HTTP endpoint: at most {n} connections (open-descriptor limit {fds})");
+    }
+    n
+}
+
 /// A response: status, content type, body.
-struct Response(u16, &'static str, Vec<u8>);
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Response(u16, &'static str, Vec<u8>);
 
 impl Response {
     fn text(code: u16, body: &str) -> Response {
@@ -168,20 +274,52 @@ impl Response {
         let body = serde_json::to_vec(v).expect("serializable");
         Response(code, "application/json", body)
     }
+
+    /// The status code.
+    #[cfg(feature = "fuzzing")]
+    pub(crate) fn code(&self) -> u16 {
+        self.0
+    }
+
+    /// The whole answer: status line, headers, body.
+    fn to_bytes(&self) -> Vec<u8> {
+        let challenge = if self.0 == 401 {
+            "WWW-Authenticate: Bearer realm=\"kvring admin\"\r\n"
+        } else {
+            ""
+        };
+        let mut out = format!(
+            "HTTP/1.1 {} {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: close\r\nCache-Control: no-store\r\n{challenge}\r\n",
+            self.0,
+            reason(self.0),
+            self.1,
+            self.2.len()
+        )
+        .into_bytes();
+        out.extend_from_slice(&self.2);
+        out
+    }
 }
 
 fn reason(code: u16) -> &'static str {
     match code {
         200 => "OK",
         400 => "Bad Request",
+        401 => "Unauthorized",
         403 => "Forbidden",
         404 => "Not Found",
         405 => "Method Not Allowed",
         408 => "Request Timeout",
         413 => "Content Too Large",
+        500 => "Internal Server Error",
         503 => "Service Unavailable",
         _ => "Error",
     }
+}
+
+/// `m`'s guard; a panic that poisoned it left a value still usable.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 struct Endpoint {
@@ -189,69 +327,15 @@ struct Endpoint {
     th: Thresholds,
     /// The last reading, to compare the next one with (rings that did not
     /// move between them).
-    prev: Option<Snapshot>,
+    prev: Mutex<Option<Snapshot>>,
     /// The server's state, for the admin calls only.
     shared: Arc<super::Shared>,
     admin_remote: bool,
+    token: AdminToken,
 }
 
 impl Endpoint {
-    fn run(mut self, listener: &TcpListener, stop: &AtomicBool) {
-        // Acquire pairs with `HttpServer::drop`'s Release store.
-        while !stop.load(Ordering::Acquire) {
-            match listener.accept() {
-                Ok((stream, _)) => self.serve(stream),
-                Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                    // Sleep until a connection arrives, 100 ms at most (the
-                    // stop flag is checked that often).
-                    let mut fds = [nix::poll::PollFd::new(
-                        listener.as_fd(),
-                        nix::poll::PollFlags::POLLIN,
-                    )];
-                    let _ = nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(100u8));
-                }
-                Err(e) => {
-                    tracing::warn!("HTTP accept: {e}");
-                    std::thread::sleep(Duration::from_millis(100));
-                }
-            }
-        }
-    }
-
-    /// Reads one request within the deadline, answers it, closes.
-    fn serve(&mut self, mut stream: TcpStream) {
-        let deadline = Instant::now() + CLIENT_DEADLINE;
-        let loopback = stream.peer_addr().is_ok_and(|a| a.ip().is_loopback());
-        let resp = match read_request(&mut stream, deadline) {
-            Ok(req) => self.route(&req, loopback),
-            Err(r) => r,
-        };
-        let _ = stream.set_write_timeout(Some(CLIENT_DEADLINE));
-        let head = format!(
-            "HTTP/1.1 {} {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: close\r\nCache-Control: no-store\r\n\r\n",
-            resp.0,
-            reason(resp.0),
-            resp.1,
-            resp.2.len()
-        );
-        let _ = stream
-            .write_all(head.as_bytes())
-            .and_then(|()| stream.write_all(&resp.2));
-        // Closing with unread bytes would reset the connection before the
-        // client read the answer: read what is left (briefly, boundedly).
-        let _ = stream.shutdown(std::net::Shutdown::Write);
-        let _ = stream.set_read_timeout(Some(Duration::from_millis(100)));
-        let mut sink = [0u8; 4096];
-        let mut left: usize = 64 * 1024;
-        while left > 0 {
-            match stream.read(&mut sink) {
-                Ok(n) if n > 0 => left = left.saturating_sub(n),
-                _ => break,
-            }
-        }
-    }
-
-    fn route(&mut self, req: &Request, loopback: bool) -> Response {
+    async fn route(self: Arc<Self>, req: Request, loopback: bool) -> Response {
         let method = req.method.as_str();
         let (path, query) = req.path.split_once('?').unwrap_or((&req.path, ""));
         if matches!(path, "/clear" | "/evict" | "/pin" | "/unpin" | "/pins") {
@@ -262,7 +346,25 @@ impl Endpoint {
             if !loopback && !self.admin_remote {
                 return Response::text(403, "admin calls are taken from loopback only\n");
             }
-            return self.admin(path, query, req.body.as_deref());
+            if !self.token.admits(req.bearer.as_deref()) {
+                return self.token.refusal();
+            }
+            let (path, query) = (path.to_string(), query.to_string());
+            let body = req.body;
+            let ep = self.clone();
+            let call =
+                tokio::task::spawn_blocking(move || ep.admin(&path, &query, body.as_deref()));
+            return match tokio::time::timeout(ADMIN_DEADLINE, call).await {
+                Ok(Ok(r)) => r,
+                Ok(Err(e)) => Response::text(500, &format!("the admin call failed: {e}\n")),
+                Err(_) => Response::text(
+                    503,
+                    &format!(
+                        "the admin call did not finish within {} s (it still may)\n",
+                        ADMIN_DEADLINE.as_secs()
+                    ),
+                ),
+            };
         }
         if !matches!(path, "/metrics" | "/healthz" | "/readyz" | "/status") {
             return Response::text(
@@ -275,7 +377,7 @@ impl Endpoint {
         }
         match path {
             "/metrics" => {
-                let s = self.reading();
+                let s = self.reading(None);
                 if req.openmetrics {
                     Response(
                         200,
@@ -290,7 +392,7 @@ impl Endpoint {
                     )
                 }
             }
-            "/status" => Response::json(200, &self.reading()),
+            "/status" => Response::json(200, &self.reading(None)),
             "/readyz" => {
                 let s = inspect::snapshot(&self.seg, self.th);
                 let running =
@@ -308,11 +410,11 @@ impl Endpoint {
                 )
             }
             _ => {
-                // `/healthz`: two readings apart, always.
+                // `/healthz`: two readings apart, always; the other
+                // connections are served while this one waits.
                 let first = inspect::snapshot(&self.seg, self.th);
-                std::thread::sleep(STALL_SAMPLE);
-                self.prev = Some(first);
-                let s = self.reading();
+                tokio::time::sleep(STALL_SAMPLE).await;
+                let s = self.reading(Some(&first));
                 let reasons: Vec<_> = s
                     .anomalies
                     .iter()
@@ -396,32 +498,42 @@ impl Endpoint {
         )
     }
 
-    /// A reading, compared with the previous one when that is recent (10 s):
-    /// rings that did not move between them are flagged.
-    fn reading(&mut self) -> Snapshot {
+    /// A reading compared with `first` when given (taken a sample apart),
+    /// else with the previous one when that is recent (10 s): rings that
+    /// did not move between them are flagged. Readings are taken one at a
+    /// time, so each is compared with an earlier one.
+    fn reading(&self, first: Option<&Snapshot>) -> Snapshot {
+        let mut prev = lock(&self.prev);
         let mut s = inspect::snapshot(&self.seg, self.th);
-        if let Some(p) = &self.prev {
-            if s.taken_mono_ns.saturating_sub(p.taken_mono_ns) < 10_000_000_000 {
-                inspect::compare(p, &mut s);
+        match (first, prev.as_ref()) {
+            (Some(p), _) => inspect::compare(p, &mut s),
+            (None, Some(p))
+                if s.taken_mono_ns.saturating_sub(p.taken_mono_ns) < 10_000_000_000 =>
+            {
+                inspect::compare(p, &mut s)
             }
+            _ => {}
         }
         // No answer uses the job rows (`/status` skips them, as `show
         // --json` does), and `compare` reads only the clients: the copy
         // kept for the next reading leaves them out.
         s.rows = Vec::new();
-        self.prev = Some(s.clone());
+        *prev = Some(s.clone());
         s
     }
 }
 
 /// What the endpoint reads of a request.
-struct Request {
-    method: String,
-    path: String,
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Request {
+    pub(crate) method: String,
+    pub(crate) path: String,
     /// The client accepts OpenMetrics (Prometheus asks for it).
-    openmetrics: bool,
+    pub(crate) openmetrics: bool,
+    /// The credentials of an `Authorization: Bearer` header.
+    pub(crate) bearer: Option<Vec<u8>>,
     /// The body, when the request had a `Content-Length`.
-    body: Option<Vec<u8>>,
+    pub(crate) body: Option<Vec<u8>>,
 }
 
 /// What `POST /pin` and `POST /unpin` take (said with a refusal).
@@ -518,117 +630,494 @@ fn parse_pins(body: Option<&[u8]>) -> Result<Vec<Pin>, String> {
         .collect()
 }
 
-/// Reads more of the request into `buf` before `deadline`.
-fn read_more(
-    stream: &mut TcpStream,
-    buf: &mut Vec<u8>,
-    deadline: Instant,
-) -> std::result::Result<(), Response> {
-    let mut chunk = [0u8; 2048];
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(Response::text(408, "request not received in time\n"));
+/// What a [`RequestReader`] says after the bytes it was given.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum Step {
+    /// More bytes are needed (at most [`RequestReader::room`]).
+    More,
+    /// The headers are in, and the client waits for `100 Continue` before
+    /// it sends its body (curl does for bodies over 1 KiB): send it, then
+    /// read on. Said once at most.
+    SendContinue,
+    /// The request, or the answer that refuses it.
+    Done(Result<Request, Response>),
+}
+
+/// Reads a request from the bytes of a connection as they arrive, in any
+/// split: headers, then a body of `Content-Length` bytes, all of it within
+/// [`REQUEST_LIMIT`]. It does no I/O (the connection's task does), so what
+/// it answers depends on the bytes only, never on how they were split: the
+/// headers are parsed from the bytes received so far (never past the
+/// limit) until they are whole, then kept.
+#[derive(Default)]
+pub(crate) struct RequestReader {
+    buf: Vec<u8>,
+    head: Option<Head>,
+    continued: bool,
+}
+
+/// A request's head, once its headers are whole.
+struct Head {
+    /// The request, without its body.
+    request: Request,
+    /// The head's length: where the body starts.
+    len: usize,
+    /// The body's length, when it has one (`Content-Length`).
+    body_len: Option<usize>,
+    /// The client waits for `100 Continue` before its body.
+    expect_continue: bool,
+}
+
+impl RequestReader {
+    /// How many more bytes this reader takes: one past the limit at most,
+    /// which it refuses.
+    pub(crate) fn room(&self) -> usize {
+        (REQUEST_LIMIT + 1).saturating_sub(self.buf.len())
+    }
+
+    /// The bytes the request takes (head and body), once its head is read.
+    #[cfg(feature = "fuzzing")]
+    pub(crate) fn request_len(&self) -> Option<usize> {
+        self.head
+            .as_ref()
+            .map(|h| h.len + h.body_len.unwrap_or(0))
+    }
+
+    /// Takes the next bytes read (at most [`Self::room`]: the rest is not
+    /// looked at); none: the client closed its side.
+    pub(crate) fn push(&mut self, bytes: &[u8]) -> Step {
+        if bytes.is_empty() {
+            return Step::Done(Err(Response::text(
+                400,
+                "connection closed mid-request\n",
+            )));
         }
-        let _ = stream.set_read_timeout(Some(left));
-        match stream.read(&mut chunk) {
-            Ok(0) => return Err(Response::text(400, "connection closed mid-request\n")),
-            Ok(n) => {
-                buf.extend_from_slice(&chunk[..n]);
-                return Ok(());
+        let take = bytes.len().min(self.room());
+        self.buf.extend_from_slice(&bytes[..take]);
+        if self.head.is_none() {
+            match parse_head(&self.buf) {
+                Ok(Some(h)) => self.head = Some(h),
+                Ok(None) => return Step::More,
+                Err(r) => return Step::Done(Err(r)),
             }
-            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
-                return Err(Response::text(408, "request not received in time\n"))
+        }
+        let h = self.head.as_ref().expect("the head was read");
+        let Some(body_len) = h.body_len else {
+            return Step::Done(Ok(h.request.clone()));
+        };
+        // (`parse_head` checked that it fits the limit.)
+        let end = h.len + body_len;
+        if self.buf.len() >= end {
+            let mut request = h.request.clone();
+            request.body = Some(self.buf[h.len..end].to_vec());
+            return Step::Done(Ok(request));
+        }
+        if h.expect_continue && !self.continued {
+            self.continued = true;
+            return Step::SendContinue;
+        }
+        Step::More
+    }
+}
+
+/// The answer to a request larger than the bound.
+fn too_large() -> Response {
+    Response::text(
+        413,
+        &format!("request too large: at most {REQUEST_LIMIT} bytes, headers and body\n"),
+    )
+}
+
+/// The head of the request whose first bytes are `buf`: none while its
+/// headers are not whole, or the answer that refuses it.
+fn parse_head(buf: &[u8]) -> Result<Option<Head>, Response> {
+    let mut headers = [httparse::EMPTY_HEADER; 64];
+    let mut req = httparse::Request::new(&mut headers);
+    let len = match req.parse(&buf[..buf.len().min(REQUEST_LIMIT)]) {
+        Ok(httparse::Status::Complete(len)) => len,
+        Ok(httparse::Status::Partial) if buf.len() > REQUEST_LIMIT => return Err(too_large()),
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(e) => return Err(Response::text(400, &format!("malformed request: {e}\n"))),
+    };
+    let header = |name: &'static str| {
+        req.headers
+            .iter()
+            .filter(move |h| h.name.eq_ignore_ascii_case(name))
+    };
+    let openmetrics = header("accept")
+        .any(|h| String::from_utf8_lossy(h.value).contains("application/openmetrics-text"));
+    if header("transfer-encoding").next().is_some() {
+        return Err(Response::text(
+            400,
+            "a body is taken with a Content-Length only (no Transfer-Encoding)\n",
+        ));
+    }
+    let mut body_len: Option<usize> = None;
+    for h in header("content-length") {
+        let v = std::str::from_utf8(h.value).unwrap_or("").trim();
+        let n = (!v.is_empty() && v.bytes().all(|c| c.is_ascii_digit()))
+            .then(|| v.parse::<usize>().ok())
+            .flatten();
+        match (n, body_len) {
+            (None, _) => return Err(Response::text(400, "malformed Content-Length\n")),
+            (Some(n), Some(m)) if n != m => {
+                return Err(Response::text(400, "conflicting Content-Length headers\n"))
             }
-            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-            Err(_) => return Err(Response::text(400, "unreadable request\n")),
+            (n, _) => body_len = n,
+        }
+    }
+    if let Some(n) = body_len {
+        if len.checked_add(n).is_none_or(|end| end > REQUEST_LIMIT) {
+            return Err(too_large());
+        }
+    }
+    let mut auth = header("authorization");
+    let bearer = match (auth.next(), auth.next()) {
+        (None, _) => None,
+        (Some(_), Some(_)) => {
+            return Err(Response::text(400, "more than one Authorization header\n"))
+        }
+        (Some(h), None) => bearer_credentials(h.value).map(<[u8]>::to_vec),
+    };
+    let expect_continue = header("expect").any(|h| h.value.eq_ignore_ascii_case(b"100-continue"));
+    Ok(Some(Head {
+        request: Request {
+            method: req.method.unwrap_or("").to_string(),
+            path: req.path.unwrap_or("").to_string(),
+            openmetrics,
+            bearer,
+            body: None,
+        },
+        len,
+        body_len,
+        expect_continue,
+    }))
+}
+
+/// The credentials of an `Authorization` value of the `Bearer` scheme (in
+/// any case), if it is one.
+fn bearer_credentials(value: &[u8]) -> Option<&[u8]> {
+    let value = value.trim_ascii();
+    let at = value.iter().position(|c| c.is_ascii_whitespace())?;
+    let (scheme, rest) = value.split_at(at);
+    scheme
+        .eq_ignore_ascii_case(b"bearer")
+        .then(|| rest.trim_ascii())
+}
+
+/// The admin token: 64 hex digits of 32 bytes from the OS's random
+/// source, in a file only the server's user can read.
+struct AdminToken {
+    hex: Vec<u8>,
+    path: PathBuf,
+}
+
+impl AdminToken {
+    /// Draws a token and writes it to `path` (mode 0600), replacing the
+    /// file of a server that did not stop cleanly.
+    fn create(path: &Path) -> crate::Result<AdminToken> {
+        use std::io::Write;
+        use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+        let mut raw = [0u8; 32];
+        os_random(&mut raw).map_err(crate::error::io("draw the admin token"))?;
+        let hex: String = raw.iter().map(|b| format!("{b:02x}")).collect();
+        let at = || format!("write the admin token {}", path.display());
+        match std::fs::remove_file(path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == ErrorKind::NotFound => {}
+            Err(e) => return Err(crate::error::io(at())(e)),
+        }
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(path)
+            .map_err(crate::error::io(at()))?;
+        // The umask may have taken bits away, never added any: exactly
+        // 0600, so the server's user can read it back.
+        f.set_permissions(std::fs::Permissions::from_mode(0o600))
+            .and_then(|()| f.write_all(hex.as_bytes()))
+            .map_err(crate::error::io(at()))?;
+        Ok(AdminToken {
+            hex: hex.into_bytes(),
+            path: path.to_path_buf(),
+        })
+    }
+
+    /// Whether `given` is the token. The time taken does not depend on
+    /// where they differ (only on whether the lengths do).
+    fn admits(&self, given: Option<&[u8]>) -> bool {
+        let Some(given) = given else {
+            return false;
+        };
+        if given.len() != self.hex.len() {
+            return false;
+        }
+        let diff = given
+            .iter()
+            .zip(&self.hex)
+            .fold(0u8, |d, (a, b)| d | (a ^ b));
+        std::hint::black_box(diff) == 0
+    }
+
+    /// The answer to an admin call without the token.
+    fn refusal(&self) -> Response {
+        Response::text(
+            401,
+            &format!(
+                "admin calls need the server's admin token: send \"Authorization: Bearer <token>\", \
+                 the token being the contents of {} (readable by the server's user only)\n",
+                self.path.display()
+            ),
+        )
+    }
+}
+
+/// Fills `buf` from the OS's random source.
+fn os_random(buf: &mut [u8]) -> std::io::Result<()> {
+    let mut filled = 0;
+    while filled < buf.len() {
+        let rest = &mut buf[filled..];
+        // SAFETY: getrandom writes at most `rest.len()` bytes to
+        // `rest.as_mut_ptr()`, which points to that many writable bytes.
+        let n = unsafe { libc::getrandom(rest.as_mut_ptr().cast(), rest.len(), 0) };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        filled += n as usize;
+    }
+    Ok(())
+}
+
+/// The open connections: their number, and the ones waiting on their
+/// client (reading the request, writing the answer), oldest first, which
+/// may be closed to make room.
+struct Slots {
+    max: usize,
+    open: usize,
+    next: u64,
+    waiting: BTreeMap<u64, Arc<Notify>>,
+}
+
+/// One open connection's place.
+struct Slot {
+    id: u64,
+    slots: Arc<Mutex<Slots>>,
+    closed: Arc<Notify>,
+    /// In `waiting` (unless it was closed to make room).
+    waiting: bool,
+}
+
+impl Slots {
+    /// Closes the oldest connection waiting on its client (its task
+    /// answers 503 and ends when it runs next); false if none is.
+    fn close_oldest(&mut self) -> bool {
+        match self.waiting.pop_first() {
+            Some((_, closed)) => {
+                // Stores a permit when the task is not waiting on it: it
+                // sees it at its next wait.
+                closed.notify_one();
+                self.open -= 1;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// A place for a new connection (waiting on its client), making room
+    /// if the bound is reached; none when every connection is being
+    /// answered.
+    fn admit(slots: &Arc<Mutex<Slots>>) -> Option<Slot> {
+        let mut s = lock(slots);
+        if s.open >= s.max && !s.close_oldest() {
+            return None;
+        }
+        s.open += 1;
+        let id = s.next;
+        s.next += 1;
+        let closed = Arc::new(Notify::new());
+        s.waiting.insert(id, closed.clone());
+        Some(Slot {
+            id,
+            slots: slots.clone(),
+            closed,
+            waiting: true,
+        })
+    }
+}
+
+impl Slot {
+    /// Being answered: not closed to make room meanwhile. False if it was
+    /// closed already.
+    fn hold(&mut self) -> bool {
+        let mut s = lock(&self.slots);
+        self.waiting = false;
+        s.waiting.remove(&self.id).is_some()
+    }
+
+    /// Waiting on the client again (its answer being written).
+    fn release(&mut self) {
+        lock(&self.slots)
+            .waiting
+            .insert(self.id, self.closed.clone());
+        self.waiting = true;
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut s = lock(&self.slots);
+        // A connection closed to make room was counted out then.
+        if !self.waiting || s.waiting.remove(&self.id).is_some() {
+            s.open -= 1;
         }
     }
 }
 
-/// The request, or the response that refuses it: headers, then a body of
-/// `Content-Length` bytes (all of it within [`REQUEST_LIMIT`] and the
-/// deadline).
-fn read_request(
-    stream: &mut TcpStream,
-    deadline: Instant,
-) -> std::result::Result<Request, Response> {
-    let _ = stream.set_nonblocking(false);
-    let too_large = || {
-        Response::text(
-            413,
-            &format!("request too large: at most {REQUEST_LIMIT} bytes, headers and body\n"),
-        )
-    };
-    let mut buf = Vec::with_capacity(1024);
-    let (mut request, head, body_len, expect_continue) = loop {
-        read_more(stream, &mut buf, deadline)?;
-        if buf.len() > REQUEST_LIMIT {
-            return Err(too_large());
+/// Accepts connections until `stop` is notified, a task each.
+async fn serve(listener: TcpListener, ep: Arc<Endpoint>, max: usize, stop: &Notify) {
+    let listener = match tokio::net::TcpListener::from_std(listener) {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::error!("the HTTP endpoint cannot serve: {e}");
+            return;
         }
-        let mut headers = [httparse::EMPTY_HEADER; 64];
-        let mut req = httparse::Request::new(&mut headers);
-        match req.parse(&buf) {
-            Ok(httparse::Status::Complete(head)) => {
-                let header = |name: &'static str| {
-                    req.headers
-                        .iter()
-                        .filter(move |h| h.name.eq_ignore_ascii_case(name))
-                };
-                let openmetrics = header("accept").any(|h| {
-                    String::from_utf8_lossy(h.value).contains("application/openmetrics-text")
-                });
-                if header("transfer-encoding").next().is_some() {
-                    return Err(Response::text(
-                        400,
-                        "a body is taken with a Content-Length only (no Transfer-Encoding)\n",
-                    ));
+    };
+    let slots = Arc::new(Mutex::new(Slots {
+        max,
+        open: 0,
+        next: 0,
+        waiting: BTreeMap::new(),
+    }));
+    let busy = Response::text(503, BUSY).to_bytes();
+    let mut warned: Option<Instant> = None;
+    loop {
+        let accepted = tokio::select! {
+            () = stop.notified() => return,
+            r = listener.accept() => r,
+        };
+        let e = match accepted {
+            Ok((stream, peer)) => {
+                match Slots::admit(&slots) {
+                    Some(slot) => drop(tokio::spawn(connection(stream, peer, ep.clone(), slot))),
+                    // (Best effort: the connection is new, its buffer empty.)
+                    None => drop(stream.try_write(&busy)),
                 }
-                let mut body_len: Option<usize> = None;
-                for h in header("content-length") {
-                    let v = std::str::from_utf8(h.value).unwrap_or("").trim();
-                    let n = (!v.is_empty() && v.bytes().all(|c| c.is_ascii_digit()))
-                        .then(|| v.parse::<usize>().ok())
-                        .flatten();
-                    match (n, body_len) {
-                        (None, _) => return Err(Response::text(400, "malformed Content-Length\n")),
-                        (Some(n), Some(m)) if n != m => {
-                            return Err(Response::text(400, "conflicting Content-Length headers\n"))
-                        }
-                        (n, _) => body_len = n,
-                    }
-                }
-                let expect_continue =
-                    header("expect").any(|h| h.value.eq_ignore_ascii_case(b"100-continue"));
-                let request = Request {
-                    method: req.method.unwrap_or("").to_string(),
-                    path: req.path.unwrap_or("").to_string(),
-                    openmetrics,
-                    body: None,
-                };
-                break (request, head, body_len, expect_continue);
+                continue;
             }
-            Ok(httparse::Status::Partial) => continue,
-            Err(e) => return Err(Response::text(400, &format!("malformed request: {e}\n"))),
+            Err(e) => e,
+        };
+        let no_descriptor = matches!(
+            e.raw_os_error(),
+            Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
+        );
+        if no_descriptor && lock(&slots).close_oldest() {
+            // The closed connection's task frees its descriptor when it
+            // runs: let it, then accept again.
+            tokio::task::yield_now().await;
+            continue;
         }
-    };
-    let Some(len) = body_len else {
-        return Ok(request);
-    };
-    let end = head
-        .checked_add(len)
-        .filter(|&e| e <= REQUEST_LIMIT)
-        .ok_or_else(too_large)?;
-    if buf.len() < end && expect_continue {
-        // The client waits for this before sending the body (curl does,
-        // for bodies over 1 KiB).
-        let left = deadline.saturating_duration_since(Instant::now());
-        let _ = stream.set_write_timeout(Some(left.max(Duration::from_millis(1))));
-        let _ = stream.write_all(b"HTTP/1.1 100 Continue\r\n\r\n");
+        if warned.is_none_or(|t| t.elapsed() >= Duration::from_secs(10)) {
+            tracing::warn!("HTTP accept: {e} (retrying every {ACCEPT_BACKOFF:?})");
+            warned = Some(Instant::now());
+        }
+        tokio::select! {
+            () = stop.notified() => return,
+            () = tokio::time::sleep(ACCEPT_BACKOFF) => {}
+        }
     }
-    while buf.len() < end {
-        read_more(stream, &mut buf, deadline)?;
+}
+
+/// Serves one connection: reads its request within the deadline, answers
+/// it, closes. Closed early to make room while it waits on its client.
+async fn connection(mut stream: TcpStream, peer: SocketAddr, ep: Arc<Endpoint>, mut slot: Slot) {
+    let loopback = peer.ip().to_canonical().is_loopback();
+    let by = tokio::time::Instant::now() + CLIENT_DEADLINE;
+    let read = tokio::select! {
+        () = slot.closed.notified() => {
+            let _ = stream.try_write(&Response::text(503, CLOSED_FOR_ROOM).to_bytes());
+            return;
+        }
+        r = read_request(&mut stream, by) => r,
+    };
+    if !slot.hold() {
+        let _ = stream.try_write(&Response::text(503, CLOSED_FOR_ROOM).to_bytes());
+        return;
     }
-    request.body = Some(buf[head..end].to_vec());
-    Ok(request)
+    let resp = match read {
+        Ok(req) => ep.route(req, loopback).await,
+        Err(r) => r,
+    };
+    slot.release();
+    let answer = resp.to_bytes();
+    tokio::select! {
+        () = slot.closed.notified() => {}
+        () = write_answer(&mut stream, &answer) => {}
+    }
+}
+
+/// Reads a request from `stream` by `by`: the request, or the answer that
+/// refuses it.
+async fn read_request(
+    stream: &mut TcpStream,
+    by: tokio::time::Instant,
+) -> Result<Request, Response> {
+    let late = || Response::text(408, "request not received in time\n");
+    let mut reader = RequestReader::default();
+    loop {
+        match tokio::time::timeout_at(by, stream.readable()).await {
+            Err(_) => return Err(late()),
+            Ok(Err(_)) => return Err(Response::text(400, "unreadable request\n")),
+            Ok(Ok(())) => {}
+        }
+        // (Not kept across a wait: an idle connection holds no buffer.)
+        let mut chunk = [0u8; 2048];
+        let room = reader.room().min(chunk.len());
+        let step = match stream.try_read(&mut chunk[..room]) {
+            Ok(n) => reader.push(&chunk[..n]),
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => {
+                continue
+            }
+            Err(_) => return Err(Response::text(400, "unreadable request\n")),
+        };
+        match step {
+            Step::More => {}
+            Step::SendContinue => {
+                let interim = stream.write_all(b"HTTP/1.1 100 Continue\r\n\r\n");
+                if tokio::time::timeout_at(by, interim).await.is_err() {
+                    return Err(late());
+                }
+            }
+            Step::Done(r) => return r,
+        }
+    }
+}
+
+/// Writes `answer` within the deadline, closes the sending side, and reads
+/// what the client still sends for a moment (boundedly).
+async fn write_answer(stream: &mut TcpStream, answer: &[u8]) {
+    let written = tokio::time::timeout(CLIENT_DEADLINE, async {
+        stream.write_all(answer).await?;
+        stream.shutdown().await
+    })
+    .await;
+    if !matches!(written, Ok(Ok(()))) {
+        return;
+    }
+    let _ = tokio::time::timeout(DRAIN_TIME, async {
+        let mut sink = vec![0u8; 4096];
+        let mut left = DRAIN_LIMIT;
+        while left > 0 {
+            match stream.read(&mut sink).await {
+                Ok(n) if n > 0 => left = left.saturating_sub(n),
+                _ => break,
+            }
+        }
+    })
+    .await;
 }

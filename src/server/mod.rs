@@ -20,7 +20,7 @@ mod acceptor;
 mod cache;
 mod capacity;
 mod delay;
-mod http;
+pub(crate) mod http;
 mod kv_ops;
 pub mod l2;
 mod model_rows;
@@ -30,7 +30,10 @@ pub(crate) mod registry;
 mod ring_loop;
 mod transfer;
 
-pub use http::{HttpConfig, CLIENT_DEADLINE as HTTP_CLIENT_DEADLINE, DEFAULT_ADDR as DEFAULT_HTTP_ADDR};
+pub use http::{
+    HttpConfig, CLIENT_DEADLINE as HTTP_CLIENT_DEADLINE, DEFAULT_ADDR as DEFAULT_HTTP_ADDR,
+    DEFAULT_MAX_CONNECTIONS as HTTP_DEFAULT_MAX_CONNECTIONS,
+};
 pub use l2::{L2Config, WriteMode as L2WriteMode};
 pub use transfer::{Backend, BackendKind, HostBackend};
 
@@ -670,6 +673,7 @@ pub fn start(cfg: ServerConfig) -> Result<ServerHandle> {
         (Some(l), Some(h)) => Some(http::HttpServer::start(
             l,
             &paths.shm_name,
+            &paths.admin_token,
             h,
             shared.clone(),
         )?),

@@ -833,11 +833,85 @@ pub fn http_get(port: u16, path: &str) -> (u16, String) {
 }
 
 /// A server with its HTTP endpoint on a free loopback port and a 64 MiB
-/// pool, plus `extra` arguments.
+/// pool, plus `extra` arguments. Its admin token is known to
+/// [`admin_header`] by the port.
 pub fn server_with_http(tag: &str, extra: &[&str]) -> (Fixture, u16) {
     let port = free_port();
     let addr = format!("127.0.0.1:{port}");
     let mut args = vec!["--http", addr.as_str(), "--pool-bytes", "64MiB"];
     args.extend_from_slice(extra);
-    (Fixture::new(tag, Duration::from_secs(90), &args), port)
+    let f = Fixture::new(tag, Duration::from_secs(90), &args);
+    remember_token(port, &f);
+    (f, port)
+}
+
+/// The admin token file of `s`'s server (written at its start, 0600).
+pub fn admin_token_path(s: &Scope) -> PathBuf {
+    kvring::rundir::ServerPaths::in_dir(&s.name, &s.dir)
+        .unwrap()
+        .admin_token
+}
+
+/// The admin token of `s`'s server, read from its file.
+pub fn admin_token(s: &Scope) -> String {
+    let p = admin_token_path(s);
+    std::fs::read_to_string(&p)
+        .unwrap_or_else(|e| panic!("read the admin token {}: {e}", p.display()))
+        .trim()
+        .to_string()
+}
+
+/// The admin token files of the servers whose HTTP endpoint listens on a
+/// port, by port.
+static TOKENS: std::sync::Mutex<Vec<(u16, PathBuf)>> = std::sync::Mutex::new(Vec::new());
+
+/// Remembers that `s`'s server answers HTTP on `port` (for [`admin_header`]).
+pub fn remember_token(port: u16, s: &Scope) {
+    let mut t = TOKENS.lock().unwrap_or_else(|e| e.into_inner());
+    t.retain(|(p, _)| *p != port);
+    t.push((port, admin_token_path(s)));
+}
+
+/// The `Authorization` header line (with its CRLF) an admin call to the
+/// server on `port` carries: its token, read from the server's file now.
+pub fn admin_header(port: u16) -> String {
+    let path = TOKENS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .find(|(p, _)| *p == port)
+        .map(|(_, path)| path.clone())
+        .unwrap_or_else(|| panic!("no server of this test answers HTTP on port {port}"));
+    let token = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("read the admin token {}: {e}", path.display()));
+    format!("Authorization: Bearer {}\r\n", token.trim())
+}
+
+/// `GET path` with the admin token of the server on `port`.
+pub fn admin_get(port: u16, path: &str) -> (u16, String) {
+    http_exchange(
+        port,
+        format!("GET {path} HTTP/1.1\r\n{}\r\n", admin_header(port)).as_bytes(),
+    )
+}
+
+/// `POST path` (no body) with the admin token of the server on `port`.
+pub fn admin_post(port: u16, path: &str) -> (u16, String) {
+    http_exchange(
+        port,
+        format!("POST {path} HTTP/1.1\r\n{}\r\n", admin_header(port)).as_bytes(),
+    )
+}
+
+/// Raises this process's soft limit on open descriptors to at least `n`
+/// (up to its hard limit); the limit that applies.
+pub fn raise_open_files(n: u64) -> u64 {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE).unwrap();
+    if soft >= n {
+        return soft;
+    }
+    let want = n.min(hard);
+    setrlimit(Resource::RLIMIT_NOFILE, want, hard).unwrap();
+    want
 }

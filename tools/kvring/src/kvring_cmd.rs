@@ -145,10 +145,16 @@ enum Cmd {
         /// (seconds) as a stall.
         #[arg(long, default_value_t = kvring::inspect::DEFAULT_LANE_STALL_S, value_parser = parse_seconds)]
         stalled_lane_s: f64,
-        /// Take the HTTP admin calls (POST /clear, /evict) from any peer,
-        /// not only loopback.
+        /// Take the HTTP admin calls (POST /clear, /evict, /pin, /unpin,
+        /// GET /pins) from any peer, not only loopback; they still need
+        /// the admin token (which then crosses the network in clear text).
         #[arg(long)]
         http_admin_remote: bool,
+        /// At most this many HTTP connections open (never more than a
+        /// quarter of the open-descriptor limit); past it, the oldest
+        /// connection waiting on its client is closed to make room.
+        #[arg(long, default_value_t = kvring::server::HTTP_DEFAULT_MAX_CONNECTIONS)]
+        http_max_connections: usize,
         #[command(flatten)]
         l2: L2Args,
     },
@@ -428,6 +434,7 @@ fn run(cli: Cli, this: Vec<OsString>) -> kvring::Result<()> {
             stuck_job_s,
             stalled_lane_s,
             http_admin_remote,
+            http_max_connections,
             l2,
         } => {
             let mut cfg = ServerConfig::new(&target.name);
@@ -467,6 +474,7 @@ fn run(cli: Cli, this: Vec<OsString>) -> kvring::Result<()> {
                     h.stuck_job = Duration::from_secs_f64(stuck_job_s);
                     h.stalled_lane = Duration::from_secs_f64(stalled_lane_s);
                     h.admin_remote = http_admin_remote;
+                    h.max_connections = http_max_connections;
                     Some(h)
                 }
             };
@@ -506,6 +514,10 @@ fn run(cli: Cli, this: Vec<OsString>) -> kvring::Result<()> {
             }
             if let Some(a) = server.http_addr() {
                 println!("kvring: http://{a}/metrics, /healthz, /readyz, /status");
+                println!(
+                    "kvring: admin calls (POST /clear, /evict, /pin, /unpin, GET /pins) need \"Authorization: Bearer $(cat {})\"",
+                    p.admin_token.display()
+                );
             }
             while !STOP.load(Ordering::Relaxed) && !server.stopping() {
                 std::thread::sleep(Duration::from_millis(20));
