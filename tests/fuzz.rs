@@ -91,3 +91,46 @@ fn l2_value() {
     let _w = common::watchdog(Duration::from_secs(120));
     run("l2_value", kvring::fuzz::l2_value, 20_000, 4096);
 }
+
+#[test]
+fn http_request() {
+    let _w = common::watchdog(Duration::from_secs(120));
+    run("http_request", kvring::fuzz::http_request, 20_000, 2048);
+    // Random bytes rarely make a request: well-formed ones, cut short,
+    // with a byte changed, or padded past the bound, each split by a
+    // seed of its own.
+    let requests: [&[u8]; 6] = [
+        b"GET /metrics HTTP/1.1\r\nHost: x\r\nAccept: application/openmetrics-text\r\n\r\n",
+        b"POST /pin HTTP/1.1\r\nAuthorization: Bearer abc\r\nContent-Length: 5\r\n\r\n{\"a\"}tail",
+        b"POST /unpin HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 3\r\n\r\nabc",
+        b"POST /x HTTP/1.1\r\nContent-Length: 3\r\ncontent-length: 3\r\n\r\nabc",
+        b"POST /x HTTP/1.1\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\nabcd",
+        b"GET /healthz HTTP/1.1\nHost: x\n\n",
+    ];
+    let t0 = Instant::now();
+    let mut n = 0;
+    for (i, seed) in inputs(0x4717, 2_000, 16).enumerate() {
+        let r = requests[i % requests.len()];
+        let mut seed = seed;
+        seed.resize(8, 0);
+        let mut variants = vec![r.to_vec(), r[..i % r.len()].to_vec()];
+        let mut changed = r.to_vec();
+        changed[i % r.len()] = seed[0];
+        variants.push(changed);
+        // A header that brings the request to about the bound.
+        let mut padded = r.to_vec();
+        let line = r.iter().position(|&c| c == b'\n').unwrap() + 1;
+        let mut header = b"X: ".to_vec();
+        header.extend(std::iter::repeat_n(b'a', 16 * 1024 - 40 - r.len() + i % 80));
+        header.extend_from_slice(b"\r\n");
+        padded.splice(line..line, header);
+        variants.push(padded);
+        for v in variants {
+            let mut input = seed.clone();
+            input.extend_from_slice(&v);
+            kvring::fuzz::http_request(&input);
+            n += 1;
+        }
+    }
+    eprintln!("http_request: {n} requests in {:?}", t0.elapsed());
+}

@@ -909,7 +909,8 @@ struct Slot {
     id: u64,
     slots: Arc<Mutex<Slots>>,
     closed: Arc<Notify>,
-    /// In `waiting` (unless it was closed to make room).
+    /// In `waiting`, or closed to make room (and counted out then); false
+    /// while it is being answered.
     waiting: bool,
 }
 
@@ -953,11 +954,13 @@ impl Slots {
 
 impl Slot {
     /// Being answered: not closed to make room meanwhile. False if it was
-    /// closed already.
+    /// closed already (and counted out then).
     fn hold(&mut self) -> bool {
-        let mut s = lock(&self.slots);
-        self.waiting = false;
-        s.waiting.remove(&self.id).is_some()
+        let held = lock(&self.slots).waiting.remove(&self.id).is_some();
+        if held {
+            self.waiting = false;
+        }
+        held
     }
 
     /// Waiting on the client again (its answer being written).
@@ -1003,10 +1006,11 @@ async fn serve(listener: TcpListener, ep: Arc<Endpoint>, max: usize, stop: &Noti
         };
         let e = match accepted {
             Ok((stream, peer)) => {
-                match Slots::admit(&slots) {
-                    Some(slot) => drop(tokio::spawn(connection(stream, peer, ep.clone(), slot))),
+                if let Some(slot) = Slots::admit(&slots) {
+                    tokio::spawn(connection(stream, peer, ep.clone(), slot));
+                } else {
                     // (Best effort: the connection is new, its buffer empty.)
-                    None => drop(stream.try_write(&busy)),
+                    let _ = stream.try_write(&busy);
                 }
                 continue;
             }
@@ -1120,4 +1124,81 @@ async fn write_answer(stream: &mut TcpStream, answer: &[u8]) {
         }
     })
     .await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn slots(max: usize) -> Arc<Mutex<Slots>> {
+        Arc::new(Mutex::new(Slots {
+            max,
+            open: 0,
+            next: 0,
+            waiting: BTreeMap::new(),
+        }))
+    }
+
+    #[test]
+    fn a_full_endpoint_closes_its_oldest_waiting_connection_and_counts_each_once() {
+        let s = slots(2);
+        let open = || lock(&s).open;
+        let mut a = Slots::admit(&s).unwrap();
+        let mut b = Slots::admit(&s).unwrap();
+        // Both being answered: no room.
+        assert!(a.hold() && b.hold());
+        assert!(Slots::admit(&s).is_none());
+        // `a` writes its answer: it is the one closed for the next.
+        a.release();
+        let mut c = Slots::admit(&s).unwrap();
+        assert_eq!(open(), 2);
+        // Its end counts nothing again; `b`'s does.
+        drop(a);
+        assert_eq!(open(), 2);
+        drop(b);
+        assert_eq!(open(), 1);
+        // `c`, still reading its request, is the oldest waiting: closed for
+        // `e`, it cannot be held for an answer, and its end counts nothing.
+        let mut d = Slots::admit(&s).unwrap();
+        let e = Slots::admit(&s).unwrap();
+        assert!(!c.hold());
+        drop(c);
+        assert_eq!(open(), 2);
+        assert!(d.hold());
+        drop(d);
+        drop(e);
+        assert_eq!(open(), 0);
+        assert!(lock(&s).waiting.is_empty());
+    }
+
+    #[test]
+    fn bearer_credentials_are_the_bearer_schemes_only() {
+        assert_eq!(bearer_credentials(b"Bearer abc"), Some(&b"abc"[..]));
+        assert_eq!(bearer_credentials(b"  bEaReR \t abc  "), Some(&b"abc"[..]));
+        assert_eq!(bearer_credentials(b"Bearer"), None);
+        assert_eq!(bearer_credentials(b"Basic abc"), None);
+        assert_eq!(bearer_credentials(b"abc"), None);
+    }
+
+    #[test]
+    fn the_token_is_admitted_whole_only() {
+        let dir = std::env::temp_dir().join(format!("kvring-token-{}", std::process::id()));
+        crate::rundir::ensure_runtime_dir(&dir).unwrap();
+        let path = dir.join("t.admin-token");
+        std::fs::write(&path, "stale").unwrap();
+        let t = AdminToken::create(&path).unwrap();
+        let text = std::fs::read(&path).unwrap();
+        assert_eq!(text, t.hex);
+        assert_eq!(text.len(), 64);
+        assert!(t.admits(Some(&text)));
+        assert!(!t.admits(None));
+        assert!(!t.admits(Some(&text[..63])));
+        let mut other = text.clone();
+        other[0] ^= 1;
+        assert!(!t.admits(Some(&other)));
+        // Another token each time.
+        let again = AdminToken::create(&path).unwrap();
+        assert_ne!(again.hex, t.hex);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }
