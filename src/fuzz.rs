@@ -733,6 +733,7 @@ pub fn l2_value(data: &[u8]) {
         Seal::Mac(_) => Seal::Checksum,
     };
     assert!(value::decode(&v, &key, n, &other).is_err());
+}
 
 /// What the HTTP request reader made of a stream of bytes.
 #[derive(Debug)]
