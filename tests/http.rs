@@ -14,7 +14,10 @@
 //! The admin token: 0600 in the runtime directory, needed by every admin
 //! call (401 without it, with another, or with two headers; never from
 //! another local user, who cannot read it), removed at a clean stop,
-//! another at each start.
+//! another at each start. Pins are bounded in count (100,000 attempts
+//! stop at the default bound, refused whole with 409, the server's memory
+//! and an engine's lookups measured meanwhile) and in bytes, a call names
+//! at most 256 chunks (413), and they are listed by pages of 1,000.
 
 mod common;
 
@@ -436,7 +439,230 @@ fn pinned_chunks_outlive_evict_and_clear_until_unpinned() {
     let st = e.c.stats().unwrap();
     assert_eq!((st.objects, st.pinned_objects, st.pinned_bytes), (0, 0, 0));
     assert_eq!(lookup(&mut e.c, 1, 0, &hashes).result().value, 0);
-    assert_eq!(admin_get(port, "/pins").1, r#"{"pins":[]}"#);
+    let listed: Value = serde_json::from_str(&admin_get(port, "/pins").1).unwrap();
+    assert_eq!(listed["pins"], serde_json::json!([]));
+    assert_eq!(
+        (&listed["held"], &listed["next"]),
+        (&0.into(), &Value::Null)
+    );
+}
+
+/// The resident memory of process `pid`, in bytes.
+fn rss(pid: i32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmRSS");
+    kib << 10
+}
+
+/// `n` distinct chunk hashes from `seed`.
+fn random_hashes(seed: u64, n: usize) -> Vec<String> {
+    let mut x = seed | 1;
+    (0..n)
+        .map(|_| {
+            (0..2)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    format!("{x:016x}")
+                })
+                .collect()
+        })
+        .collect()
+}
+
+#[test]
+fn a_hundred_thousand_pins_stop_at_the_bound_and_list_by_page() {
+    let (s, port) = server_with_http("http-pin-storm", &[]);
+    let mut e = Engine::new(&s, small_layout(), 1, 0);
+    let hashes = prompt_hashes(21, 4);
+    let blocks = e.blocks(0, 4);
+    e.write(&hashes, &blocks);
+    assert_eq!(e.store(0, &hashes, &blocks).value, 4);
+    let before = rss(s.srv.pid());
+
+    // An engine looks its prompt up throughout.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let looker = {
+        let (stop, hashes) = (stop.clone(), hashes.clone());
+        let mut c = s.client();
+        std::thread::spawn(move || {
+            let mut took = Vec::new();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let t0 = Instant::now();
+                let lease = lookup(&mut c, 1, 0, &hashes);
+                assert_eq!(lease.result().value, 4);
+                took.push(t0.elapsed());
+                drop(lease);
+            }
+            took
+        })
+    };
+
+    // 100,000 pin attempts, 256 a call: those past the bound are refused
+    // whole, saying why.
+    let max = kvring::server::DEFAULT_MAX_PINS as usize;
+    let per = kvring::server::MAX_PINS_PER_CALL;
+    let all = random_hashes(7, 100_000);
+    let (mut taken, mut refused) = (0, 0);
+    let t0 = Instant::now();
+    for call in all.chunks(per) {
+        let body = serde_json::json!({ "model_id": 3, "hashes": call }).to_string();
+        let (code, out) = post_json(port, "/pin", &body);
+        let v: Value = serde_json::from_str(&out).unwrap_or_else(|_| panic!("{code}: {out}"));
+        if taken + call.len() <= max {
+            assert_eq!(code, 200, "{out}");
+            taken += call.len();
+            assert_eq!(v["pins"], taken as u64);
+        } else {
+            assert_eq!(code, 409, "{out}");
+            refused += call.len();
+            assert_eq!(v["max_pins"], max as u64, "{out}");
+            assert_eq!(v["pins"], taken as u64, "{out}");
+            assert!(v["error"].as_str().unwrap().contains("--max-pins"), "{out}");
+        }
+    }
+    let pinning = t0.elapsed();
+    assert_eq!((taken, taken + refused), (max, all.len()));
+    // One more than a call may name: 413, nothing taken.
+    let body = serde_json::json!({ "model_id": 4, "hashes": random_hashes(8, per + 1) });
+    let (code, out) = post_json(port, "/pin", &body.to_string());
+    assert_eq!(code, 413, "{out}");
+    assert!(out.contains(&format!("at most {per} per call")), "{out}");
+
+    // Listed by pages of at most 1,000, each pin once, in order.
+    let page_max = kvring::server::MAX_PINS_PER_PAGE;
+    let (mut seen, mut next, mut pages) = (Vec::new(), None::<String>, 0);
+    loop {
+        let path = match &next {
+            Some(c) => format!("/pins?after={c}"),
+            None => "/pins".to_string(),
+        };
+        let (code, out) = admin_get(port, &path);
+        assert_eq!(code, 200, "{out}");
+        let v: Value = serde_json::from_str(&out).unwrap();
+        let page = v["pins"].as_array().unwrap();
+        assert!(page.len() <= page_max);
+        assert_eq!(v["held"], max as u64);
+        seen.extend(page.iter().map(|p| p["hash"].as_str().unwrap().to_string()));
+        pages += 1;
+        match v["next"].as_str() {
+            Some(c) => next = Some(c.to_string()),
+            None => break,
+        }
+    }
+    let mut want = all[..max].to_vec();
+    want.sort();
+    assert_eq!(seen, want);
+    assert_eq!(pages, max.div_ceil(page_max));
+    let (code, out) = admin_get(port, "/pins?limit=3");
+    assert_eq!(code, 200);
+    assert_eq!(
+        serde_json::from_str::<Value>(&out).unwrap()["pins"]
+            .as_array()
+            .unwrap()
+            .len(),
+        3
+    );
+    for bad in ["limit=0", "limit=1001", "after=zz", "after=1.2.3", "page=2"] {
+        let (code, out) = admin_get(port, &format!("/pins?{bad}"));
+        assert_eq!(code, 400, "{bad}: {out}");
+        assert!(out.contains("expected GET /pins"), "{out}");
+    }
+
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut took = looker.join().unwrap();
+    took.sort();
+    let at = |q: f64| took[((took.len() - 1) as f64 * q) as usize];
+    let grew = rss(s.srv.pid()).saturating_sub(before);
+    eprintln!(
+        "{} pins in {pinning:?} ({refused} refused), listed in {pages} pages; server RSS +{} KiB; \
+         engine lookups meanwhile: {} (p50 {:?}, p99 {:?}, max {:?})",
+        max,
+        grew >> 10,
+        took.len(),
+        at(0.5),
+        at(0.99),
+        took.last().unwrap()
+    );
+    // 65,536 pins take a few MiB (README: "Pins").
+    assert!(grew < 32 << 20, "the server grew by {} MiB", grew >> 20);
+    // Unpinned, they are gone.
+    for call in all[..max].chunks(per) {
+        let body = serde_json::json!({ "model_id": 3, "hashes": call }).to_string();
+        assert_eq!(post_json(port, "/unpin", &body).0, 200);
+    }
+    let v: Value = serde_json::from_str(&admin_get(port, "/pins").1).unwrap();
+    assert_eq!(v["held"], 0);
+}
+
+#[test]
+fn pinned_bytes_stop_at_their_bound() {
+    // Objects of 32 KiB; pins may keep three of them, four pins in all.
+    let (s, port) = server_with_http(
+        "http-pin-bytes",
+        &[
+            "--chunk-tokens",
+            "64",
+            "--max-pinned-bytes",
+            "96KiB",
+            "--max-pins",
+            "4",
+        ],
+    );
+    let mut e = Engine::new(&s, small_layout(), 1, 0);
+    let hashes = prompt_hashes(31, 6);
+    let blocks = e.blocks(0, 6);
+    e.write(&hashes, &blocks);
+    assert_eq!(e.store(0, &hashes, &blocks).value, 6);
+    assert_eq!(e.c.stats().unwrap().stored_bytes, 6 << 15);
+    let model = model_id(MODEL);
+    let pin = |hs: &[ChunkHash]| {
+        let hs: Vec<String> = hs.iter().map(hex).collect();
+        post_json(
+            port,
+            "/pin",
+            &serde_json::json!({ "model_id": model, "hashes": hs }).to_string(),
+        )
+    };
+    let (code, out) = pin(&hashes[..2]);
+    assert_eq!(code, 200, "{out}");
+    // Two more objects would make four: refused whole, saying why.
+    let (code, out) = pin(&hashes[2..4]);
+    assert_eq!(code, 409, "{out}");
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["max_pinned_bytes"], 96 << 10);
+    assert_eq!(v["pinned_bytes"], 64 << 10);
+    assert!(
+        v["error"].as_str().unwrap().contains("--max-pinned-bytes"),
+        "{out}"
+    );
+    let v: Value = serde_json::from_str(&admin_get(port, "/pins").1).unwrap();
+    assert_eq!((&v["held"], &v["pinned_objects"]), (&2.into(), &2.into()));
+    // One fits.
+    assert_eq!(pin(&hashes[2..3]).0, 200);
+    // A pin of what is not stored yet takes no bytes; stored past the
+    // bound, its object is cached unpinned and counted.
+    let later = prompt_hashes(32, 1);
+    assert_eq!(pin(&later).0, 200);
+    let lb = e.blocks(40, 1);
+    e.write(&later, &lb);
+    assert_eq!(e.store(0, &later, &lb).value, 1);
+    let v: Value = serde_json::from_str(&admin_get(port, "/pins").1).unwrap();
+    assert_eq!(v["pinned_objects"], 3);
+    assert_eq!(v["stored_over_bound"], 1);
+    // The fifth pin is past --max-pins.
+    let (code, out) = pin(&hashes[5..6]);
+    assert_eq!(code, 409, "{out}");
+    assert!(out.contains("--max-pins"), "{out}");
+    // Everything unpinned goes with a clear: the three pinned stay.
+    let (code, out) = admin_post(port, "/clear");
+    assert_eq!(code, 200, "{out}");
+    assert_eq!(e.c.stats().unwrap().objects, 3);
 }
 
 #[test]

@@ -70,7 +70,7 @@
 //! loopback, admin calls are refused (403) unless `admin_remote`, and then
 //! still need the token (which crosses the network in clear text).
 
-use super::cache::Pin;
+use super::cache::{Pin, PinRefusal, MAX_PINS_PER_CALL, MAX_PINS_PER_PAGE};
 use crate::inspect::{self, AnomalyKind, Snapshot, Thresholds};
 use crate::segment::ReadOnlySegment;
 use crate::shm::ServerState;
@@ -310,6 +310,7 @@ fn reason(code: u16) -> &'static str {
         404 => "Not Found",
         405 => "Method Not Allowed",
         408 => "Request Timeout",
+        409 => "Conflict",
         413 => "Content Too Large",
         500 => "Internal Server Error",
         503 => "Service Unavailable",
@@ -452,20 +453,43 @@ impl Endpoint {
         if matches!(path, "/pin" | "/unpin") {
             let pins = match parse_pins(body) {
                 Ok(p) => p,
-                Err(e) => return Response::text(400, &format!("POST {path}: {e}\n{PIN_BODY}\n")),
-            };
-            let got = sh.kv.with_cache(sh, |c| {
-                if path == "/pin" {
-                    c.pin(&pins)
-                } else {
-                    c.unpin(&pins)
+                Err((code, e)) => {
+                    return Response::text(code, &format!("POST {path}: {e}\n{PIN_BODY}\n"))
                 }
-            });
-            return Response::json(200, &got);
+            };
+            if path == "/unpin" {
+                return Response::json(200, &sh.kv.with_cache(sh, |c| c.unpin(&pins)));
+            }
+            return match sh.kv.with_cache(sh, |c| c.pin(&pins).map_err(|r| (r, c.pin_limits().0))) {
+                Ok(got) => Response::json(200, &got),
+                Err((refusal, limits)) => {
+                    let (held, pinned) = match refusal {
+                        PinRefusal::Pins { held, .. } => (Some(held), None),
+                        PinRefusal::Bytes { pinned, .. } => (None, Some(pinned)),
+                    };
+                    Response::json(
+                        409,
+                        &serde_json::json!({
+                            "error": refusal.to_string(),
+                            "pins": held,
+                            "max_pins": limits.max_pins,
+                            "pinned_bytes": pinned,
+                            "max_pinned_bytes": limits.max_bytes,
+                        }),
+                    )
+                }
+            };
         }
         if path == "/pins" {
-            let pins = sh.kv.with_cache(sh, |c| c.pins());
-            let list: Vec<_> = pins
+            let (after, limit) = match parse_page(query) {
+                Ok(p) => p,
+                Err(e) => return Response::text(400, &format!("GET /pins: {e}\n{PINS_QUERY}\n")),
+            };
+            let (page, more, st, (limits, over_bound)) = sh.kv.with_cache(sh, |c| {
+                let (page, more) = c.pins_page(after.as_ref(), limit);
+                (page, more, c.pin_count(0), c.pin_limits())
+            });
+            let list: Vec<_> = page
                 .iter()
                 .map(|p| {
                     serde_json::json!({
@@ -475,7 +499,20 @@ impl Endpoint {
                     })
                 })
                 .collect();
-            return Response::json(200, &serde_json::json!({ "pins": list }));
+            let next = more.then(|| page.last().map(cursor)).flatten();
+            return Response::json(
+                200,
+                &serde_json::json!({
+                    "pins": list,
+                    "next": next,
+                    "held": st.pins,
+                    "max_pins": limits.max_pins,
+                    "pinned_objects": st.objects,
+                    "pinned_bytes": st.bytes,
+                    "max_pinned_bytes": limits.max_bytes,
+                    "stored_over_bound": over_bound,
+                }),
+            );
         }
         let (objects, bytes) = if path == "/clear" {
             sh.kv.with_cache(sh, |c| c.clear())
@@ -591,31 +628,97 @@ fn json_hash(v: &serde_json::Value, i: usize) -> Result<crate::kv::ChunkHash, St
     Ok(h)
 }
 
-/// The pins a `/pin` or `/unpin` body names.
-fn parse_pins(body: Option<&[u8]>) -> Result<Vec<Pin>, String> {
-    let Some(body) = body else {
-        return Err("no body (send it with a Content-Length)".into());
+/// What `GET /pins` takes.
+const PINS_QUERY: &str = "expected GET /pins[?limit=N][&after=CURSOR] (N: 1 to 1000, default 1000; CURSOR: the \"next\" of the page before)";
+
+/// A pin as a listing's cursor: model, salt and hash in hex, dot-separated.
+fn cursor(p: &Pin) -> String {
+    format!("{:016x}.{:016x}.{}", p.model_id, p.salt, hex(&p.hash))
+}
+
+/// The pin a cursor names.
+fn parse_cursor(c: &str) -> Option<Pin> {
+    let mut parts = c.split('.');
+    let (m, s, h) = (parts.next()?, parts.next()?, parts.next()?);
+    if parts.next().is_some() || m.len() != 16 || s.len() != 16 {
+        return None;
+    }
+    let u64_of = |d: &str| {
+        d.bytes()
+            .all(|c| c.is_ascii_hexdigit())
+            .then(|| u64::from_str_radix(d, 16).ok())
+            .flatten()
     };
-    let v: serde_json::Value =
-        serde_json::from_slice(body).map_err(|e| format!("the body is not JSON: {e}"))?;
+    Some(Pin {
+        model_id: u64_of(m)?,
+        salt: u64_of(s)?,
+        hash: json_hash(&serde_json::Value::String(h.to_string()), 0).ok()?,
+    })
+}
+
+/// The page a `GET /pins` query asks for: after which pin, and how many.
+fn parse_page(query: &str) -> Result<(Option<Pin>, usize), String> {
+    let (mut after, mut limit) = (None, MAX_PINS_PER_PAGE);
+    for kv in query.split('&').filter(|kv| !kv.is_empty()) {
+        let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
+        match k {
+            "after" => {
+                after = Some(parse_cursor(v).ok_or_else(|| format!("after={v:?}: not a cursor"))?)
+            }
+            "limit" => {
+                limit = v
+                    .parse()
+                    .ok()
+                    .filter(|n| (1..=MAX_PINS_PER_PAGE).contains(n))
+                    .ok_or_else(|| format!("limit={v:?}: 1 to {MAX_PINS_PER_PAGE}"))?
+            }
+            _ => return Err(format!("unknown parameter {k:?}")),
+        }
+    }
+    Ok((after, limit))
+}
+
+/// The pins a `/pin` or `/unpin` body names, or the status and reason of
+/// a refusal (400; 413 past [`MAX_PINS_PER_CALL`] hashes).
+fn parse_pins(body: Option<&[u8]>) -> Result<Vec<Pin>, (u16, String)> {
+    let bad = |e: String| (400, e);
+    let Some(body) = body else {
+        return Err(bad("no body (send it with a Content-Length)".into()));
+    };
+    let v: serde_json::Value = serde_json::from_slice(body)
+        .map_err(|e| bad(format!("the body is not JSON: {e}")))?;
     let serde_json::Value::Object(o) = &v else {
-        return Err("the body is not a JSON object".into());
+        return Err(bad("the body is not a JSON object".into()));
     };
     if let Some(k) = o
         .keys()
         .find(|k| !matches!(k.as_str(), "model_id" | "salt" | "hashes"))
     {
-        return Err(format!("unknown field {k:?}"));
+        return Err(bad(format!("unknown field {k:?}")));
     }
-    let model_id = json_u64(o.get("model_id").ok_or("model_id is missing")?, "model_id")?;
-    let salt = o.get("salt").map_or(Ok(0), |s| json_u64(s, "salt"))?;
+    let missing = |what: &str| bad(format!("{what} is missing"));
+    let model_id =
+        json_u64(o.get("model_id").ok_or_else(|| missing("model_id"))?, "model_id").map_err(bad)?;
+    let salt = o
+        .get("salt")
+        .map_or(Ok(0), |s| json_u64(s, "salt"))
+        .map_err(bad)?;
     let hashes = o
         .get("hashes")
-        .ok_or("hashes is missing")?
+        .ok_or_else(|| missing("hashes"))?
         .as_array()
-        .ok_or("hashes: expected an array of chunk hashes")?;
+        .ok_or_else(|| bad("hashes: expected an array of chunk hashes".into()))?;
     if hashes.is_empty() {
-        return Err("hashes: expected at least one chunk hash".into());
+        return Err(bad("hashes: expected at least one chunk hash".into()));
+    }
+    if hashes.len() > MAX_PINS_PER_CALL {
+        return Err((
+            413,
+            format!(
+                "{} chunk hashes: at most {MAX_PINS_PER_CALL} per call (send more calls)",
+                hashes.len()
+            ),
+        ));
     }
     hashes
         .iter()
@@ -624,7 +727,7 @@ fn parse_pins(body: Option<&[u8]>) -> Result<Vec<Pin>, String> {
             Ok(Pin {
                 model_id,
                 salt,
-                hash: json_hash(h, i)?,
+                hash: json_hash(h, i).map_err(bad)?,
             })
         })
         .collect()

@@ -132,6 +132,10 @@ impl KvState {
             model_rows: Mutex::new(super::model_rows::ModelRows::default()),
             l2: cfg.l2.clone().map(|c| Arc::new(super::l2::L2::new(c))),
         };
+        kv.cache().set_pin_limits(super::cache::PinLimits {
+            max_pins: cfg.max_pins,
+            max_bytes: cfg.max_pinned_bytes.unwrap_or(kv.pool.len() / 2),
+        });
         if kv.l2.as_ref().is_some_and(|t| t.mode() == super::l2::WriteMode::Back) {
             // At most a quarter of the pool waits to be written at once.
             kv.cache().set_writeback(kv.pool.len() / 4);

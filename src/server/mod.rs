@@ -35,6 +35,7 @@ pub use http::{
     DEFAULT_MAX_CONNECTIONS as HTTP_DEFAULT_MAX_CONNECTIONS,
 };
 pub use l2::{L2Config, WriteMode as L2WriteMode};
+pub use cache::{DEFAULT_MAX_PINS, MAX_PINS_PER_CALL, MAX_PINS_PER_PAGE};
 pub use transfer::{Backend, BackendKind, HostBackend};
 
 use crate::client_memory::OwnedClientMemory;
@@ -146,6 +147,10 @@ pub struct KvConfig {
     pub high_watermark: f64,
     /// ... and down to which it evicts.
     pub low_watermark: f64,
+    /// Most pins held at once (`POST /pin` past it is refused).
+    pub max_pins: u64,
+    /// Most bytes of objects pins keep; `None`: half the pool.
+    pub max_pinned_bytes: Option<u64>,
     /// A second tier on Valkey/Redis, if any.
     pub l2: Option<L2Config>,
 }
@@ -166,6 +171,8 @@ impl Default for KvConfig {
             engine_event_timeout: Duration::from_secs(60),
             high_watermark: 0.9,
             low_watermark: 0.8,
+            max_pins: cache::DEFAULT_MAX_PINS,
+            max_pinned_bytes: None,
             l2: None,
         }
     }
@@ -203,7 +210,12 @@ pub enum KvConfigError {
     LeaseTtl,
     #[error("watermarks {low} (low) and {high} (high): need 0 < low <= high <= 1")]
     Watermarks { low: f64, high: f64 },
+    #[error("{0} pins: at most {MAX_PINS}")]
+    MaxPins(u64),
 }
+
+/// Most pins a server may be told to hold (about 800 MiB of its memory).
+pub const MAX_PINS: u64 = 1 << 24;
 
 impl KvConfig {
     /// Checks the settings; the error names the one that is wrong.
@@ -225,6 +237,9 @@ impl KvConfig {
         }
         if self.max_request_bytes < 4096 || self.max_request_bytes > 1 << 30 {
             return Err(KvConfigError::MaxRequestBytes(self.max_request_bytes));
+        }
+        if self.max_pins > MAX_PINS {
+            return Err(KvConfigError::MaxPins(self.max_pins));
         }
         if self.lease_ttl.is_zero() {
             return Err(KvConfigError::LeaseTtl);

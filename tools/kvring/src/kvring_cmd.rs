@@ -130,6 +130,14 @@ enum Cmd {
         /// ... and down to which it evicts.
         #[arg(long, default_value_t = 80)]
         evict_to_percent: u32,
+        /// At most this many pins held (POST /pin past it is refused, 409).
+        #[arg(long, default_value_t = kvring::server::DEFAULT_MAX_PINS)]
+        max_pins: u64,
+        /// At most this many bytes of objects kept by pins (a pin call that
+        /// would pin more is refused, 409; an object stored under a pin past
+        /// it is cached unpinned). Default: half the pool.
+        #[arg(long, value_parser = parse_bytes)]
+        max_pinned_bytes: Option<u64>,
         /// The HTTP endpoint (GET /metrics, /healthz, /readyz, /status):
         /// ADDR:PORT, or `off`. Default 127.0.0.1:9090; when that is taken
         /// the server runs without it (saying so); an address given here
@@ -425,6 +433,8 @@ fn run(cli: Cli, this: Vec<OsString>) -> kvring::Result<()> {
             lease_ttl_s,
             engine_event_timeout,
             evict_at_percent,
+            max_pins,
+            max_pinned_bytes,
             evict_to_percent,
             backend,
             cuda_zero_copy_ctas,
@@ -480,6 +490,8 @@ fn run(cli: Cli, this: Vec<OsString>) -> kvring::Result<()> {
             };
             cfg.kv.high_watermark = f64::from(evict_at_percent) / 100.0;
             cfg.kv.low_watermark = f64::from(evict_to_percent) / 100.0;
+            cfg.kv.max_pins = max_pins;
+            cfg.kv.max_pinned_bytes = max_pinned_bytes;
             cfg.kv.backend = backend;
             cfg.kv.cuda_zero_copy_ctas = cuda_zero_copy_ctas;
             cfg.kv.cuda_depth = cuda_depth;

@@ -23,14 +23,28 @@
 //! the check is one `is_empty` per stored object. Pinned objects count
 //! toward the pool usage the watermarks compare: a pool full of pinned
 //! objects gives a store no space (`store_no_space_chunks`).
+//!
+//! Pins are bounded ([`PinLimits`]): a call that would hold more pins, or
+//! pin more bytes, than the operator allows is refused whole; an object
+//! stored later under a pin while the pinned bytes are at their bound is
+//! cached unpinned (counted). A pin call finds the objects of each triple
+//! through the (fingerprint, rank) variants stored for its model and salt,
+//! one index probe each, never by walking every object: it holds the lock
+//! about as long as a lookup of as many chunks.
 
 use super::pool::PoolAlloc;
 use super::registry::{rank_tag, Group, SHARED_RANK};
 use crate::jobs::JobId;
 use crate::kv::ChunkHash;
 use crate::proto::kv::StatsReply;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::time::Instant;
+
+mod pins;
+pub use pins::{
+    Pin, PinCount, PinLimits, PinRefusal, DEFAULT_MAX_PINS, MAX_PINS_PER_CALL, MAX_PINS_PER_PAGE,
+};
+use pins::Pins;
 
 /// Identity of a stored chunk object.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -39,15 +53,6 @@ pub struct ObjectKey {
     pub salt: u64,
     pub fingerprint: u64,
     pub rank_tag: u32,
-    pub hash: ChunkHash,
-}
-
-/// An operator's pin: the objects of this model, salt and chunk hash (any
-/// fingerprint, any rank) are neither evicted nor cleared.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Pin {
-    pub model_id: u64,
-    pub salt: u64,
     pub hash: ChunkHash,
 }
 
@@ -60,16 +65,6 @@ impl Pin {
             hash: key.hash,
         }
     }
-}
-
-/// What a pin or unpin left: the pins held, the objects pinned in total and
-/// their bytes, and how many objects the call's triples match.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
-pub struct PinCount {
-    pub pins: u64,
-    pub objects: u64,
-    pub bytes: u64,
-    pub matched: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -144,7 +139,11 @@ pub struct Cache {
     lru_tail: u32,
     leases: HashMap<JobId, (LeaseMeta, Lease)>,
     /// The operator's pins (see the module doc).
-    pins: HashSet<Pin>,
+    pins: Pins,
+    /// For each (model, salt) stored: its objects' (fingerprint, rank tag)
+    /// variants, with how many objects each has (a pin's objects are found
+    /// through these).
+    variants: HashMap<(u64, u64), HashMap<(u64, u32), u64>>,
     high_water: u64,
     low_water: u64,
     pub stats: StatsReply,
@@ -205,7 +204,11 @@ impl Cache {
             lru_head: NIL,
             lru_tail: NIL,
             leases: HashMap::new(),
-            pins: HashSet::new(),
+            pins: Pins::new(PinLimits {
+                max_pins: DEFAULT_MAX_PINS,
+                max_bytes: cap as u64 / 2,
+            }),
+            variants: HashMap::new(),
             high_water: (cap * high) as u64,
             low_water: (cap * low) as u64,
             writeback: None,
@@ -293,6 +296,7 @@ impl Cache {
             self.stats.pinned_bytes -= o.len;
         }
         self.index.remove(&o.key);
+        self.forget_variant(&o.key);
         self.free_ids.push(id);
         self.stats.objects -= 1;
         o
@@ -469,7 +473,10 @@ impl Cache {
                 continue;
             };
             // No pin held: no set lookup.
-            let pinned = !self.pins.is_empty() && self.pins.contains(&Pin::of(key));
+            let pinned = !self.pins.is_empty()
+                && self
+                    .pins
+                    .pins_new_object(&Pin::of(key), self.stats.pinned_bytes, len);
             let o = Object {
                 key: *key,
                 off,
@@ -492,6 +499,12 @@ impl Cache {
                 }
             };
             self.index.insert(*key, id);
+            *self
+                .variants
+                .entry((key.model_id, key.salt))
+                .or_default()
+                .entry((key.fingerprint, key.rank_tag))
+                .or_default() += 1;
             self.stats.objects += 1;
             if pinned {
                 self.stats.pinned_objects += 1;
@@ -791,51 +804,105 @@ impl Cache {
         (n, bytes)
     }
 
-    /// Adds `pins` (those held already stay) and pins every object they
-    /// cover, whether it is ready or being written. One pass over the
-    /// objects.
-    pub fn pin(&mut self, pins: &[Pin]) -> PinCount {
-        self.pins.extend(pins.iter().copied());
-        self.repin(pins, true)
+    /// The pin bounds (the default: [`DEFAULT_MAX_PINS`] pins, half the
+    /// pool's bytes).
+    pub fn set_pin_limits(&mut self, limits: PinLimits) {
+        self.pins = Pins::new(limits);
     }
 
-    /// Removes `pins` (those not held are ignored): their objects become
-    /// evictable again, most recently used first. One pass over the objects.
-    pub fn unpin(&mut self, pins: &[Pin]) -> PinCount {
-        for p in pins {
-            self.pins.remove(p);
-        }
-        self.repin(pins, false)
-    }
-
-    /// Sets the objects `pins` cover to `pinned`; counts them.
-    fn repin(&mut self, pins: &[Pin], pinned: bool) -> PinCount {
-        let wanted: HashSet<Pin> = pins.iter().copied().collect();
-        let mut matched = 0;
-        if !wanted.is_empty() {
-            for id in 0..self.objects.len() as u32 {
-                let covered = self.objects[id as usize]
-                    .as_ref()
-                    .is_some_and(|o| wanted.contains(&Pin::of(&o.key)));
-                if covered {
-                    matched += 1;
-                    self.set_pinned(id, pinned);
+    /// Drops `key` from the variants of its model and salt.
+    fn forget_variant(&mut self, key: &ObjectKey) {
+        let ms = (key.model_id, key.salt);
+        let Some(vs) = self.variants.get_mut(&ms) else {
+            return;
+        };
+        let v = (key.fingerprint, key.rank_tag);
+        if let Some(n) = vs.get_mut(&v) {
+            *n -= 1;
+            if *n == 0 {
+                vs.remove(&v);
+                if vs.is_empty() {
+                    self.variants.remove(&ms);
                 }
             }
         }
+    }
+
+    /// The objects `pins` cover: one index probe per pin and stored
+    /// (fingerprint, rank) variant of its model and salt.
+    fn covered(&self, pins: &[Pin]) -> Vec<u32> {
+        let mut ids = Vec::new();
+        for p in pins {
+            let Some(vs) = self.variants.get(&(p.model_id, p.salt)) else {
+                continue;
+            };
+            ids.extend(vs.keys().filter_map(|&(fingerprint, rank_tag)| {
+                let key = ObjectKey {
+                    model_id: p.model_id,
+                    salt: p.salt,
+                    fingerprint,
+                    rank_tag,
+                    hash: p.hash,
+                };
+                self.index.get(&key).copied()
+            }));
+        }
+        // (A pin named twice covers its objects once.)
+        ids.sort_unstable();
+        ids.dedup();
+        ids
+    }
+
+    /// Adds `pins` (those held already stay) and pins every object they
+    /// cover, whether it is ready or being written; refused whole (nothing
+    /// taken) past the pin bounds.
+    pub fn pin(&mut self, pins: &[Pin]) -> Result<PinCount, PinRefusal> {
+        let ids = self.covered(pins);
+        let adding = ids
+            .iter()
+            .map(|&id| self.obj(id))
+            .filter(|o| !o.pinned)
+            .map(|o| o.len)
+            .sum();
+        self.pins.admit(pins, self.stats.pinned_bytes, adding)?;
+        self.pins.insert(pins);
+        for &id in &ids {
+            self.set_pinned(id, true);
+        }
+        Ok(self.pin_count(ids.len()))
+    }
+
+    /// Removes `pins` (those not held are ignored): their objects become
+    /// evictable again, most recently used first.
+    pub fn unpin(&mut self, pins: &[Pin]) -> PinCount {
+        self.pins.remove(pins);
+        let ids = self.covered(pins);
+        for &id in &ids {
+            self.set_pinned(id, false);
+        }
+        self.pin_count(ids.len())
+    }
+
+    /// The pins held and the objects they keep (`matched`: as given).
+    pub fn pin_count(&self, matched: usize) -> PinCount {
         PinCount {
-            pins: self.pins.len() as u64,
+            pins: self.pins.len(),
             objects: self.stats.pinned_objects,
             bytes: self.stats.pinned_bytes,
-            matched,
+            matched: matched as u64,
         }
     }
 
-    /// The pins held, in order.
-    pub fn pins(&self) -> Vec<Pin> {
-        let mut v: Vec<Pin> = self.pins.iter().copied().collect();
-        v.sort_unstable();
-        v
+    /// At most `limit` pins after `after` (from the first when `None`), in
+    /// order, and whether more follow.
+    pub fn pins_page(&self, after: Option<&Pin>, limit: usize) -> (Vec<Pin>, bool) {
+        self.pins.page(after, limit)
+    }
+
+    /// The pin bounds and the objects stored under a pin over the bytes
+    /// bound (cached unpinned) since the start.
+    pub fn pin_limits(&self) -> (PinLimits, u64) {
+        (self.pins.limits(), self.pins.over_bound())
     }
 
     /// Holds on an object (tests).
@@ -997,7 +1064,12 @@ mod tests {
             pinned.iter().map(|o| o.len).sum::<u64>()
         );
         for o in live.clone() {
-            assert_eq!(o.pinned, c.pins.contains(&Pin::of(&o.key)), "{:?}", o.key);
+            // Pinned only under a pin (which leaves one unpinned only when
+            // it was stored past the bytes bound).
+            assert!(!o.pinned || c.pins.contains(&Pin::of(&o.key)), "{:?}", o.key);
+            if c.pins.over_bound() == 0 {
+                assert_eq!(o.pinned, c.pins.contains(&Pin::of(&o.key)), "{:?}", o.key);
+            }
         }
         let in_lru = live
             .filter(|o| o.state == ObjState::Ready && !o.pinned)
@@ -1013,13 +1085,73 @@ mod tests {
         assert_eq!(c.lru_tail, prev);
         assert_eq!(n, in_lru);
         assert_eq!(c.stats.objects, c.index.len() as u64);
+        assert!(c.stats.pinned_bytes <= c.pins.limits().max_bytes);
+        // The variants count exactly the stored objects.
+        let mut variants: HashMap<(u64, u64), HashMap<(u64, u32), u64>> = HashMap::new();
+        for k in c.index.keys() {
+            *variants
+                .entry((k.model_id, k.salt))
+                .or_default()
+                .entry((k.fingerprint, k.rank_tag))
+                .or_default() += 1;
+        }
+        assert_eq!(variants, c.variants);
+    }
+
+    #[test]
+    fn pins_past_their_bounds_are_refused_whole() {
+        let mut c = Cache::new(8 * LEN, 1.0, 1.0, u64::MAX);
+        c.set_pin_limits(PinLimits {
+            max_pins: 3,
+            max_bytes: 3 * LEN,
+        });
+        stored(&mut c, &[1, 2, 3]); // two ranks: two objects a chunk
+        assert_eq!(c.pin(&[pin(1)]).unwrap().bytes, 2 * LEN);
+        // Chunk 2's two objects would make 4 * LEN: refused, nothing taken.
+        assert_eq!(
+            c.pin(&[pin(2), pin(9)]),
+            Err(PinRefusal::Bytes {
+                pinned: 2 * LEN,
+                adding: 2 * LEN,
+                max: 3 * LEN
+            })
+        );
+        assert_eq!(c.pins_page(None, 10).0, vec![pin(1)]);
+        check(&c);
+        // Pins of nothing stored take no bytes, up to the count.
+        c.pin(&[pin(8), pin(9)]).unwrap();
+        assert_eq!(
+            c.pin(&[pin(7)]),
+            Err(PinRefusal::Pins {
+                held: 3,
+                adding: 1,
+                max: 3
+            })
+        );
+        // Stored under a pin past the bytes bound: cached unpinned,
+        // counted; the first fits.
+        let plan = c.plan_store(&[key(9, 0), key(9, 1)], LEN);
+        let objs: Vec<u32> = plan.write.iter().map(|p| p.obj).collect();
+        c.finish_store(&objs, true, 2 * LEN);
+        assert_eq!(c.stats.pinned_bytes, 3 * LEN);
+        assert_eq!(c.pin_limits().1, 1);
+        check(&c);
+        // Room made, the pin taken again pins the one left out.
+        c.unpin(&[pin(1)]);
+        assert_eq!(c.pin(&[pin(9)]).unwrap().bytes, 2 * LEN);
+        check(&c);
     }
 
     #[test]
     fn pinned_objects_survive_eviction_and_clear_until_unpinned() {
         let mut c = Cache::new(8 * LEN, 1.0, 1.0, u64::MAX);
+        // Pins may keep the whole pool.
+        c.set_pin_limits(PinLimits {
+            max_pins: 64,
+            max_bytes: 8 * LEN,
+        });
         stored(&mut c, &[1, 2, 3]); // 6 objects; chunk 1's are the oldest
-        let got = c.pin(&[pin(1)]);
+        let got = c.pin(&[pin(1)]).unwrap();
         assert_eq!(
             got,
             PinCount {
@@ -1038,7 +1170,7 @@ mod tests {
                 ..pin(2)
             },
         ];
-        assert_eq!(c.pin(&other).matched, 0);
+        assert_eq!(c.pin(&other).unwrap().matched, 0);
         assert_eq!(c.unpin(&other).pins, 1);
         // The pinned objects sit at the LRU end: one byte evicts the next
         // oldest object, whole, and nothing pinned.
@@ -1069,7 +1201,7 @@ mod tests {
         check(&c);
         // A pool full of pinned objects gives a store no space, counted.
         let all: Vec<Pin> = (1..=7).map(pin).collect();
-        assert_eq!(c.pin(&all).objects, 8);
+        assert_eq!(c.pin(&all).unwrap().objects, 8);
         check(&c);
         let plan = c.plan_store(&[key(8, 0)], LEN);
         assert_eq!((plan.write.len(), plan.no_space), (0, 1));
@@ -1085,15 +1217,15 @@ mod tests {
         check(&c);
         assert_eq!(c.clear(), (2, 2 * LEN));
         assert_eq!(c.stats.pool_used_bytes, 0);
-        assert_eq!(c.pins(), Vec::<Pin>::new());
+        assert_eq!(c.pins_page(None, usize::MAX).0, Vec::<Pin>::new());
     }
 
     #[test]
     fn a_pin_covers_objects_stored_after_it() {
         let mut c = Cache::new(8 * LEN, 1.0, 1.0, u64::MAX);
-        let got = c.pin(&[pin(5)]);
+        let got = c.pin(&[pin(5)]).unwrap();
         assert_eq!((got.pins, got.objects, got.matched), (1, 0, 0));
-        assert_eq!(c.pins(), vec![pin(5)]);
+        assert_eq!(c.pins_page(None, usize::MAX).0, vec![pin(5)]);
         // Pinned from the moment the store allocates it.
         let plan = c.plan_store(&[key(5, 0), key(6, 0)], LEN);
         assert_eq!(c.stats.pinned_objects, 1);
@@ -1149,7 +1281,8 @@ mod tests {
                     c.finish_store(&objs, next(4) != 0, 0);
                 }
                 4 => {
-                    c.pin(&[pin(next(12) as u8), pin(next(12) as u8)]);
+                    // (Refused whole past the bytes bound.)
+                    let _ = c.pin(&[pin(next(12) as u8), pin(next(12) as u8)]);
                 }
                 5 => {
                     c.unpin(&[pin(next(12) as u8)]);
