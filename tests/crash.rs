@@ -3,7 +3,9 @@
 //! wait), over randomized iterations, while an honest engine keeps working.
 //! After each kill the dead client's slot, jobs (`Failed(ClientGone)` or
 //! tombstoned), leases and KV registrations are reclaimed within 1 s, and
-//! nothing leaks over the run.
+//! nothing leaks over the run. While a killed client's slot is being
+//! reclaimed the inspector raises no alarm; a slot never reclaimed (the
+//! server stopped) is reported.
 
 mod common;
 
@@ -85,6 +87,8 @@ fn child_main() -> bool {
             tell_parent("ready");
             let _ = job.wait(Instant::now() + Duration::from_secs(60));
         }
+        // Connected, doing nothing.
+        "idle" => tell_parent("ready"),
         other => panic!("unknown role {other}"),
     }
     std::thread::sleep(Duration::from_secs(60));
@@ -190,4 +194,81 @@ fn killed_clients_are_reclaimed_and_nothing_leaks() {
     good.clear().unwrap();
     let st = good.stats().unwrap();
     assert_eq!((st.objects, st.pool_used_bytes), (0, 0), "{st:?}");
+}
+
+/// The slot of the client process `pid`.
+fn slot_of(ro: &kvring::segment::ReadOnlySegment, pid: u32) -> u32 {
+    (0..ro.view().info().geometry.max_clients)
+        .find(|&sl| {
+            let sb = ro.view().server_client(sl);
+            sb.pid == pid && sb.state != SlotState::Free as u32
+        })
+        .expect("the child's slot")
+}
+
+/// The dead-client anomalies of a reading.
+fn dead_clients(snap: &kvring::inspect::Snapshot) -> Vec<&kvring::inspect::Anomaly> {
+    snap.anomalies
+        .iter()
+        .filter(|a| a.kind == kvring::inspect::AnomalyKind::DeadClientNotReclaimed)
+        .collect()
+}
+
+#[test]
+fn a_dead_client_is_no_alarm_while_reclaimed_and_one_until_it_is() {
+    if child_main() {
+        return;
+    }
+    const TEST: &str = "a_dead_client_is_no_alarm_while_reclaimed_and_one_until_it_is";
+    let s = Fixture::new(
+        "crash-grace",
+        Duration::from_secs(120),
+        &["--pool-bytes", "16MiB"],
+    );
+    let ro = kvring::segment::ReadOnlySegment::open(&s.name).unwrap();
+    let mut readings = 0;
+    for it in 0..20 {
+        let mut child = s.child(TEST, "idle");
+        child.expect_line("ready");
+        let slot = slot_of(&ro, child.child.id());
+        // Killed and reaped: from here its pid is gone.
+        child.kill();
+        // Read as an inspector does, again and again, until it is free.
+        let t0 = Instant::now();
+        loop {
+            let snap = kvring::inspect::snapshot(&ro, Default::default());
+            readings += 1;
+            let dead = dead_clients(&snap);
+            assert!(
+                dead.is_empty(),
+                "iteration {it}, reading {readings}: {dead:?}"
+            );
+            if !snap.clients.iter().any(|c| c.slot == slot) {
+                break;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "slot {slot} not freed"
+            );
+        }
+    }
+    eprintln!("20 kills, {readings} readings, no false alarm");
+
+    // A slot never reclaimed (the server stopped before the client died)
+    // is reported, and no more once the server goes on.
+    let mut child = s.child(TEST, "idle");
+    child.expect_line("ready");
+    let slot = slot_of(&ro, child.child.id());
+    s.srv.pause();
+    child.kill();
+    let snap = kvring::inspect::snapshot(&ro, Default::default());
+    let dead = dead_clients(&snap);
+    assert_eq!(dead.len(), 1, "{:?}", snap.anomalies);
+    assert_eq!(dead[0].client_slot, Some(slot));
+    s.srv.signal(libc::SIGCONT);
+    eventually(Duration::from_secs(5), || {
+        let snap = kvring::inspect::snapshot(&ro, Default::default());
+        snap.clients.is_empty() && snap.anomalies.is_empty()
+    })
+    .expect("reclaimed once the server went on");
 }

@@ -3,10 +3,23 @@
 
 use super::{ClientView, JobsSummary, LaneView, RingView, ServerView, Snapshot, Thresholds};
 use crate::proto::kv::StatsReply;
+use crate::shm::SlotState;
 use serde::Serialize;
 
 /// A heartbeat older than this (the server beats every 50 ms) is stale.
 pub const HEARTBEAT_STALE_MS: f64 = 1000.0;
+
+/// A slot whose process has exited is reported as not reclaimed only once
+/// it has been closing or quarantined this long: reclaiming takes the
+/// server a ring-loop pass and an acceptor wake-up (well under this), and
+/// until then the slot is on its way, not stuck.
+pub const RECLAIM_GRACE_MS: f64 = 1000.0;
+
+/// How long the inspector re-reads an active slot whose process has exited
+/// before it takes the slot as it is: the server starts the reclaim when it
+/// sees the connection end (at once, or within an acceptor tick of 50 ms),
+/// which a reader can look in on first.
+pub const ACTIVE_EXIT_WAIT: std::time::Duration = std::time::Duration::from_millis(250);
 
 /// The kinds of anomaly (their JSON names are the snake_case variant names).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
@@ -92,14 +105,28 @@ pub(super) fn check_clients(clients: &[ClientView], server_alive: bool, out: &mu
                 });
             }
         }
-        // (Free slots are not listed.)
-        if !c.alive && server_alive {
+        // (Free slots are not listed.) A slot being reclaimed is given
+        // its grace; an active one was given its wait when read.
+        let reclaiming = matches!(
+            c.state.known(),
+            Some(SlotState::Closing | SlotState::Quarantined)
+        );
+        let in_grace = reclaiming && c.state_age_ms.is_some_and(|a| a < RECLAIM_GRACE_MS);
+        if !c.alive && server_alive && !in_grace {
             out.push(Anomaly {
                 kind: AnomalyKind::DeadClientNotReclaimed,
-                message: format!(
-                    "slot {slot} ({}) still held for pid {}, which has exited",
-                    c.state, c.pid
-                ),
+                message: match c.state_age_ms {
+                    Some(a) if reclaiming => format!(
+                        "slot {slot} ({} for {:.1} s) still held for pid {}, which has exited",
+                        c.state,
+                        a / 1e3,
+                        c.pid
+                    ),
+                    _ => format!(
+                        "slot {slot} ({}) still held for pid {}, which has exited",
+                        c.state, c.pid
+                    ),
+                },
                 client_slot: Some(slot),
             });
         }
@@ -277,7 +304,76 @@ pub fn compare(prev: &Snapshot, cur: &mut Snapshot) {
 
 #[cfg(test)]
 mod tests {
-    use super::AnomalyKind;
+    use super::*;
+    use crate::inspect::Field;
+    use crate::shm::DisconnectReason;
+
+    fn client(state: SlotState, alive: bool, state_age_ms: Option<f64>) -> ClientView {
+        let ring = RingView {
+            head: 0,
+            tail: 0,
+            used: 0,
+            capacity: 4096,
+            consistent: true,
+        };
+        ClientView {
+            slot: 3,
+            state: Field::Known(state),
+            session: 1,
+            pid: 77,
+            alive,
+            kv_instances: 0,
+            requests_served: 0,
+            requests_rejected: 0,
+            completions_posted: 0,
+            disconnect_reason: Field::Known(DisconnectReason::SocketClosed),
+            request_ring: ring.clone(),
+            completion_ring: ring,
+            in_flight: 0,
+            credits: 0,
+            sleeping: false,
+            heartbeat_age_ms: None,
+            connected_age_s: 1.0,
+            state_age_ms,
+            client_memory: false,
+        }
+    }
+
+    fn dead_slots(c: ClientView, server_alive: bool) -> usize {
+        let mut out = Vec::new();
+        check_clients(&[c], server_alive, &mut out);
+        out.iter()
+            .filter(|a| a.kind == AnomalyKind::DeadClientNotReclaimed)
+            .count()
+    }
+
+    #[test]
+    fn a_slot_being_reclaimed_is_reported_only_past_its_grace() {
+        let g = RECLAIM_GRACE_MS;
+        for state in [SlotState::Closing, SlotState::Quarantined] {
+            assert_eq!(dead_slots(client(state, false, Some(0.0)), true), 0);
+            assert_eq!(dead_slots(client(state, false, Some(g - 1.0)), true), 0);
+            assert_eq!(dead_slots(client(state, false, Some(g)), true), 1);
+            assert_eq!(dead_slots(client(state, false, Some(60e3)), true), 1);
+            // A time that cannot be read gives no grace.
+            assert_eq!(dead_slots(client(state, false, None), true), 1);
+            // Alive, or a dead server's: nothing to say.
+            assert_eq!(dead_slots(client(state, true, Some(60e3)), true), 0);
+            assert_eq!(dead_slots(client(state, false, Some(60e3)), false), 0);
+        }
+        // An active slot was given its wait when it was read.
+        assert_eq!(
+            dead_slots(client(SlotState::Active, false, Some(0.0)), true),
+            1
+        );
+        let mut out = Vec::new();
+        check_clients(
+            &[client(SlotState::Quarantined, false, Some(2500.0))],
+            true,
+            &mut out,
+        );
+        assert!(out[0].message.contains("quarantined for 2.5 s"), "{out:?}");
+    }
 
     #[test]
     fn the_text_name_of_every_kind_is_its_json_name() {

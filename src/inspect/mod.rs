@@ -230,6 +230,9 @@ pub struct ClientView {
     pub sleeping: bool,
     pub heartbeat_age_ms: Option<f64>,
     pub connected_age_s: f64,
+    /// How long the slot has been in its state (closing or quarantined:
+    /// how long its reclaim has taken so far).
+    pub state_age_ms: Option<f64>,
     /// The session's own memory (its block and request ring) could be read:
     /// through the server's descriptor, so only while the server lives and
     /// the session lasts (a closing or quarantined slot, or a dead server's,
@@ -667,6 +670,28 @@ fn read_clients(seg: &ReadOnlySegment, now: u64) -> Vec<ClientView> {
         let pid = sb.pid.load(Relaxed);
         let start = sb.pid_start_ticks.load(Relaxed);
         let proc_alive = process_start_ticks(pid).is_some_and(|t| start == 0 || t == start);
+        // An active slot whose process has exited: the server may not have
+        // seen its connection end yet. Given a few acceptor ticks to
+        // start the reclaim (the state it moves to has a grace of its own).
+        let mut raw_state = raw_state;
+        if raw_state == SlotState::Active.raw() && !proc_alive && seg.server_alive().unwrap_or(false)
+        {
+            let until = std::time::Instant::now() + anomalies::ACTIVE_EXIT_WAIT;
+            while std::time::Instant::now() < until {
+                std::thread::sleep(std::time::Duration::from_millis(2));
+                // Acquire: as above.
+                let now_state = sb.state.load(Acquire);
+                if now_state != raw_state || sb.session.load(Relaxed) != session {
+                    raw_state = now_state;
+                    break;
+                }
+            }
+            if raw_state == SlotState::Free.raw() || sb.session.load(Relaxed) != session {
+                // Reclaimed meanwhile (and perhaps taken again).
+                continue;
+            }
+        }
+        let state_ns = sb.state_ns.load(Relaxed);
         clients.push(ClientView {
             slot,
             state: Field::read(
@@ -701,6 +726,7 @@ fn read_clients(seg: &ReadOnlySegment, now: u64) -> Vec<ClientView> {
             client_memory: cb.is_some(),
             connected_age_s: unix_ns().saturating_sub(sb.connected_unix_ns.load(Relaxed)) as f64
                 / 1e9,
+            state_age_ms: age_ms(now, state_ns),
         });
     }
     clients

@@ -17,7 +17,7 @@ use crate::proto::{BootKind, Hello, Status, Welcome, BOOT_MAGIC, PROTOCOL_VERSIO
 use crate::shm::{DisconnectReason, SlotState, LAYOUT_VERSION};
 use crate::client_memory::OwnedClientMemory;
 use crate::doorbell::Doorbell;
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -156,10 +156,9 @@ impl<'a> Acceptor<'a> {
         sb.connected_unix_ns.store(liveness::unix_ns(), r);
         sb.memory_fd.store(memory.raw_fd(), r);
         sb.session.store(session, r);
-        // Release pairs with the inspector's Acquire load of `state`
-        // (`inspect::read_clients`): an observer that sees Active sees the
-        // occupant's identity above.
-        sb.state.store(SlotState::Active as u32, Ordering::Release);
+        // An observer that sees Active sees the occupant's identity above
+        // (see `set_state`).
+        set_state(sb, SlotState::Active);
 
         let memory = Arc::new(memory);
         *self.shared.client_memory[slot as usize]
@@ -205,9 +204,8 @@ impl<'a> Acceptor<'a> {
         drop(conn);
         let sb = self.shared.seg.mapping.server_client(slot);
         sb.disconnect_reason.store(reason as u32, Ordering::Relaxed);
-        // Release pairs with the inspector's Acquire load of `state`: a slot
-        // seen Closing shows why.
-        sb.state.store(SlotState::Closing as u32, Ordering::Release);
+        // A slot seen Closing shows why.
+        set_state(sb, SlotState::Closing);
         let clean = reason == DisconnectReason::Goodbye;
         self.slots[slot as usize] = Phase::Closing { pidfd, clean };
         self.shared.push_event(RingEvent::Detach { slot });
@@ -250,12 +248,10 @@ impl<'a> Acceptor<'a> {
         h.clients_reclaimed.fetch_add(1, Ordering::Relaxed);
         let exited = pidfd.as_ref().is_none_or(|p| p.exited());
         let sb = m.server_client(slot);
-        // Release pairs with the inspector's Acquire load of `state`.
         if clean || exited {
-            sb.state.store(SlotState::Free as u32, Ordering::Release);
+            set_state(sb, SlotState::Free);
         } else {
-            sb.state
-                .store(SlotState::Quarantined as u32, Ordering::Release);
+            set_state(sb, SlotState::Quarantined);
             self.slots[slot as usize] = Phase::Quarantined { pidfd };
         }
     }
@@ -408,6 +404,18 @@ impl<'a> Acceptor<'a> {
                 active.push(i as u32);
             }
         }
+        // A quarantined slot's process: its exit (the pidfd turns
+        // readable) wakes the loop, whose housekeeping frees the slot then,
+        // not a tick later.
+        for p in &self.slots {
+            if let Phase::Quarantined { pidfd: Some(p) } = p {
+                fds.push(libc::pollfd {
+                    fd: p.as_fd().as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                });
+            }
+        }
         let ms = tick.as_millis().clamp(1, 1000) as i32;
         // SAFETY: `fds` is a valid array of pollfd for the call's duration.
         let r = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
@@ -457,14 +465,23 @@ impl<'a> Acceptor<'a> {
             if let Phase::Quarantined { pidfd, .. } = &self.slots[i] {
                 if pidfd.as_ref().is_none_or(|p| p.exited()) {
                     self.slots[i] = Phase::Free;
-                    let sb = self.shared.seg.mapping.server_client(i as u32);
-                    // Release pairs with the inspector's Acquire load of
-                    // `state`.
-                    sb.state.store(SlotState::Free as u32, Ordering::Release);
+                    set_state(self.shared.seg.mapping.server_client(i as u32), SlotState::Free);
                 }
             }
         }
     }
+}
+
+/// Stores slot state `state`, and the time it was stored just before it.
+fn set_state(sb: &crate::shm::ServerClientBlock, state: SlotState) {
+    // Relaxed: published by the Release store of `state` below.
+    sb.state_ns
+        .store(liveness::monotonic_ns(), Ordering::Relaxed);
+    // Release pairs with the inspector's Acquire load of `state`
+    // (`inspect::read_clients`): an observer that sees this state sees the
+    // words stored before it (the occupant's identity, the reason, the
+    // time).
+    sb.state.store(state as u32, Ordering::Release);
 }
 
 pub(super) fn run(shared: &Shared, listener: Listener, tick: Duration) {

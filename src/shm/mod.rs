@@ -39,7 +39,7 @@ pub const LINE: usize = 128;
 /// `"KVRINGSG"` as a little-endian u64.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"KVRINGSG");
 /// Version of this layout. Any change to a table in `shm_layout.md` bumps it.
-pub const LAYOUT_VERSION: u32 = 7;
+pub const LAYOUT_VERSION: u32 = 8;
 
 shm_struct! {
     /// Segment header, at offset 0. Written by the server only.
@@ -190,6 +190,9 @@ shm_struct! {
         /// memfd): observers map it read-only through
         /// `/proc/SERVER_PID/fd/N` while the server lives.
         [64] pub memory_fd: AtomicU32,
+        /// CLOCK_MONOTONIC ns of the last store to `state` (written just
+        /// before it): how long a slot has been closing or quarantined.
+        [72] pub state_ns: AtomicU64,
         /// Request ring head: the server consumes requests.
         [128] pub req_head: CachePadded<AtomicU64>,
         /// Completion ring tail: the server produces completions.

@@ -632,20 +632,20 @@ fn direct_set_all(
 }
 
 /// GETs of every key on the connections in turn, `window` in flight (the
-/// next starts as one ends, as the server's fetch reads), each value
-/// handled as `work` says by the task that read it, which runs on the
-/// runtime's workers as the server's reads do; seconds. `pool` (warm
-/// memory, a buffer per read in flight) stands for the pool.
+/// next starts as one ends, as the server's fetch reads), each value (as
+/// long as `vals`'s) handled as `work` says by the task that read it,
+/// which runs on the runtime's workers as the server's reads do; seconds.
+/// `pool` (warm memory, a buffer per read in flight) stands for the pool.
 fn direct_get_all(
     rt: &tokio::runtime::Runtime,
     cs: &[Conn],
     keys: &[String],
     window: usize,
-    len: usize,
     work: GetWork,
     pool: &Arc<Vec<std::sync::Mutex<Vec<u8>>>>,
     vals: &Arc<Values>,
 ) -> f64 {
+    let len = vals.value.len();
     let (cs, keys, d, vals) = (cs.to_vec(), keys.to_vec(), pool.clone(), vals.clone());
     let t = Instant::now();
     let task = rt.spawn(async move {
@@ -939,16 +939,7 @@ pub fn run(o: &Opts) {
         );
         eb.c.end_lease(lease).unwrap();
         direct_set_all(&rt, &direct, &dkeys[..1], &vals, SetWork::Plain);
-        direct_get_all(
-            &rt,
-            &direct,
-            &dkeys[..1],
-            1,
-            value_len,
-            GetWork::Plain,
-            &warm,
-            &vals,
-        );
+        direct_get_all(&rt, &direct, &dkeys[..1], 1, GetWork::Plain, &warm, &vals);
     }
     let mut took: Vec<(&str, f64)> = vec![("setup", started.elapsed().as_secs_f64())];
     let mut mark = |what: &'static str| {
@@ -1018,7 +1009,6 @@ pub fn run(o: &Opts) {
                 &direct,
                 &dkeys[i..i + 1],
                 1,
-                value_len,
                 GetWork::Plain,
                 &warm,
                 &vals,
@@ -1159,7 +1149,7 @@ pub fn run(o: &Opts) {
             }
             if step > 0 {
                 let secs = cpu.measure(label(phase), n as u64, || {
-                    direct_get_all(&rt, cs, &dkeys, window, value_len, work, &warm, &vals)
+                    direct_get_all(&rt, cs, &dkeys, window, work, &warm, &vals)
                 });
                 if pass > 0 {
                     let v = [
