@@ -5,6 +5,12 @@
 //! links in turn, so replies are read and parsed on several of the
 //! runtime's tasks at once; every command has a deadline of its own on top
 //! of the client's response timeout.
+//!
+//! Small commands (`STRLEN`, `EXISTS`, `PING`) go on a link of their own:
+//! replies on a connection come in order, so on a link carrying values
+//! one would wait behind every value ahead of it (a 32 MiB GET takes
+//! milliseconds to arrive), and each read's length check would cost a
+//! value's transfer time.
 
 use super::L2Config;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
@@ -17,8 +23,11 @@ use std::time::Duration;
 /// The pool (cloned per operation: the clones share the links).
 #[derive(Clone)]
 pub(super) struct Conn {
+    /// For values (GET, SET), taken in turn.
     links: Arc<[Link]>,
     next: Arc<AtomicUsize>,
+    /// For small commands, never behind a value.
+    control: Link,
 }
 
 #[derive(Clone)]
@@ -59,6 +68,7 @@ impl Conn {
         Ok(Conn {
             links: links.into(),
             next: Arc::new(AtomicUsize::new(0)),
+            control: Link::connect(cfg).await?,
         })
     }
 
@@ -69,8 +79,17 @@ impl Conn {
         self.links[i % self.links.len()].clone()
     }
 
+    /// `cmd` on the next value link.
     async fn run<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd, deadline: Duration) -> RedisResult<T> {
-        let mut link = self.link();
+        Self::run_on(self.link(), cmd, deadline).await
+    }
+
+    /// `cmd` (a small one) on the control link.
+    async fn control<T: redis::FromRedisValue>(&self, cmd: &redis::Cmd, deadline: Duration) -> RedisResult<T> {
+        Self::run_on(self.control.clone(), cmd, deadline).await
+    }
+
+    async fn run_on<T: redis::FromRedisValue>(mut link: Link, cmd: &redis::Cmd, deadline: Duration) -> RedisResult<T> {
         let q = async {
             match &mut link {
                 Link::One(c) => cmd.query_async(c).await,
@@ -91,7 +110,7 @@ impl Conn {
     /// 0.3x.)
     pub async fn get_sized(&self, key: &str, len: u64, deadline: Duration) -> RedisResult<Sized> {
         let at = tokio::time::Instant::now();
-        let n: u64 = self.run(redis::cmd("STRLEN").arg(key), deadline).await?;
+        let n: u64 = self.control(redis::cmd("STRLEN").arg(key), deadline).await?;
         if n == 0 {
             return Ok(Sized::Missing);
         }
@@ -104,7 +123,7 @@ impl Conn {
     }
 
     pub async fn exists(&self, key: &str, deadline: Duration) -> RedisResult<bool> {
-        let n: u64 = self.run(redis::cmd("EXISTS").arg(key), deadline).await?;
+        let n: u64 = self.control(redis::cmd("EXISTS").arg(key), deadline).await?;
         Ok(n > 0)
     }
 
@@ -123,8 +142,14 @@ impl Conn {
         self.run(&c, deadline).await
     }
 
+    /// A PING on every link (each reconnects, if it must, on its way):
+    /// whether the whole pool answers.
     pub async fn ping(&self, deadline: Duration) -> RedisResult<()> {
-        let _: String = self.run(&redis::cmd("PING"), deadline).await?;
+        let at = tokio::time::Instant::now();
+        for link in self.links.iter().chain([&self.control]) {
+            let left = deadline.saturating_sub(at.elapsed());
+            let _: String = Self::run_on(link.clone(), &redis::cmd("PING"), left).await?;
+        }
         Ok(())
     }
 }
