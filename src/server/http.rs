@@ -70,7 +70,7 @@
 //! loopback, admin calls are refused (403) unless `admin_remote`, and then
 //! still need the token (which crosses the network in clear text).
 
-use super::cache::{Pin, PinRefusal, MAX_PINS_PER_CALL, MAX_PINS_PER_PAGE};
+use super::cache::{Pin, MAX_PINS_PER_CALL, MAX_PINS_PER_PAGE};
 use crate::inspect::{self, AnomalyKind, Snapshot, Thresholds};
 use crate::segment::ReadOnlySegment;
 use crate::shm::ServerState;
@@ -460,24 +460,22 @@ impl Endpoint {
             if path == "/unpin" {
                 return Response::json(200, &sh.kv.with_cache(sh, |c| c.unpin(&pins)));
             }
-            return match sh.kv.with_cache(sh, |c| c.pin(&pins).map_err(|r| (r, c.pin_limits().0))) {
+            let got = sh.kv.with_cache(sh, |c| {
+                c.pin(&pins)
+                    .map_err(|r| (r, c.pin_count(0), c.pin_limits().0))
+            });
+            return match got {
                 Ok(got) => Response::json(200, &got),
-                Err((refusal, limits)) => {
-                    let (held, pinned) = match refusal {
-                        PinRefusal::Pins { held, .. } => (Some(held), None),
-                        PinRefusal::Bytes { pinned, .. } => (None, Some(pinned)),
-                    };
-                    Response::json(
-                        409,
-                        &serde_json::json!({
-                            "error": refusal.to_string(),
-                            "pins": held,
-                            "max_pins": limits.max_pins,
-                            "pinned_bytes": pinned,
-                            "max_pinned_bytes": limits.max_bytes,
-                        }),
-                    )
-                }
+                Err((refusal, now, limits)) => Response::json(
+                    409,
+                    &serde_json::json!({
+                        "error": refusal.to_string(),
+                        "pins": now.pins,
+                        "max_pins": limits.max_pins,
+                        "pinned_bytes": now.bytes,
+                        "max_pinned_bytes": limits.max_bytes,
+                    }),
+                ),
             };
         }
         if path == "/pins" {
