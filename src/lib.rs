@@ -67,7 +67,8 @@ not_loom! {
 
     pub use client::{
         Client, ClientBuilder, ClientOptions, Completion, DelayJob, HostKvCache, Job, KvSpec,
-        Lease, LeaseId, Lookup, Memory, RawChannel, Registration, Retrieve, Store,
+        Lease, LeaseId, Lookup, LookupPoll, Memory, PendingLookup, RawChannel, Registration,
+        Retrieve, Store,
     };
     pub use device::{DeviceUuid, IpcEventHandle};
     pub use error::{Error, Result};

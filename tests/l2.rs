@@ -5,7 +5,9 @@
 //! a restarted server serving from L2, a corrupted value (or a well-formed one of another size) read as
 //! a miss, a three-node cluster, and Valkey stopped (SIGSTOP) and killed
 //! under load: no lookup waits past its deadline, no byte is wrong, the
-//! pool keeps serving, and the tier comes back when Valkey does.
+//! pool keeps serving, and the tier comes back when Valkey does. A lookup
+//! waiting on the tier is polled without waiting, and one given up (or
+//! never taken by a stopped server) leaves no lease behind.
 
 mod common;
 
@@ -14,6 +16,7 @@ use common::valkey::{Valkey, ValkeyCluster};
 use common::*;
 use kvring::kv::{chunk_hashes, ChunkHash};
 use kvring::server::l2::value;
+use kvring::{Lookup, LookupPoll};
 use std::time::{Duration, Instant};
 
 #[test]
@@ -244,4 +247,71 @@ fn valkey_stopped_or_killed_under_load_never_holds_up_the_pool() {
         "a lookup took {worst:?}"
     );
     // And the pool served every round, byte for byte (checked above).
+}
+
+#[test]
+fn a_lookup_is_polled_without_waiting_and_one_given_up_leaves_no_lease() {
+    let vk = Valkey::start("l2-poll");
+    let (_a, _ea, hashes) = stored_through(&vk, "l2-poll-a", 41, 4);
+    let b = server("l2-poll-b", &[vk.url()], &["--l2-lookup-wait-s", "5"]);
+    let mut eb = engine(&b);
+    let model = kvring::kv::model_id(MODEL);
+    let soon = || Instant::now() + Duration::from_millis(200);
+
+    // Valkey stopped: B's lookup waits on the tier. Submitting and
+    // polling it return at once; the lookup stays pending.
+    vk.pause();
+    let t0 = Instant::now();
+    let pending =
+        eb.c.submit_lookup(Lookup::new(model, 1, &hashes), soon())
+            .unwrap();
+    let pending = match eb.c.poll_lookup(pending, Instant::now()).unwrap() {
+        LookupPoll::Pending(p) => p,
+        LookupPoll::Ready(l) => panic!("answered with Valkey stopped: {l:?}"),
+    };
+    let took = t0.elapsed();
+    assert!(
+        took < Duration::from_millis(100),
+        "submit and poll took {took:?}"
+    );
+    // Given up while pending: once Valkey answers and the lookup ends,
+    // its lease is ended (with the client's next calls).
+    drop(pending);
+    vk.resume();
+    eventually(Duration::from_secs(10), || {
+        let s = stats(&mut eb);
+        s.lookup_l2_hit_chunks == 4 && s.leases == 0
+    })
+    .unwrap_or_else(|| panic!("a lease left behind: {:?}", stats(&mut eb)));
+
+    // Now in B's pool: answered at the first poll.
+    let pending =
+        eb.c.submit_lookup(Lookup::new(model, 1, &hashes), soon())
+            .unwrap();
+    match eb.c.poll_lookup(pending, Instant::now()).unwrap() {
+        LookupPoll::Ready(l) => assert_eq!(l.hits(), 4),
+        LookupPoll::Pending(_) => panic!("a pool hit not answered inline"),
+    }
+    eventually(Duration::from_secs(2), || stats(&mut eb).leases == 0).expect("the lease ended");
+
+    // The server stopped: the submission fails at its deadline, and the
+    // lookup the server takes once it goes on leaves no lease.
+    b.srv.pause();
+    let t0 = Instant::now();
+    let r = eb.c.submit_lookup(
+        Lookup::new(model, 1, &hashes),
+        Instant::now() + Duration::from_millis(50),
+    );
+    let took = t0.elapsed();
+    assert!(matches!(r, Err(kvring::Error::Timeout(_))), "{r:?}");
+    assert!(
+        took < Duration::from_millis(150),
+        "a stopped server held the call {took:?}"
+    );
+    b.srv.signal(libc::SIGCONT);
+    eventually(Duration::from_secs(5), || {
+        let s = stats(&mut eb);
+        s.lookups >= 3 && s.leases == 0
+    })
+    .unwrap_or_else(|| panic!("a lease left behind: {:?}", stats(&mut eb)));
 }

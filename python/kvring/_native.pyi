@@ -156,6 +156,16 @@ class Lease:
     def __enter__(self) -> "Lease": ...
     def __exit__(self, *exc: object) -> None: ...
 
+class PendingLookup:
+    """A LOOKUP submitted and not answered yet (`Client.submit_lookup`).
+    Dropped or cancelled unanswered, its lease is ended once the lookup
+    finishes."""
+
+    def poll(self, timeout: float = 0.0) -> Optional[Lease]:
+        """The lease once the server has answered (waiting `timeout`
+        seconds at most), else None; raises the lookup's failure."""
+    def cancel(self) -> None: ...
+
 class Registration:
     """A registered KV cache. Unregistered by `Client.unregister`, the `with`
     block, or (queued) when collected."""
@@ -243,6 +253,17 @@ class Client:
     def lookup(
         self, model_id: int, world_size: int, hashes: Sequence[bytes], *, salt: int = 0
     ) -> Lease: ...
+    def submit_lookup(
+        self,
+        model_id: int,
+        world_size: int,
+        hashes: Sequence[bytes],
+        *,
+        salt: int = 0,
+        timeout: float = 1.0,
+    ) -> PendingLookup:
+        """LOOKUP without waiting for its answer: the server must take it
+        within `timeout` seconds (else ServerTimeout)."""
     def release_lease_chunks(self, lease_id: bytes, first_chunk: int, n_chunks: int) -> None: ...
     def end_lease(self, lease_id: bytes) -> None: ...
     def store(

@@ -2,7 +2,7 @@
 //! thread; every call that may block runs without the GIL.
 
 use crate::errors::{invalid, to_py};
-use crate::handles::{PyJob, PyLease, PyRegistration};
+use crate::handles::{PyJob, PyLease, PyPendingLookup, PyRegistration};
 use crate::layout::PyLayout;
 use kvring::client::Memory;
 use kvring::kv::ChunkHash;
@@ -332,6 +332,30 @@ impl PyClient {
         let lease =
             py.detach(|| me.with(|c| c.lookup(Lookup::new(model_id, world_size, &hs).salt(salt))))?;
         Ok(PyLease::new(lease, slf.clone().unbind()))
+    }
+
+    /// LOOKUP without waiting for the answer: the server takes it within
+    /// `timeout` seconds (else ServerTimeout: a stopped server), and the
+    /// returned PendingLookup is polled for the lease.
+    #[pyo3(signature = (model_id, world_size, hashes, *, salt = 0, timeout = 1.0))]
+    fn submit_lookup(
+        slf: &Bound<'_, Self>,
+        model_id: u64,
+        world_size: u32,
+        hashes: Vec<PyBackedBytes>,
+        salt: u64,
+        timeout: f64,
+    ) -> PyResult<PyPendingLookup> {
+        let py = slf.py();
+        let hs = self::hashes(py, hashes)?;
+        let deadline = Instant::now() + seconds(py, "timeout", timeout)?;
+        let me = slf.get();
+        let pending = py.detach(|| {
+            me.with(|c| {
+                c.submit_lookup(Lookup::new(model_id, world_size, &hs).salt(salt), deadline)
+            })
+        })?;
+        Ok(PyPendingLookup::new(pending, slf.clone().unbind()))
     }
 
     /// Frees a lease's holds on chunks first_chunk .. +n_chunks that will

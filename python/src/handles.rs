@@ -6,7 +6,7 @@ use crate::client::PyClient;
 use crate::errors::to_py;
 use crate::layout::PyLayout;
 use kvring::jobs::{JobResult, JobStatus};
-use kvring::{Job, Lease, LeaseId, Registration};
+use kvring::{Job, Lease, LeaseId, LookupPoll, PendingLookup, Registration};
 use pyo3::prelude::*;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -185,6 +185,64 @@ impl PyJob {
 
     fn __repr__(&self) -> String {
         format!("Job(epoch={}, key={:#x})", self.id.0, self.id.1)
+    }
+}
+
+/// A LOOKUP submitted and not answered yet: `poll()` gives its Lease once
+/// the server has answered. Dropped (or cancelled) unanswered, its lease
+/// is ended once the lookup finishes.
+#[pyclass(name = "PendingLookup", module = "kvring", frozen)]
+pub struct PyPendingLookup {
+    pending: Mutex<Option<PendingLookup>>,
+    client: Py<PyClient>,
+}
+
+impl PyPendingLookup {
+    pub fn new(pending: PendingLookup, client: Py<PyClient>) -> PyPendingLookup {
+        PyPendingLookup {
+            pending: Mutex::new(Some(pending)),
+            client,
+        }
+    }
+}
+
+#[pymethods]
+impl PyPendingLookup {
+    /// The lease once the server has answered (waiting `timeout` seconds
+    /// at most; 0: not at all), else None. Raises the lookup's failure,
+    /// or KvringError once it was answered or cancelled.
+    #[pyo3(signature = (timeout = 0.0))]
+    fn poll(&self, py: Python<'_>, timeout: f64) -> PyResult<Option<PyLease>> {
+        let deadline = Instant::now() + crate::client::seconds(py, "timeout", timeout)?;
+        let mut slot = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(pending) = slot.take() else {
+            return Err(to_py(kvring::Error::InvalidArgument(
+                "this lookup was answered or cancelled already".into(),
+            )));
+        };
+        let client = self.client.get();
+        match py.detach(|| client.with(|c| c.poll_lookup(pending, deadline)))? {
+            LookupPoll::Ready(lease) => Ok(Some(PyLease::new(lease, self.client.clone_ref(py)))),
+            LookupPoll::Pending(p) => {
+                *slot = Some(p);
+                Ok(None)
+            }
+        }
+    }
+
+    /// Gives it up: its lease is ended once the lookup finishes.
+    fn cancel(&self) {
+        self.pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+    }
+
+    fn __repr__(&self) -> String {
+        match &*self.pending.lock().unwrap_or_else(|e| e.into_inner()) {
+            Some(_) => "PendingLookup(pending)".into(),
+            None => "PendingLookup(done)".into(),
+        }
     }
 }
 

@@ -107,6 +107,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<handles::PyJob>()?;
     m.add_class::<handles::PyJobStatus>()?;
     m.add_class::<handles::PyLease>()?;
+    m.add_class::<handles::PyPendingLookup>()?;
     m.add_class::<handles::PyRegistration>()?;
     #[cfg(feature = "cuda")]
     m.add_class::<stream::PyEngineStream>()?;

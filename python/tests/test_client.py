@@ -278,3 +278,44 @@ def test_command_line_runs_from_the_package(server):
     bad = subprocess.run([sys.executable, "-m", "kvring", "no-such-command"],
                          capture_output=True, text=True, timeout=30)
     assert bad.returncode == 2 and "unrecognized subcommand" in bad.stderr
+
+
+def stopped_state(pid: int) -> str:
+    """The state letter of process `pid` ("T": stopped)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_a_lookup_is_submitted_and_polled_without_waiting_on_a_stopped_server(server):
+    with server.client() as c:
+        cache = HostCache()
+        reg = cache.register(c)
+        hashes = kvring.chunk_hashes(prompt(4, 2), CHUNK)
+        assert c.store(reg, hashes, list(range(8))).wait(10).ok
+        # A pool hit is answered by the time the server took the lookup.
+        pending = c.submit_lookup(MODEL, 1, hashes)
+        lease = pending.poll()
+        assert lease is not None and lease.hits == 2
+        with pytest.raises(kvring.InvalidArgument):
+            pending.poll()  # answered already
+        lease.end()
+        # Stopped: the submission fails at its deadline, not the call timeout.
+        server.signal(signal.SIGSTOP)
+        try:
+            # (Stopped once /proc says so: the signal is delivered apart.)
+            deadline = time.monotonic() + 5
+            while stopped_state(server.proc.pid) != "T" and time.monotonic() < deadline:
+                time.sleep(0.001)
+            t0 = time.monotonic()
+            with pytest.raises(kvring.ServerTimeout):
+                c.submit_lookup(MODEL, 1, hashes, timeout=0.05)
+            took = time.monotonic() - t0
+            assert took < 0.5, took
+        finally:
+            server.signal(signal.SIGCONT)
+        # The lookup the server took once it went on leaves no lease.
+        deadline = time.monotonic() + 5
+        while c.stats()["leases"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert c.stats()["leases"] == 0
+        c.unregister(reg)

@@ -330,7 +330,12 @@ impl Client {
             if let Some((entry, _)) = word {
                 self.link.words.bind(entry, id);
             }
-            self.orphans.push(id);
+            if op == Opcode::Lookup {
+                // A lease nobody will use: ended once its lookup finished.
+                self.lease_ends.push(id);
+            } else {
+                self.orphans.push(id);
+            }
         } else if let Some((entry, _)) = word.filter(|_| h.status != 0) {
             // Refused: nothing of it ran.
             self.link.words.put_back(entry);

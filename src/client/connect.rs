@@ -279,6 +279,7 @@ pub(super) fn connect(paths: &ServerPaths, opts: &ClientOptions) -> Result<Clien
         opts: opts.clone(),
         registrations: Vec::new(),
         orphans: Vec::new(),
+        lease_ends: Vec::new(),
         call_word: None,
         releases: Default::default(),
         late_boot_replies: 0,

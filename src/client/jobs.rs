@@ -271,13 +271,18 @@ impl Client {
     /// Submits a request that answers with a job id, and wraps the id.
     pub(super) fn submit_job(&mut self, op: Opcode, payload: &[u8]) -> Result<Job> {
         let reply = self.call_now(op, payload)?;
+        self.job_reply(&reply)
+    }
+
+    /// The job a submission's reply names.
+    pub(super) fn job_reply(&self, reply: &[u8]) -> Result<Job> {
         if reply.len() != std::mem::size_of::<JobId>() {
             return Err(Error::Protocol(format!(
                 "job submission answered {} bytes, expected a 16-byte job id",
                 reply.len()
             )));
         }
-        let id = bytemuck::pod_read_unaligned(&reply);
+        let id = bytemuck::pod_read_unaligned(reply);
         Ok(self.job_handle(id))
     }
 

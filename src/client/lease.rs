@@ -185,10 +185,68 @@ impl Drop for Lease {
     }
 }
 
+/// A LOOKUP submitted and not answered yet (its chunks are being read from
+/// the second tier, or the server has not got to it): its owner polls it
+/// with [`Client::poll_lookup`] and never waits longer than it chooses.
+///
+/// Dropping it ends the lease the lookup takes, once the lookup finishes
+/// (queued with the client, as a dropped [`Lease`] is).
+#[must_use = "dropping a PendingLookup ends its lease once it is answered"]
+pub struct PendingLookup {
+    id: LeaseId,
+    releases: Arc<Releases>,
+    detached: bool,
+}
+
+impl std::fmt::Debug for PendingLookup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PendingLookup").field("id", &self.id).finish()
+    }
+}
+
+impl PendingLookup {
+    pub fn id(&self) -> LeaseId {
+        self.id
+    }
+}
+
+impl Drop for PendingLookup {
+    fn drop(&mut self) {
+        if !self.detached {
+            self.releases.push(Release::Lease(self.id.0));
+        }
+    }
+}
+
+/// What [`Client::poll_lookup`] found.
+#[derive(Debug)]
+pub enum LookupPoll {
+    /// Answered: the lease on the hit chunks.
+    Ready(Lease),
+    /// Not answered by the deadline: poll again later.
+    Pending(PendingLookup),
+}
+
 impl Client {
     /// LOOKUP: how many leading chunks of the prompt are stored for every
-    /// rank, held (for RETRIEVE) by the returned lease.
+    /// rank, held (for RETRIEVE) by the returned lease. Waits for the answer
+    /// up to the call timeout (chunks only the second tier has are read
+    /// into the pool first); [`Client::submit_lookup`] does not wait.
     pub fn lookup(&mut self, req: Lookup<'_>) -> Result<Lease> {
+        let deadline = Instant::now() + self.opts.call_timeout;
+        let pending = self.submit_lookup(req, deadline)?;
+        match self.poll_lookup(pending, deadline)? {
+            LookupPoll::Ready(lease) => Ok(lease),
+            // The lookup stays pending: its lease is ended once it ends.
+            LookupPoll::Pending(_) => Err(Error::Timeout(self.opts.call_timeout)),
+        }
+    }
+
+    /// Submits a LOOKUP, waiting until `deadline` at most for the server to
+    /// take it (not for its answer: see [`Client::poll_lookup`]). A server
+    /// that does not take it by then (stopped, or wedged) fails the call
+    /// with `Timeout`; if it takes it later, the lease it makes is ended.
+    pub fn submit_lookup(&mut self, req: Lookup<'_>, deadline: Instant) -> Result<PendingLookup> {
         let h = LookupRequest {
             model_id: req.model_id,
             salt: req.salt,
@@ -197,34 +255,37 @@ impl Client {
         };
         let mut payload = bytemuck::bytes_of(&h).to_vec();
         payload.extend_from_slice(&req.hashes.concat());
-        let job = self.submit_job(Opcode::Lookup, &payload)?;
-        // From here the job is a lease: if the wait or its outcome fails, a
-        // lookup that completes later still holds chunks, so its end (not
-        // only its release) is queued.
-        let id = LeaseId(job.into_id());
-        let queue_end = |c: &Client| c.releases.push(Release::Lease(id.0));
-        // Answered inline; the wait is there for a server that does not.
-        let st = match jobs::wait_job(&self.link, id.0, Instant::now() + self.opts.call_timeout) {
+        let reply = self.call_large(Opcode::Lookup, &payload, deadline)?;
+        let job = self.job_reply(&reply)?;
+        // From here the job is a lease: if it is dropped unanswered, or its
+        // wait or outcome fails, a lookup that completes later still holds
+        // chunks, so its end (not only its release) is queued.
+        Ok(PendingLookup {
+            id: LeaseId(job.into_id()),
+            releases: self.releases.clone(),
+            detached: false,
+        })
+    }
+
+    /// The lease of `pending` if the server has answered it by `deadline`
+    /// (now, for a poll that does not wait), else `pending` back.
+    pub fn poll_lookup(&mut self, mut pending: PendingLookup, deadline: Instant) -> Result<LookupPoll> {
+        let id = pending.id;
+        let st = match jobs::wait_job(&self.link, id.0, deadline) {
             Ok(st) => st,
-            Err(e) => {
-                queue_end(self);
-                return Err(e);
-            }
+            Err(Error::Timeout(_)) => return Ok(LookupPoll::Pending(pending)),
+            // Dropped: its end is queued.
+            Err(e) => return Err(e),
         };
-        let result = match jobs::outcome(st) {
-            Ok(r) => r,
-            Err(e) => {
-                queue_end(self);
-                return Err(e);
-            }
-        };
-        Ok(Lease {
+        let result = jobs::outcome(st)?;
+        pending.detached = true;
+        Ok(LookupPoll::Ready(Lease {
             id,
             result,
             link: self.link.clone(),
             releases: self.releases.clone(),
             detached: false,
-        })
+        }))
     }
 
     /// Frees the lease's holds on chunks `first_chunk .. first_chunk + n`

@@ -46,7 +46,7 @@ pub use cuda_memory::CudaMemory;
 pub use host_cache::HostKvCache;
 pub use jobs::{DelayJob, Job, ToRelease};
 pub use kv::{KvSpec, Memory, Registration, Retrieve, Store, DEFAULT_JOB_TIMEOUT};
-pub use lease::{Lease, LeaseId, Lookup};
+pub use lease::{Lease, LeaseId, Lookup, LookupPoll, PendingLookup};
 pub use words::{GaveUp, QUIESCE_BOUND};
 
 use crate::error::{Error, Result};
@@ -250,6 +250,10 @@ pub struct Client {
     /// Jobs to release once they finish: those of abandoned calls and of
     /// dropped handles.
     orphans: Vec<JobId>,
+    /// Leases to end once their lookup job has finished (the lease exists
+    /// only then: a lookup waiting on the second tier has none yet), then
+    /// their jobs to release.
+    lease_ends: Vec<JobId>,
     /// What dropped handles left to send; survives a reconnect.
     releases: Arc<Releases>,
     /// Registration replies still owed by the server for requests whose
@@ -356,7 +360,7 @@ impl Client {
     /// disconnects.
     pub(super) fn send_releases(&mut self) {
         let queued = self.releases.take();
-        if queued.is_empty() && self.orphans.is_empty() {
+        if queued.is_empty() && self.orphans.is_empty() && self.lease_ends.is_empty() {
             return;
         }
         let epoch = self.link.epoch;
@@ -365,13 +369,23 @@ impl Client {
             match r {
                 // Jobs of an earlier server are gone with it.
                 Release::Job(id) if id.epoch == epoch => self.orphans.push(id),
-                Release::Lease(id) if id.epoch == epoch => {
+                Release::Lease(id) if id.epoch == epoch => self.lease_ends.push(id),
+                Release::Unregister(key) => {
+                    let _ = self.unregister_key(key);
+                }
+                _ => {}
+            }
+        }
+        let ends = std::mem::take(&mut self.lease_ends);
+        for id in ends {
+            match self.job_status(id) {
+                Ok(s) if s.is_terminal() => {
                     let h = crate::proto::kv::EndSessionRequest { lease: id };
                     if self
                         .post(Opcode::EndSession, bytemuck::bytes_of(&h))
                         .is_err()
                     {
-                        self.releases.push(r);
+                        self.lease_ends.push(id);
                         continue;
                     }
                     posted = true;
@@ -379,10 +393,9 @@ impl Client {
                     // ring keeps the order), below.
                     self.orphans.push(id);
                 }
-                Release::Unregister(key) => {
-                    let _ = self.unregister_key(key);
-                }
-                _ => {}
+                Ok(_) => self.lease_ends.push(id),
+                // Not a job of this server any more.
+                Err(_) => {}
             }
         }
         let orphans = std::mem::take(&mut self.orphans);
