@@ -11,14 +11,22 @@ and tune it with `kv_connector_extra_config` keys: `kvring.name` (server
 name, default "default"), `kvring.autostart` (start a server of that name if
 none runs, default true), `kvring.pool_bytes` and `kvring.chunk_tokens` (for
 an autostarted server; a running server must have that chunk size),
-`kvring.timeout_s` (deadline of a store or retrieve, default 60) and
-`kvring.runtime_dir`.
+`kvring.timeout_s` (deadline of a store or retrieve, default 60),
+`kvring.lookup_submit_s` (how long the scheduler waits for the server to
+take a lookup, default 0.25: a stopped server costs the scheduler that once,
+then lookups miss until it answers again), `kvring.lookup_wait_s` (how long
+a request waits for a lookup's answer, default 3, the server's wait on its
+second tier and some) and `kvring.runtime_dir`.
 
 How vLLM's hooks map to kvring:
 
 - scheduler: `get_num_new_matched_tokens` LOOKUPs the prompt's full chunks
   once per request (a lease holds the hits for every tensor-parallel rank)
-  and answers the hit beyond vLLM's local prefix hit as an asynchronous load;
+  and answers the hit beyond vLLM's local prefix hit as an asynchronous load.
+  The lookup is submitted, not waited for: a hit in the pool is answered by
+  the time the server takes it; one the server reads from its second tier
+  is answered "not yet" (None), and the request waits in vLLM's queue while
+  the scheduler goes on, until a later step finds the answer;
   `update_state_after_alloc` frees the holds on chunks that will not be
   loaded and plans the RETRIEVE; `build_connector_meta` ships the retrieves
   and the STOREs of newly complete prompt chunks to the workers;
@@ -35,7 +43,7 @@ How vLLM's hooks map to kvring:
 A failed or timed-out retrieve is reported as a load error, which vLLM
 recomputes (the scheduler connector sets `kv_load_failure_policy` to
 "recompute"); a lost server turns lookups into misses and loads into
-failures at once, and is reconnected at most every few seconds.
+failures at once, and is reconnected at most every second.
 
 vLLM's scheduler and workers are separate (spawned) processes that import
 this module by name; each has its own kvring client.
@@ -64,7 +72,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 import kvring
-from kvring import Client, Job, KvringError, Lease, NoServer, Registration
+from kvring import Client, Job, KvringError, Lease, NoServer, PendingLookup, Registration
 from kvring.tensors import (
     KvCacheMemory,
     KvCacheUnsupported,
@@ -90,13 +98,15 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvring")
 
-RECONNECT_INTERVAL_S = 5.0
+RECONNECT_INTERVAL_S = 1.0
 """While the server is gone, a new connection is tried at most this often:
 every hook in between fails fast instead of waiting out a deadline."""
 
 _FIRST_CONNECT_S = 1.0
 _AUTOSTART_CONNECT_S = 10.0
-_RECONNECT_CONNECT_S = 0.1
+# A server that accepts but does not answer (stopped) costs a reconnect
+# attempt this long, once per RECONNECT_INTERVAL_S.
+_RECONNECT_CONNECT_S = 0.05
 _CALL_TIMEOUT_S = 5.0
 _WARN_EVERY_S = 60.0
 
@@ -117,6 +127,8 @@ class KvringSettings:
     pool_bytes: str | None = None
     chunk_tokens: int | None = None
     timeout_s: float = 60.0
+    lookup_submit_s: float = 0.25
+    lookup_wait_s: float = 3.0
     runtime_dir: str | None = None
 
     @classmethod
@@ -129,6 +141,8 @@ class KvringSettings:
             "kvring.pool_bytes",
             "kvring.chunk_tokens",
             "kvring.timeout_s",
+            "kvring.lookup_submit_s",
+            "kvring.lookup_wait_s",
             "kvring.runtime_dir",
         }
         unknown = sorted(k for k in extra if k.startswith("kvring.") and k not in known)
@@ -143,12 +157,15 @@ class KvringSettings:
             pool_bytes=None if pool is None else str(pool),
             chunk_tokens=None if chunk is None else int(chunk),
             timeout_s=float(extra.get("kvring.timeout_s", cls.timeout_s)),
+            lookup_submit_s=float(extra.get("kvring.lookup_submit_s", cls.lookup_submit_s)),
+            lookup_wait_s=float(extra.get("kvring.lookup_wait_s", cls.lookup_wait_s)),
             runtime_dir=None if runtime_dir is None else str(runtime_dir),
         )
         if settings.chunk_tokens is not None and settings.chunk_tokens <= 0:
             raise KvringError(f"kvring.chunk_tokens must be positive, not {settings.chunk_tokens}")
-        if settings.timeout_s <= 0:
-            raise KvringError(f"kvring.timeout_s must be positive, not {settings.timeout_s}")
+        for key in ("timeout_s", "lookup_submit_s", "lookup_wait_s"):
+            if not getattr(settings, key) > 0:
+                raise KvringError(f"kvring.{key} must be positive, not {getattr(settings, key)}")
         return settings
 
 
@@ -496,6 +513,7 @@ class KvringMetadata(KVConnectorMetadata):
 
 _STAT_KEYS = (
     "lookups",
+    "lookups_given_up",
     "lookup_hit_tokens",
     "load_chunks",
     "load_failures",
@@ -550,6 +568,9 @@ class _Tracked:
     hashes: list[bytes]
     salt: int
     looked_up: bool = False
+    # A lookup submitted and not answered yet, and when it was submitted.
+    pending: PendingLookup | None = None
+    pending_since: float = 0.0
     lease: Lease | None = None
     lease_client: Client | None = None
     hit_chunks: int = 0
@@ -591,10 +612,11 @@ class _SchedulerSide:
 
     # -- lookup
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """The prompt's hit beyond vLLM's local `num_computed_tokens`, loaded
-        asynchronously. One LOOKUP per admission: vLLM asks again while a
-        request waits, and gets the same lease's answer. Whole chunks only,
+        asynchronously; None while its lookup is not answered (vLLM asks
+        again at a later step). One LOOKUP per admission: vLLM asks again
+        while a request waits, and gets the same lease's answer. Whole chunks only,
         and never the whole request (vLLM computes at least its last token)."""
         t = self._tracked.get(request.request_id)
         if t is None:
@@ -612,13 +634,17 @@ class _SchedulerSide:
             t.admitted = False
             t.looked_up, t.hit_chunks = False, 0
         client = self._link.client()
-        if t.lease is not None and t.lease_client is not client:
-            t.lease, t.lease_client = None, None
+        if (t.lease is not None or t.pending is not None) and t.lease_client is not client:
+            t.lease, t.lease_client, t.pending = None, None, None
             t.looked_up, t.hit_chunks = False, 0
         if not t.looked_up:
             if client is None:
                 return 0, False
-            self._lookup(client, t)
+            if t.pending is None:
+                self._submit_lookup(client, t)
+            if t.pending is not None and not self._poll_lookup(t):
+                # Not answered yet: the request waits, the scheduler goes on.
+                return None, False
         usable = min(t.hit_chunks, (request.num_tokens - 1) // self.chunk_tokens)
         t.local_tokens = num_computed_tokens
         external = usable * self.chunk_tokens - num_computed_tokens
@@ -639,19 +665,56 @@ class _SchedulerSide:
         self._tracked[request.request_id] = t
         return t
 
-    def _lookup(self, client: Client, t: _Tracked) -> None:
+    def _submit_lookup(self, client: Client, t: _Tracked) -> None:
+        """Submits the request's LOOKUP (the server must take it within
+        `lookup_submit_s`); a failure is a miss."""
         self.stats.count("lookups")
         try:
-            lease = client.lookup(self._model_id, self._world_size, t.hashes, salt=t.salt)
+            t.pending = client.submit_lookup(
+                self._model_id,
+                self._world_size,
+                t.hashes,
+                salt=t.salt,
+                timeout=self._settings.lookup_submit_s,
+            )
         except KvringError as e:
             self._link.failed("lookup", e)
+            t.looked_up = True
             return
+        t.pending_since = time.monotonic()
+        t.lease_client = client
+
+    def _poll_lookup(self, t: _Tracked) -> bool:
+        """Whether the pending lookup has an answer now (a lease, or a miss:
+        failed, or not answered within `lookup_wait_s`)."""
+        assert t.pending is not None
+        try:
+            lease = t.pending.poll()
+        except KvringError as e:
+            t.pending, t.lease_client, t.looked_up = None, None, True
+            self._link.failed("lookup", e)
+            return True
+        if lease is None:
+            if time.monotonic() - t.pending_since < self._settings.lookup_wait_s:
+                return False
+            # Given up: a miss (its lease is ended once it is answered).
+            t.pending.cancel()
+            t.pending, t.lease_client, t.looked_up = None, None, True
+            self.stats.count("lookups_given_up")
+            return True
+        t.pending = None
+        self._answered(t, lease)
+        return True
+
+    def _answered(self, t: _Tracked, lease: Lease) -> None:
         t.looked_up = True
         t.hit_chunks = lease.hits
         # Chunks present for every rank need no store.
         t.stored_chunks = max(t.stored_chunks, lease.hits)
         if lease.hits:
-            t.lease, t.lease_client = lease, client
+            t.lease = lease
+        else:
+            t.lease_client = None
         # A lease without hits holds nothing: dropping it queues its end
         # with the client's next call.
 
@@ -801,6 +864,10 @@ class _SchedulerSide:
         self._loading.discard(request.request_id)
         if t is None:
             return False
+        if t.pending is not None:
+            # Never answered: its lease is ended once it is.
+            t.pending.cancel()
+            t.pending = None
         self._end_lease(t)
         return t.stores_issued
 

@@ -386,6 +386,20 @@ class KvringServer:
         os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait(10)
 
+    def pause(self) -> None:
+        """SIGSTOP, returning once /proc says it is stopped."""
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with open(f"/proc/{self.proc.pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                    return
+            time.sleep(0.001)
+        raise AssertionError(f"kvring server {self.name} not stopped 10 s after SIGSTOP")
+
+    def resume(self) -> None:
+        os.kill(self.proc.pid, signal.SIGCONT)
+
     def stop(self) -> int | None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

