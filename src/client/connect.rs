@@ -175,9 +175,14 @@ pub(super) fn connect(paths: &ServerPaths, opts: &ClientOptions) -> Result<Clien
     conn.send(bytemuck::bytes_of(&hello), &[])
         .map_err(crate::error::io("send hello"))?;
     let mut buf = [0u8; 128];
+    // What is left of the deadline, and at least the whole timeout (up to
+    // 500 ms) when waiting for the socket took most of it: a server that
+    // just came up still gets its chance to answer, and a connect never
+    // takes more than twice its timeout (a stopped server's costs a caller
+    // with a short timeout that, not half a second).
     let wait = deadline
         .saturating_duration_since(Instant::now())
-        .max(Duration::from_millis(500));
+        .max(opts.connect_timeout.min(Duration::from_millis(500)));
     let (n, fds) = conn.recv(&mut buf, wait).map_err(|e| match e.kind() {
         std::io::ErrorKind::TimedOut => Error::Timeout(wait),
         _ => Error::Io {
