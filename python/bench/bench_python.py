@@ -5,6 +5,9 @@
   included) and as the mean of a batch;
 * `lookup_us`: submit-to-done of a LOOKUP of a 128-chunk prompt whose
   chunks are stored (the lease ended after each), from Python;
+  `submit_poll_us`: the same lookup as the vLLM connector's scheduler makes
+  it (`submit_lookup` then one `poll()`, which a pool hit answers), timed
+  in turn with the first in one loop;
 * `store_gbps` / `retrieve_gbps`: a STORE (RETRIEVE) of 24 chunks of
   Llama-3-8B KV (32 layers, 8 KV heads of 128, bf16, 16-token blocks,
   256-token chunks, vLLM's default one-buffer layout) between random blocks
@@ -102,7 +105,7 @@ def lookup_latency(c, n):
     reg = c.register_process_memory(layout, [ctypes.addressof(buf)], model_id=model)
     hashes = kvring.chunk_hashes([i ^ 0x5555 for i in range(128 * CHUNK)], CHUNK)
     assert c.store(reg, hashes, list(range(128 * 16))).wait(60).ok
-    lat = []
+    lat, polled = [], []
     clock = time.perf_counter_ns
     for i in range(n + n // 10):
         t = clock()
@@ -110,10 +113,17 @@ def lookup_latency(c, n):
         e = clock() - t
         assert lease.hits == 128
         lease.end()
+        t = clock()
+        lease = c.submit_lookup(model, 1, hashes).poll()
+        ep = clock() - t
+        assert lease is not None and lease.hits == 128
+        lease.end()
         if i >= n // 10:
             lat.append(e)
+            polled.append(ep)
     c.unregister(reg)
-    return {"p50": pct(lat, 0.5) / 1e3, "p99": pct(lat, 0.99) / 1e3, "samples": n, "chunks": 128}
+    us = lambda xs: {"p50": pct(xs, 0.5) / 1e3, "p99": pct(xs, 0.99) / 1e3}  # noqa: E731
+    return {**us(lat), "submit_poll_us": us(polled), "samples": n, "chunks": 128}
 
 
 def store_and_retrieve(c, reg, model, chunks, src, dst, passes):
@@ -219,8 +229,9 @@ def main():
         print(f"status poll: p50 {poll['p50']} ns, p99 {poll['p99']} ns (timer alone "
               f"{poll['timer_ns_p50']} ns), batch mean {poll['batch_mean']:.0f} ns", file=sys.stderr)
         lookup = lookup_latency(c, args.lookups)
-        print(f"lookup of 128 chunks: p50 {lookup['p50']:.1f} us, p99 {lookup['p99']:.1f} us",
-              file=sys.stderr)
+        sp = lookup["submit_poll_us"]
+        print(f"lookup of 128 chunks: p50 {lookup['p50']:.1f} us, p99 {lookup['p99']:.1f} us; "
+              f"submit + poll p50 {sp['p50']:.1f} us, p99 {sp['p99']:.1f} us", file=sys.stderr)
         store, retrieve, total = (data_path_cuda if cuda else data_path)(c, args.passes)
         print(f"python: store {store:.2f} GB/s, retrieve {retrieve:.2f} GB/s "
               f"({total >> 20} MiB per job)", file=sys.stderr)
