@@ -579,6 +579,25 @@ fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
+/// A u64 of 1 to 16 hex digits (no prefix, no sign).
+fn hex_u64(digits: &str) -> Option<u64> {
+    let ok = (1..=16).contains(&digits.len()) && digits.bytes().all(|c| c.is_ascii_hexdigit());
+    ok.then(|| u64::from_str_radix(digits, 16).ok()).flatten()
+}
+
+/// A chunk hash of exactly two hex digits per byte.
+fn hex_hash(s: &str) -> Option<crate::kv::ChunkHash> {
+    let mut h = crate::kv::ChunkHash::default();
+    if s.len() != h.len() * 2 || !s.bytes().all(|c| c.is_ascii_hexdigit()) {
+        return None;
+    }
+    for (b, pair) in h.iter_mut().zip(s.as_bytes().chunks(2)) {
+        let pair = std::str::from_utf8(pair).expect("ASCII hex digits");
+        *b = u8::from_str_radix(pair, 16).expect("checked hex digits");
+    }
+    Some(h)
+}
+
 /// A u64 given as a JSON number or a `"0x..."` hex string.
 fn json_u64(v: &serde_json::Value, what: &str) -> Result<u64, String> {
     let bad = || {
@@ -586,44 +605,28 @@ fn json_u64(v: &serde_json::Value, what: &str) -> Result<u64, String> {
     };
     match v {
         serde_json::Value::Number(n) => n.as_u64().ok_or_else(bad),
-        serde_json::Value::String(s) => {
-            let digits = s
-                .strip_prefix("0x")
-                .or_else(|| s.strip_prefix("0X"))
-                .ok_or_else(bad)?;
-            if digits.is_empty()
-                || digits.len() > 16
-                || !digits.bytes().all(|c| c.is_ascii_hexdigit())
-            {
-                return Err(bad());
-            }
-            u64::from_str_radix(digits, 16).map_err(|_| bad())
-        }
+        serde_json::Value::String(s) => s
+            .strip_prefix("0x")
+            .or_else(|| s.strip_prefix("0X"))
+            .and_then(hex_u64)
+            .ok_or_else(bad),
         _ => Err(bad()),
     }
 }
 
 /// A chunk hash: exactly two hex digits per byte of [`crate::kv::ChunkHash`].
 fn json_hash(v: &serde_json::Value, i: usize) -> Result<crate::kv::ChunkHash, String> {
-    let mut h = crate::kv::ChunkHash::default();
-    let digits = h.len() * 2;
+    let len = crate::kv::ChunkHash::default().len();
     let bad = |got: String| {
         format!(
-            "hashes[{i}]: expected a chunk hash of exactly {digits} hex digits ({} bytes), got {got}",
-            h.len()
+            "hashes[{i}]: expected a chunk hash of exactly {} hex digits ({len} bytes), got {got}",
+            len * 2
         )
     };
     let Some(s) = v.as_str() else {
         return Err(bad(v.to_string()));
     };
-    if s.len() != digits || !s.bytes().all(|c| c.is_ascii_hexdigit()) {
-        return Err(bad(format!("{} characters", s.chars().count())));
-    }
-    for (b, pair) in h.iter_mut().zip(s.as_bytes().chunks(2)) {
-        let pair = std::str::from_utf8(pair).expect("ASCII hex digits");
-        *b = u8::from_str_radix(pair, 16).expect("checked hex digits");
-    }
-    Ok(h)
+    hex_hash(s).ok_or_else(|| bad(format!("{} characters", s.chars().count())))
 }
 
 /// What `GET /pins` takes.
@@ -641,16 +644,10 @@ fn parse_cursor(c: &str) -> Option<Pin> {
     if parts.next().is_some() || m.len() != 16 || s.len() != 16 {
         return None;
     }
-    let u64_of = |d: &str| {
-        d.bytes()
-            .all(|c| c.is_ascii_hexdigit())
-            .then(|| u64::from_str_radix(d, 16).ok())
-            .flatten()
-    };
     Some(Pin {
-        model_id: u64_of(m)?,
-        salt: u64_of(s)?,
-        hash: json_hash(&serde_json::Value::String(h.to_string()), 0).ok()?,
+        model_id: hex_u64(m)?,
+        salt: hex_u64(s)?,
+        hash: hex_hash(h)?,
     })
 }
 
