@@ -132,10 +132,14 @@ impl KvState {
             model_rows: Mutex::new(super::model_rows::ModelRows::default()),
             l2: cfg.l2.clone().map(|c| Arc::new(super::l2::L2::new(c))),
         };
-        kv.cache().set_pin_limits(super::cache::PinLimits {
-            max_pins: cfg.max_pins,
-            max_bytes: cfg.max_pinned_bytes.unwrap_or(kv.pool.len() / 2),
-        });
+        {
+            // The cache's bytes bound (half its pool) unless one is given.
+            let mut cache = kv.cache();
+            let mut limits = cache.pin_limits().0;
+            limits.max_pins = cfg.max_pins;
+            limits.max_bytes = cfg.max_pinned_bytes.unwrap_or(limits.max_bytes);
+            cache.set_pin_limits(limits);
+        }
         if kv.l2.as_ref().is_some_and(|t| t.mode() == super::l2::WriteMode::Back) {
             // At most a quarter of the pool waits to be written at once.
             kv.cache().set_writeback(kv.pool.len() / 4);
