@@ -637,7 +637,7 @@ fn read_clients(seg: &ReadOnlySegment, now: u64) -> Vec<ClientView> {
     let m = &seg.mapping;
     let g = m.info().geometry;
     let mut clients = Vec::new();
-    for slot in 0..g.max_clients {
+    'slots: for slot in 0..g.max_clients {
         let sb = m.server_client(slot);
         // Acquire pairs with the acceptor's Release stores of `state`: a slot
         // seen Active shows the occupant's identity written before it.
@@ -680,15 +680,15 @@ fn read_clients(seg: &ReadOnlySegment, now: u64) -> Vec<ClientView> {
             while std::time::Instant::now() < until {
                 std::thread::sleep(std::time::Duration::from_millis(2));
                 // Acquire: as above.
-                let now_state = sb.state.load(Acquire);
-                if now_state != raw_state || sb.session.load(Relaxed) != session {
+                let (now_state, now_session) = (sb.state.load(Acquire), sb.session.load(Relaxed));
+                if now_session != session || now_state == SlotState::Free.raw() {
+                    // Reclaimed meanwhile (and perhaps taken again).
+                    continue 'slots;
+                }
+                if now_state != raw_state {
                     raw_state = now_state;
                     break;
                 }
-            }
-            if raw_state == SlotState::Free.raw() || sb.session.load(Relaxed) != session {
-                // Reclaimed meanwhile (and perhaps taken again).
-                continue;
             }
         }
         let state_ns = sb.state_ns.load(Relaxed);
