@@ -16,7 +16,7 @@ use crate::proto::kv::{split_header, RegisterKv, RegisterReply, UnregisterKv};
 use crate::proto::{BootKind, Hello, Status, Welcome, BOOT_MAGIC, PROTOCOL_VERSION};
 use crate::shm::{DisconnectReason, SlotState, LAYOUT_VERSION};
 use crate::client_memory::OwnedClientMemory;
-use crate::doorbell::Doorbell;
+use crate::doorbell::{Doorbell, DoorbellReceiver};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -380,7 +380,7 @@ impl<'a> Acceptor<'a> {
         true
     }
 
-    fn poll_once(&mut self, listener: &Listener, tick: Duration) {
+    fn poll_once(&mut self, listener: &Listener, bell: &DoorbellReceiver, tick: Duration) {
         let mut fds = vec![libc::pollfd {
             fd: listener.raw_fd(),
             events: libc::POLLIN,
@@ -404,9 +404,15 @@ impl<'a> Acceptor<'a> {
                 active.push(i as u32);
             }
         }
-        // A quarantined slot's process: its exit (the pidfd turns
-        // readable) wakes the loop, whose housekeeping frees the slot then,
-        // not a tick later.
+        // The ring loop's kicks and detached slots, and a quarantined
+        // slot's process exiting (its pidfd turns readable), wake the loop:
+        // its housekeeping then disconnects, reclaims or frees the slot at
+        // once, not a tick later.
+        fds.push(libc::pollfd {
+            fd: bell.as_fd().as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        });
         for p in &self.slots {
             if let Phase::Quarantined { pidfd: Some(p) } = p {
                 fds.push(libc::pollfd {
@@ -484,7 +490,7 @@ fn set_state(sb: &crate::shm::ServerClientBlock, state: SlotState) {
     sb.state.store(state as u32, Ordering::Release);
 }
 
-pub(super) fn run(shared: &Shared, listener: Listener, tick: Duration) {
+pub(super) fn run(shared: &Shared, listener: Listener, bell: DoorbellReceiver, tick: Duration) {
     let n = shared.seg.mapping.info().geometry.max_clients as usize;
     let mut a = Acceptor {
         shared,
@@ -509,7 +515,8 @@ pub(super) fn run(shared: &Shared, listener: Listener, tick: Duration) {
         if shared.kv.l2.is_some() {
             super::kv_ops::publish(shared, &shared.kv.stats());
         }
-        a.poll_once(&listener, tick);
+        a.poll_once(&listener, &bell, tick);
+        bell.drain();
         a.housekeeping();
     }
     // Shutdown: close every connection so clients see the end at once.

@@ -311,6 +311,9 @@ pub(crate) struct Shared {
     kicks: Mutex<Vec<(u32, DisconnectReason)>>,
     /// Ring loop -> acceptor: detached slots.
     detached: Mutex<Vec<u32>>,
+    /// Wakes the acceptor (rung with a kick or a detached slot, so that a
+    /// slot is reclaimed at once, not at the acceptor's next tick).
+    acceptor_bell: Doorbell,
     /// The ring loop's own doorbell: the other threads wake it with this.
     ring_bell: Doorbell,
     /// Each slot's session memory while it is attached (the acceptor sets
@@ -337,6 +340,18 @@ impl Shared {
 
     fn wake_ring_loop(&self) {
         self.ring_bell.ring();
+    }
+
+    /// Ring loop -> acceptor: disconnect `slot`'s client.
+    fn kick(&self, slot: u32, reason: DisconnectReason) {
+        self.kicks.lock().expect("kicks").push((slot, reason));
+        self.acceptor_bell.ring();
+    }
+
+    /// Ring loop -> acceptor: `slot` is detached, reclaim it.
+    fn detached(&self, slot: u32) {
+        self.detached.lock().expect("detached").push(slot);
+        self.acceptor_bell.ring();
     }
 
     /// The memory of the session attached at `slot`, if one is.
@@ -623,6 +638,7 @@ pub fn start(cfg: ServerConfig) -> Result<ServerHandle> {
         },
     };
     let (ring_bell, ring_bell_rx) = Doorbell::pair()?;
+    let (acceptor_bell, acceptor_bell_rx) = Doorbell::pair()?;
     let doorbells = crate::doorbell::Doorbells::new(ring_bell_rx, cfg.geometry.max_clients)?;
     let shared = Arc::new(Shared {
         jobs,
@@ -634,6 +650,7 @@ pub fn start(cfg: ServerConfig) -> Result<ServerHandle> {
         events_pending: AtomicBool::new(false),
         kicks: Mutex::new(Vec::new()),
         detached: Mutex::new(Vec::new()),
+        acceptor_bell,
         ring_bell,
         client_memory: (0..cfg.geometry.max_clients)
             .map(|_| RwLock::new(None))
@@ -666,7 +683,7 @@ pub fn start(cfg: ServerConfig) -> Result<ServerHandle> {
         threads.push(
             std::thread::Builder::new()
                 .name("kvring-accept".into())
-                .spawn(move || acceptor::run(&shared, listener, tick))
+                .spawn(move || acceptor::run(&shared, listener, acceptor_bell_rx, tick))
                 .map_err(crate::error::io("spawn acceptor"))?,
         );
     }

@@ -358,17 +358,13 @@ pub(super) fn run(shared: &Shared, mut doorbells: Doorbells, policy: WaitPolicy)
                         clients[slot as usize] = Some(c);
                         active.push(slot);
                     }
-                    _ => shared
-                        .kicks
-                        .lock()
-                        .expect("kicks")
-                        .push((slot, DisconnectReason::RingCorrupt)),
+                    _ => shared.kick(slot, DisconnectReason::RingCorrupt),
                 },
                 RingEvent::Detach { slot } => {
                     doorbells.remove(slot);
                     clients[slot as usize] = None;
                     active.retain(|&s| s != slot);
-                    shared.detached.lock().expect("detached").push(slot);
+                    shared.detached(slot);
                 }
             }
         }
@@ -388,11 +384,7 @@ pub(super) fn run(shared: &Shared, mut doorbells: Doorbells, policy: WaitPolicy)
                 Err(e) => {
                     tracing::warn!(slot, error = %e, "client broke a ring invariant; disconnecting it");
                     c.broken = true;
-                    shared
-                        .kicks
-                        .lock()
-                        .expect("kicks")
-                        .push((slot, DisconnectReason::RingCorrupt));
+                    shared.kick(slot, DisconnectReason::RingCorrupt);
                 }
             }
         }
