@@ -11,7 +11,11 @@ and tune it with `kv_connector_extra_config` keys: `kvring.name` (server
 name, default "default"), `kvring.autostart` (start a server of that name if
 none runs, default true), `kvring.pool_bytes` and `kvring.chunk_tokens` (for
 an autostarted server; a running server must have that chunk size),
-`kvring.timeout_s` (deadline of a store or retrieve, default 60),
+`kvring.timeout_s` (deadline of a store, default 60),
+`kvring.load_timeout_s` (deadline of a retrieve, default 5: what a load
+may hold the forward waiting for it), `kvring.async_load` (default false:
+see below), `kvring.min_load_tokens` (a hit shorter than this is
+recomputed, default 0),
 `kvring.lookup_submit_s` (how long the scheduler waits for the server to
 take a lookup, default 0.25: a stopped server costs the scheduler that once,
 then lookups miss until it answers again), `kvring.lookup_wait_s` (how long
@@ -22,7 +26,7 @@ How vLLM's hooks map to kvring:
 
 - scheduler: `get_num_new_matched_tokens` LOOKUPs the prompt's full chunks
   once per request (a lease holds the hits for every tensor-parallel rank)
-  and answers the hit beyond vLLM's local prefix hit as an asynchronous load.
+  and answers the hit beyond vLLM's local prefix hit as a load.
   The lookup is submitted, not waited for: a hit in the pool is answered by
   the time the server takes it; one the server reads from its second tier
   is answered "not yet" (None), and the request waits in vLLM's queue while
@@ -36,9 +40,20 @@ How vLLM's hooks map to kvring:
   it: a cudaMalloc block by IPC handle, VMM memory by POSIX fds);
   `start_load_kv` / `wait_for_save` submit RETRIEVE / STORE jobs (on a GPU,
   after an interprocess event recorded on the engine's stream, which the
-  server polls from the host: the engine never waits on the device);
-  `get_finished` and `get_block_ids_with_load_errors` report them from
-  their job status in shared memory, never waiting on the server.
+  server polls from the host); `get_finished` and
+  `get_block_ids_with_load_errors` report them from their job status in
+  shared memory.
+
+A load runs in the step that schedules its request (the default): the
+forward of that step waits for it, on a GPU on the device (the engine's
+stream waits on the job's word, which the client library itself releases
+at the load's deadline or when the server dies or stops, so the forward is
+never held longer than `load_timeout_s`), on a CPU in `start_load_kv`. A
+load that failed is reported in the same step and vLLM recomputes those
+tokens, discarding the step's output for the request. With
+`kvring.async_load` the request instead waits in vLLM's queue until its
+load is reported finished (a scheduler round trip later), and the other
+requests of the batch never wait for it.
 
 A failed or timed-out retrieve is reported as a load error, which vLLM
 recomputes (the scheduler connector sets `kv_load_failure_policy` to
@@ -127,6 +142,9 @@ class KvringSettings:
     pool_bytes: str | None = None
     chunk_tokens: int | None = None
     timeout_s: float = 60.0
+    load_timeout_s: float = 5.0
+    async_load: bool = False
+    min_load_tokens: int = 0
     lookup_submit_s: float = 0.25
     lookup_wait_s: float = 3.0
     runtime_dir: str | None = None
@@ -141,6 +159,9 @@ class KvringSettings:
             "kvring.pool_bytes",
             "kvring.chunk_tokens",
             "kvring.timeout_s",
+            "kvring.load_timeout_s",
+            "kvring.async_load",
+            "kvring.min_load_tokens",
             "kvring.lookup_submit_s",
             "kvring.lookup_wait_s",
             "kvring.runtime_dir",
@@ -157,13 +178,18 @@ class KvringSettings:
             pool_bytes=None if pool is None else str(pool),
             chunk_tokens=None if chunk is None else int(chunk),
             timeout_s=float(extra.get("kvring.timeout_s", cls.timeout_s)),
+            load_timeout_s=float(extra.get("kvring.load_timeout_s", cls.load_timeout_s)),
+            async_load=_as_bool("kvring.async_load", extra.get("kvring.async_load", cls.async_load)),
+            min_load_tokens=int(extra.get("kvring.min_load_tokens", cls.min_load_tokens)),
             lookup_submit_s=float(extra.get("kvring.lookup_submit_s", cls.lookup_submit_s)),
             lookup_wait_s=float(extra.get("kvring.lookup_wait_s", cls.lookup_wait_s)),
             runtime_dir=None if runtime_dir is None else str(runtime_dir),
         )
         if settings.chunk_tokens is not None and settings.chunk_tokens <= 0:
             raise KvringError(f"kvring.chunk_tokens must be positive, not {settings.chunk_tokens}")
-        for key in ("timeout_s", "lookup_submit_s", "lookup_wait_s"):
+        if settings.min_load_tokens < 0:
+            raise KvringError(f"kvring.min_load_tokens must not be negative, not {settings.min_load_tokens}")
+        for key in ("timeout_s", "load_timeout_s", "lookup_submit_s", "lookup_wait_s"):
             if not getattr(settings, key) > 0:
                 raise KvringError(f"kvring.{key} must be positive, not {getattr(settings, key)}")
         return settings
@@ -485,6 +511,8 @@ class LoadOp:
     first_chunk: int
     skip_tokens: int
     block_ids: list[int]
+    sync: bool = True
+    """In this step's forward (True), or reported in finished_recving."""
 
 
 @dataclass
@@ -517,6 +545,7 @@ _STAT_KEYS = (
     "lookup_hit_tokens",
     "load_chunks",
     "load_failures",
+    "load_wait_us",
     "store_chunks",
     "store_failures",
 )
@@ -526,7 +555,10 @@ _STAT_KEYS = (
 class KvringStats(KVConnectorStats):
     """Counters of one logging interval: lookups and lookup hit tokens (those
     vLLM loads) from the scheduler; loads and stores in chunks from the
-    workers, summed over them (every rank counts its own shard)."""
+    workers, summed over them (every rank counts its own shard), and the
+    time workers' hooks waited for loads of the step's forward
+    (`load_wait_us`: on a GPU, what was left of the copies once the forward
+    was queued)."""
 
     def __post_init__(self) -> None:
         for key in _STAT_KEYS:
@@ -629,8 +661,11 @@ class _SchedulerSide:
             return 0, False
         if t.admitted:
             # Asked again after an allocation: preempted and re-admitted. The
-            # retrieve consumed or freed the old holds; look up afresh.
+            # retrieve consumed or freed the old holds; look up afresh. Its
+            # old blocks are someone else's now.
             self._end_lease(t)
+            self._loading.discard(request.request_id)
+            t.load_blocks = frozenset()
             t.admitted = False
             t.looked_up, t.hit_chunks = False, 0
         client = self._link.client()
@@ -648,9 +683,9 @@ class _SchedulerSide:
         usable = min(t.hit_chunks, (request.num_tokens - 1) // self.chunk_tokens)
         t.local_tokens = num_computed_tokens
         external = usable * self.chunk_tokens - num_computed_tokens
-        if external <= 0:
+        if external <= 0 or external < self._settings.min_load_tokens:
             return 0, False
-        return external, True
+        return external, self._settings.async_load
 
     def _track(self, request: Request) -> _Tracked | None:
         """State for a request kvring can serve: a token prompt (multimodal
@@ -745,6 +780,7 @@ class _SchedulerSide:
             first_chunk=first,
             skip_tokens=start - first * c,
             block_ids=t.block_ids[first * bpc : last * bpc],
+            sync=not self._settings.async_load,
         )
         client = self._link.client()
         if end % c == 0 and t.lease is not None and t.lease_client is client:
@@ -752,6 +788,9 @@ class _SchedulerSide:
             self._release_unloaded(client, t, first, last)
         self.stats.count("lookup_hit_tokens", num_external_tokens)
         t.load_blocks = frozenset(op.block_ids[op.skip_tokens // self._block_size :])
+        # Until finished_recving (asynchronous), or (in the step's forward)
+        # until the request ends: its blocks are its own till then, so an
+        # invalid one can only come from this load.
         self._loading.add(request.request_id)
         self._pending_loads.append(op)
 
@@ -945,6 +984,10 @@ class _WorkerSide:
             _check_block_size(self._block_size, settings.chunk_tokens)
         self.chunk_tokens: int | None = None
         self._loads: dict[str, _Transfer] = {}
+        # Loads in this step's forward, settled in get_block_ids_with_load_errors.
+        self._step_loads: dict[str, _Transfer] = {}
+        # The engine's streams that wait on loads, by CUDA stream handle.
+        self._streams: dict[int, Any] = {}
         self._stores: dict[str, list[_Transfer]] = {}
         self._link = _ServerLink(
             settings, vllm_config.kv_transfer_config.engine_id, self._on_connect, self._abandon_jobs
@@ -1036,13 +1079,17 @@ class _WorkerSide:
     def start_load_kv(self, meta: KvringMetadata) -> None:
         """Submits this step's retrieves, after the work the engine queued
         so far (a GPU cache's blocks may still be read by an earlier step);
-        failures are reported at once."""
+        failures are reported at once. The forward waits for the loads of
+        this step: on a GPU its stream waits on the device, on a CPU this
+        hook waits (each bounded by the load's deadline)."""
         client, reg = self._link.client(), self._registration
         event, after = self.engine_event() if meta.loads and client is not None and reg is not None else (None, None)
+        timeout = self._settings.load_timeout_s
+        waiting: list[_Transfer] = []
         for op in meta.loads:
             invalid = op.block_ids[op.skip_tokens // self._block_size :]
             if op.lease_id is None or client is None or reg is None:
-                self._load_failed(op.req_id, invalid)
+                self._load_failed(op.req_id, invalid, op.sync)
                 continue
             try:
                 job = client.retrieve(
@@ -1051,18 +1098,50 @@ class _WorkerSide:
                     op.block_ids,
                     first_chunk=op.first_chunk,
                     skip_tokens=op.skip_tokens,
-                    timeout=self._settings.timeout_s,
+                    timeout=timeout,
                     after=after,
                 )
             except KvringError as e:
                 self._link.failed("retrieve", e)
                 client = self._link.current
-                self._load_failed(op.req_id, invalid)
+                self._load_failed(op.req_id, invalid, op.sync)
                 continue
             chunks = len(op.block_ids) * self._block_size // self.chunk_tokens
-            self._loads[op.req_id] = _Transfer(
-                job, time.monotonic() + self._settings.timeout_s, chunks, invalid, event=event
-            )
+            tr = _Transfer(job, time.monotonic() + timeout, chunks, invalid, event=event)
+            if not op.sync:
+                self._loads[op.req_id] = tr
+                continue
+            self._step_loads[op.req_id] = tr
+            if event is None:
+                waiting.append(tr)
+                continue
+            try:
+                self._engine_stream().wait_job(job)
+            except KvringError as e:
+                # Not queued: the forward must not read these blocks' old
+                # contents as this load's.
+                logger.warning("kvring: the engine's stream cannot wait for a load (%s): it fails", e)
+                _give_up(job)
+                tr.outcome = False
+        for tr in waiting:
+            tr.outcome = self._await(tr)
+
+    def _await(self, tr: _Transfer) -> bool:
+        t0 = time.perf_counter()
+        ok = _await(tr)
+        self.stats.count("load_wait_us", int((time.perf_counter() - t0) * 1e6))
+        return ok
+
+    def _engine_stream(self) -> Any:
+        """The kvring handle of the engine's current CUDA stream (one per
+        stream, kept for the worker's life)."""
+        stream = torch.cuda.current_stream(self._memory.device)
+        handle = stream.cuda_stream
+        es = self._streams.get(handle)
+        if es is None:
+            es = kvring.EngineStream(stream.device.index, handle)
+            self._streams[handle] = es
+        return es
 
     def submit_stores(self, ops: list[StoreOp]) -> None:
         """Submits a step's stores as one STORE per salt (chunk keys are
@@ -1125,9 +1204,22 @@ class _WorkerSide:
         return sending or None, recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Blocks of failed loads. Polls too, so a failure's blocks are never
-        reported after its request appears in finished_recving, whatever
-        order a vLLM version calls the two in."""
+        """Blocks of failed loads. The loads of this step's forward are
+        settled here (waiting, bounded by their deadline, for those the
+        forward still waits on the device): vLLM must learn of a failure in
+        the step's own output, before it samples from the KV. Polls the
+        others too, so a failure's blocks are never reported after its
+        request appears in finished_recving, whatever order a vLLM version
+        calls the two in."""
+        for req_id, tr in self._step_loads.items():
+            ok = tr.outcome if tr.outcome is not None else self._await(tr)
+            _release(tr.job)
+            tr.event = None
+            if ok:
+                self.stats.count("load_chunks", tr.chunks)
+            else:
+                self._load_failed(req_id, tr.block_ids, True)
+        self._step_loads.clear()
         self._poll_loads(self._link.current is not None)
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
@@ -1145,9 +1237,12 @@ class _WorkerSide:
             else:
                 self._load_failed(req_id, tr.block_ids)
 
-    def _load_failed(self, req_id: str, block_ids: Iterable[int]) -> None:
+    def _load_failed(self, req_id: str, block_ids: Iterable[int], sync: bool = False) -> None:
+        """Reports a failed load: its blocks, and (an asynchronous one) its
+        end, so that vLLM unparks the request."""
         self.stats.count("load_failures")
-        self._recving.add(req_id)
+        if not sync:
+            self._recving.add(req_id)
         self._failed_blocks.update(block_ids)
 
     def _poll_stores(self, alive: bool) -> None:
@@ -1173,6 +1268,10 @@ class _WorkerSide:
             _release(tr.job)
             self._load_failed(req_id, tr.block_ids)
         self._loads.clear()
+        for tr in self._step_loads.values():
+            if tr.outcome is None:
+                _give_up(tr.job)
+                tr.outcome = False
         for transfers in self._stores.values():
             for tr in transfers:
                 if tr.outcome is None:
@@ -1184,6 +1283,9 @@ class _WorkerSide:
         """Gives up what is still running and closes the connection (the
         server unregisters the KV cache with it)."""
         self._abandon_jobs()
+        for es in self._streams.values():
+            es.close()
+        self._streams.clear()
         self._link.close()
 
 
@@ -1200,6 +1302,17 @@ def _outcome(tr: _Transfer, alive: bool) -> bool | None:
         return None
     _give_up(tr.job)
     return False
+
+
+def _await(tr: _Transfer) -> bool:
+    """Waits for a load the forward needs: done (True), or failed, past its
+    deadline or its server gone (given up first: no copy of it lands
+    afterwards)."""
+    try:
+        return tr.job.wait(timeout=max(0.0, tr.deadline - time.monotonic())).ok
+    except KvringError:
+        _give_up(tr.job)
+        return False
 
 
 def _give_up(job: Job) -> None:

@@ -338,6 +338,9 @@ class Scenario:
                     "kvring.name": self.server_name,
                     "kvring.runtime_dir": self.runtime_dir,
                     "kvring.autostart": False,
+                    # The harness checks loads as they are reported in
+                    # finished_recving: the asynchronous path.
+                    "kvring.async_load": True,
                 },
             ),
         )

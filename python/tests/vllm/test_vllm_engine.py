@@ -4,17 +4,19 @@ Six engine processes in five rounds (each ~40-60 s on 2 cores):
 
   round 1  "baseline"  no connector: prompt sets A then B        } at the same
            "store"     connector, empty server: A               } time
-  round 2  "reload"    fresh engine, connector: A then B (hits)
+  round 2  "reload"    fresh engine, connector: A then B (hits, loaded in
+                       the step that schedules them)
            -- client.clear() --
   round 3  "poison"    connector, the SAME model path holding the weights of
                        another seed: A (stores KV that differs under A's keys)
   round 4  "victim"    connector, model path back to the real weights:
                        phase 0 A (loads the poisoned KV), pause, SIGKILL the
                        server, phase 1 A, phase 2 B (no server: recompute)
-  round 5  "stopped"   connector, a server of its own: phase 0 A (stores),
-                       pause, SIGSTOP the server, phase 1 B (lookups miss
-                       within their bound, nothing waits on the server),
-                       pause, SIGCONT, phase 2 B (reconnected: A's hits)
+  round 5  "stopped"   connector with asynchronous loads, a server of its
+                       own: phase 0 A (stores), pause, SIGSTOP the server,
+                       phase 1 B (lookups miss within their bound, nothing
+                       waits on the server), pause, SIGCONT, phase 2 B
+                       (reconnected: A's hits, loaded asynchronously)
 
 Prompts are token ids (no tokenizer boundary effects); CPU blocks are 128
 tokens and server chunks 256. Set A has prompts shorter than a block, shorter
@@ -222,7 +224,8 @@ def stopped(request, kvring_server_factory, engine_factory, model_dir):
     server = kvring_server_factory(pool_bytes="256MiB", chunk_tokens=CHUNK)
     run = engine_factory("stopped", model_dir, [PHASE_A, PHASE_B, PHASE_B],
                          connector=server.name, runtime_dir=server.runtime_dir,
-                         pause_after=[0, 1], extra_args=["--timeout-s", str(TIMEOUT_S)])
+                         pause_after=[0, 1],
+                         extra_args=["--timeout-s", str(TIMEOUT_S), "--extra", "kvring.async_load=true"])
     run.wait_paused(0)
     # A's stores end before the server stops (their jobs would wait it out).
     want = len(chunk_keys(A.values()))

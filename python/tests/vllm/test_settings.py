@@ -1,0 +1,41 @@
+"""The connector's `kvring.*` settings: defaults, the values a command line
+gives, and clear refusals of what cannot work."""
+
+from __future__ import annotations
+
+import pytest
+
+from e2e_support import require_vllm
+
+require_vllm()
+
+from kvring import KvringError  # noqa: E402
+from kvring.vllm import KvringSettings  # noqa: E402
+
+
+def test_defaults_load_in_the_step_with_a_bounded_wait():
+    s = KvringSettings.from_extra_config({})
+    assert s.async_load is False
+    assert s.load_timeout_s == 5.0 and s.timeout_s == 60.0
+    assert s.min_load_tokens == 0
+
+
+def test_command_line_strings_are_parsed():
+    s = KvringSettings.from_extra_config(
+        {"kvring.async_load": "true", "kvring.load_timeout_s": "0.5", "kvring.min_load_tokens": "512"}
+    )
+    assert s.async_load is True and s.load_timeout_s == 0.5 and s.min_load_tokens == 512
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        ({"kvring.load_timeout": 1}, "unknown"),
+        ({"kvring.async_load": "maybe"}, "true or false"),
+        ({"kvring.load_timeout_s": 0}, "positive"),
+        ({"kvring.min_load_tokens": -1}, "negative"),
+    ],
+)
+def test_bad_settings_are_refused(extra, words):
+    with pytest.raises(KvringError, match=words):
+        KvringSettings.from_extra_config(extra)
