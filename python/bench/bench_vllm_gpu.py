@@ -67,7 +67,7 @@ GEOMETRIES = {
                  vocab_size=4096, max_position_embeddings=4096),
 }
 TTFT_LENGTHS = (512, 1024, 2048, 10000, 30000)
-SUFFIX = 16  # the uncached tail of a TTFT prompt (the lengths above leave 0-16 + ...)
+SUFFIX = 16  # tokens of the `suffix` test: a short uncached forward
 
 
 # ---------------------------------------------------------------- model
@@ -424,15 +424,10 @@ def test_faults(llm, args, vocab, server: Server, sp1) -> dict:
         name = signal.Signals(sig).name
         runs = []
         # Signal the server 20 ms into the second request's load.
-        timer = threading.Timer(0.0, lambda: None)
-
-        def fire():
-            server.signal(sig)
-
+        timer = threading.Timer(0.02, server.signal, args=(sig,))
         t0 = time.perf_counter()
         for i, p in enumerate(prompts):
             if i == 1:
-                timer = threading.Timer(0.02, fire)
                 timer.start()
             r = one(llm, p, sp1)
             r["at_s"] = time.perf_counter() - t0
