@@ -310,6 +310,99 @@ fn a_large_job_of_one_client_does_not_hold_up_another_clients_small_one() {
     assert!(matches!(st, JobStatus::Done(_)), "{st:?}");
 }
 
+/// An engine that stores a prompt of 100 chunks of 2 MiB (one copy
+/// worker: 200 MiB to copy, tens of milliseconds at least).
+fn big_store_engine(s: &Scope) -> Engine {
+    let l = KvLayout::preset(
+        LayoutPreset::Lbnhc,
+        KvGeometry::mha(
+            KvShape {
+                layers: 8,
+                blocks: 4 * 100,
+                block_tokens: 16,
+                heads: 8,
+                head_dim: 128,
+            },
+            dtype(2),
+        ),
+    )
+    .unwrap();
+    Engine::of_model(s, MODEL, l, 1, 0)
+}
+
+#[test]
+fn a_lookup_waits_for_a_prefix_being_stored() {
+    // (--inflight-wait-s, whether a lookup submitted while the store
+    // copies finds the whole prefix): it waits for it; it never waits (the
+    // negative control: it misses what is being written).
+    for (wait, whole) in [("5", true), ("0", false)] {
+        let s = Fixture::new(
+            "inflight",
+            Duration::from_secs(60),
+            &[
+                "--chunk-tokens",
+                "64",
+                "--pool-bytes",
+                "256MiB",
+                "--copy-threads",
+                "1",
+                "--inflight-wait-s",
+                wait,
+            ],
+        );
+        let mut writer = big_store_engine(&s);
+        // Another engine of the model (the lease is its own), its cache
+        // poisoned: what it retrieves must be the writer's bytes.
+        let mut reader = big_store_engine(&s);
+        reader.cache.poison(0x5a);
+        let hashes = chunk_hashes(&prompt(42, 100 * CHUNK as usize), CHUNK);
+        let blocks = writer.blocks(0, 100);
+        writer.write(&hashes, &blocks);
+        let store = writer
+            .c
+            .store(Store::new(&writer.inst, &hashes, &blocks))
+            .unwrap();
+        let copying_before = !store.status().unwrap().is_terminal();
+        let t0 = Instant::now();
+        let lease = lookup(&mut reader.c, 1, 0, &hashes);
+        let answered = t0.elapsed();
+        let copying_after = !store.status().unwrap().is_terminal();
+        let st = store
+            .wait(Instant::now() + Duration::from_secs(30))
+            .unwrap();
+        assert!(matches!(st, JobStatus::Done(_)), "{st:?}");
+        eprintln!(
+            "--inflight-wait-s {wait}: {} of 100 chunks, answered in {answered:?} \
+             (store copying before: {copying_before}, after: {copying_after})",
+            lease.hits()
+        );
+        if whole {
+            // Submitted while the store was under way (else nothing to wait for).
+            if !copying_before {
+                eprintln!("the store ended before the lookup: not measured");
+                continue;
+            }
+            assert_eq!(lease.hits(), 100, "the lookup did not wait for the prefix");
+            // The reader's retrieve gets the bytes the writer stored.
+            let dst = reader.blocks(5, 100);
+            done(
+                reader
+                    .c
+                    .retrieve(Retrieve::new(&reader.inst, &lease, &dst))
+                    .unwrap(),
+            );
+            reader.verify(&hashes, &dst, 0, 0);
+        } else if copying_after {
+            assert!(
+                lease.hits() < 100,
+                "the lookup found every chunk of a store still under way"
+            );
+        } else {
+            eprintln!("the store ended before the answer: not measured");
+        }
+    }
+}
+
 #[test]
 fn a_request_over_the_servers_limit_is_refused_and_the_ring_goes_on() {
     let s = Fixture::new(

@@ -467,6 +467,8 @@ impl<'a> Acceptor<'a> {
         kv.with_cache(self.shared, |c| {
             c.drop_leases(None, std::time::Instant::now())
         });
+        // Lookups whose wait for a chunk being written is over.
+        super::kv_ops::wake_lookups(self.shared);
         for i in 0..self.slots.len() {
             if let Phase::Quarantined { pidfd, .. } = &self.slots[i] {
                 if pidfd.as_ref().is_none_or(|p| p.exited()) {

@@ -45,6 +45,20 @@ pub struct KvState {
     pub model_rows: Mutex<super::model_rows::ModelRows>,
     /// The second tier, if any.
     pub l2: Option<Arc<super::l2::L2>>,
+    /// How long a lookup waits for a chunk being written.
+    pub inflight_wait: Duration,
+    /// Lookups waiting for a chunk being written (taken after the cache's
+    /// lock, never before it).
+    parked: Mutex<Vec<Parked>>,
+}
+
+/// A lookup that stopped at a chunk being written: answered once that
+/// chunk is readable or dropped, or at `deadline`.
+struct Parked {
+    f: Box<super::l2::Fetch>,
+    /// The chunk it waits for.
+    at: usize,
+    deadline: Instant,
 }
 
 /// What serving a request produced: a status and a reply payload.
@@ -131,6 +145,8 @@ impl KvState {
             copier: Copier::new(max_clients, backend, &devices),
             model_rows: Mutex::new(super::model_rows::ModelRows::default()),
             l2: cfg.l2.clone().map(|c| Arc::new(super::l2::L2::new(c))),
+            inflight_wait: cfg.inflight_wait,
+            parked: Mutex::new(Vec::new()),
         };
         {
             // The cache's bytes bound (half its pool) unless one is given.
@@ -145,6 +161,10 @@ impl KvState {
             kv.cache().set_writeback(kv.pool.len() / 4);
         }
         Ok(kv)
+    }
+
+    fn parked(&self) -> MutexGuard<'_, Vec<Parked>> {
+        self.parked.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     pub fn cache(&self) -> MutexGuard<'_, Cache> {
@@ -296,24 +316,81 @@ pub fn lookup(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
         hashes: hashes(rest).collect(),
         l1: 0,
     };
+    resolve(
+        shared,
+        Box::new(f),
+        Instant::now() + shared.kv.inflight_wait,
+    );
+    id_reply(id)
+}
+
+/// Answers lookup `f` from the pool, or goes on to the second tier when it
+/// may have what the pool misses; but if the first chunk the pool misses is
+/// being written (another request's store of the same prefix, or a read
+/// from the second tier, under way), the lookup waits for it, until
+/// `deadline`: its job stays `Running` meanwhile, the engine goes on with
+/// other requests, and the chunk is a hit rather than computed twice.
+fn resolve(shared: &Shared, f: Box<super::l2::Fetch>, deadline: Instant) {
+    let id = f.id;
+    let mut waiting = Some(f);
+    let l1 = shared.kv.with_cache(shared, |c| {
+        let f = waiting.as_ref().expect("set above");
+        let l1 = c.ready_prefix(&f.meta, f.group, &f.hashes).len();
+        if l1 < f.hashes.len()
+            && Instant::now() < deadline
+            && c.in_flight(&f.meta, f.group, f.hashes[l1])
+        {
+            // Under the cache's lock, so the chunk cannot settle before the
+            // lookup is parked: its writer wakes it (`wake_lookups`).
+            let f = waiting.take().expect("set above");
+            shared.kv.parked().push(Parked {
+                f,
+                at: l1,
+                deadline,
+            });
+        }
+        l1 as u32
+    });
+    let Some(f) = waiting else {
+        let _ = shared.jobs.start(id, monotonic_ns());
+        return;
+    };
     if let Some(l2) = shared.kv.l2.as_ref().filter(|t| t.up()) {
-        let l1 = shared
-            .kv
-            .with_cache(shared, |c| c.ready_prefix(&f.meta, g, &f.hashes).len() as u32);
         if (l1 as usize) < f.hashes.len() {
             let _ = shared.jobs.start(id, monotonic_ns());
-            match l2.fetch(Box::new(super::l2::Fetch { l1, ..f })) {
-                Ok(()) => return id_reply(id),
-                // The tier's queue is full: the pool's answer.
-                Err(f) => {
-                    end_lookup(shared, &f, 0);
-                    return id_reply(id);
-                }
+            // The tier's queue is full: the pool's answer.
+            if let Err(f) = l2.fetch(Box::new(super::l2::Fetch { l1, ..*f })) {
+                end_lookup(shared, &f, 0);
             }
+            return;
         }
     }
     end_lookup(shared, &f, 0);
-    id_reply(id)
+}
+
+/// Resumes the lookups waiting for chunks that are now readable or were
+/// dropped, and those whose wait is over. Called after every change that
+/// ends a `Writing` object (a store's end, the second tier's reads) and
+/// at each housekeeping tick (deadlines).
+pub(super) fn wake_lookups(shared: &Shared) {
+    // Nothing parked: no cache lock. A lookup parks under the cache's lock
+    // before the chunk it waits for can settle, so a writer that settles
+    // it afterwards sees it here.
+    if shared.kv.parked().is_empty() {
+        return;
+    }
+    let now = Instant::now();
+    let due: Vec<Parked> = shared.kv.with_cache(shared, |c| {
+        let mut parked = shared.kv.parked();
+        let (due, wait) = std::mem::take(&mut *parked).into_iter().partition(|p| {
+            now >= p.deadline || !c.in_flight(&p.f.meta, p.f.group, p.f.hashes[p.at])
+        });
+        *parked = wait;
+        due
+    });
+    for p in due {
+        resolve(shared, p.f, p.deadline);
+    }
 }
 
 /// Ends lookup `f` (inline, or once the second tier brought `l2_hits`
@@ -349,17 +426,26 @@ pub(super) fn end_lookup(shared: &Shared, f: &super::l2::Fetch, l2_hits: u32) {
             );
         hits
     });
-    finish_lookup(shared, f.id, f.owner, hits, n);
+    if !finish_lookup(shared, f.id, f.owner, hits, n) && hits > 0 {
+        // The job was reclaimed while the lookup waited (its client went):
+        // nobody will use or free the lease.
+        let _ = shared
+            .kv
+            .with_cache(shared, |c| c.end_session(f.id, &f.meta.engine));
+    }
 }
 
-fn finish_lookup(shared: &Shared, id: JobId, owner: u32, hits: u32, n: u32) {
+/// Finishes a lookup's job; false if it was no longer running.
+fn finish_lookup(shared: &Shared, id: JobId, owner: u32, hits: u32, n: u32) -> bool {
     let result = JobResult {
         value: u64::from(hits),
         aux: u64::from(n),
     };
-    if shared.jobs.finish(id, result, monotonic_ns()).is_ok() {
+    let ended = shared.jobs.finish(id, result, monotonic_ns()).is_ok();
+    if ended {
         shared.job_ended(owner, id, true);
     }
+    ended
 }
 
 /// The request's engine event, if it names one the backend can wait for.

@@ -124,6 +124,10 @@ pub struct KvConfig {
     pub max_request_bytes: u32,
     /// How long a lookup's leases last unless used or freed.
     pub lease_ttl: Duration,
+    /// How long a lookup waits for a chunk being written (another
+    /// request's store of the same prefix, under way) before it answers
+    /// without it; zero: never waits.
+    pub inflight_wait: Duration,
     /// Which copy backend: host memcpy, CUDA, or CUDA when usable.
     pub backend: BackendChoice,
     /// CUDA: 0 for the staged path (gather/scatter kernel + one copy-engine
@@ -164,6 +168,7 @@ impl Default for KvConfig {
             copy_threads: None,
             max_request_bytes: 4 << 20,
             lease_ttl: Duration::from_secs(300),
+            inflight_wait: Duration::from_secs(1),
             backend: BackendChoice::Auto,
             cuda_zero_copy_ctas: 0,
             cuda_depth: None,

@@ -2,7 +2,8 @@
 //! leases, eviction and counters. One mutex guards it; every operation is a
 //! short, bounded piece of bookkeeping (no copy happens under it).
 //!
-//! Object life: `Writing` (allocated by a store, invisible to lookups) ->
+//! Object life: `Writing` (allocated by a store, not yet readable: a lookup
+//! that reaches it may wait for it, see [`Cache::in_flight`]) ->
 //! `Ready` (committed, in LRU order) -> evicted or cleared. An object with
 //! holds (a lease's, or a running retrieve's) or being written is never
 //! evicted or cleared.
@@ -596,6 +597,21 @@ impl Cache {
         rows
     }
 
+    /// Whether chunk `hash` is being written for `group`: an object of it
+    /// exists for every rank and at least one is still `Writing` (a store,
+    /// or a read from the second tier, under way). A lookup that stops at
+    /// such a chunk may wait for it rather than miss it.
+    pub fn in_flight(&self, meta: &LeaseMeta, group: Group, hash: ChunkHash) -> bool {
+        let mut writing = false;
+        for key in Self::rank_keys(meta, group, hash) {
+            match self.index.get(&key) {
+                Some(&o) => writing |= self.obj(o).state == ObjState::Writing,
+                None => return false,
+            }
+        }
+        writing
+    }
+
     /// Longest prefix of `hashes` whose objects are ready for every rank of
     /// `group`; takes a lease `id` on the hits (owned by `owner`).
     #[allow(clippy::too_many_arguments)]
@@ -960,6 +976,32 @@ mod tests {
 
     fn lease(n: u64) -> JobId {
         JobId::new(1, n as u32, 1)
+    }
+
+    #[test]
+    fn a_chunk_is_in_flight_while_every_rank_has_it_and_one_is_written() {
+        let mut c = Cache::new(64 * LEN, 1.0, 1.0, u64::MAX);
+        let h = [7u8; 16];
+        let (m, g) = (meta(), group());
+        assert!(!c.in_flight(&m, g, h), "absent");
+        let r0 = c.plan_store(&[key(7, 0)], LEN).write[0].obj;
+        assert!(!c.in_flight(&m, g, h), "rank 1 has no object: nothing to wait for");
+        let r1 = c.plan_store(&[key(7, 1)], LEN).write[0].obj;
+        assert!(c.in_flight(&m, g, h), "both written");
+        c.finish_store(&[r0], true, LEN);
+        assert!(c.in_flight(&m, g, h), "rank 1 still written");
+        assert!(c.ready_prefix(&m, g, &[h]).is_empty());
+        c.finish_store(&[r1], true, LEN);
+        assert!(!c.in_flight(&m, g, h), "ready");
+        assert_eq!(c.ready_prefix(&m, g, &[h]).len(), 1);
+        // A store that fails drops its object: nothing in flight any more.
+        let h2 = [8u8; 16];
+        let objs: Vec<u32> = (0..2)
+            .map(|r| c.plan_store(&[key(8, r)], LEN).write[0].obj)
+            .collect();
+        assert!(c.in_flight(&m, g, h2));
+        c.finish_store(&objs, false, 0);
+        assert!(!c.in_flight(&m, g, h2));
     }
 
     #[test]

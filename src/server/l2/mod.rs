@@ -500,6 +500,8 @@ async fn run_op(shared: &Arc<Shared>, l2: &Arc<L2>, conn: &Shared2, op: Op) {
                 _ => 0,
             };
             super::kv_ops::end_lookup(shared, &f, l2_hits);
+            // Its reads settled objects other lookups may wait for.
+            super::kv_ops::wake_lookups(shared);
         }
     }
 }

@@ -388,6 +388,8 @@ fn finish(shared: &Shared, job: &JobRun) {
                     }
                 }
             });
+            // Lookups that reached these objects while they were written.
+            crate::server::kv_ops::wake_lookups(shared);
             outcome()
         }
         Dir::FromPool => {

@@ -96,6 +96,11 @@ enum Cmd {
         /// Seconds a lookup's read leases last unless retrieved or freed.
         #[arg(long, env = "KVRING_LEASE_TTL_S", default_value_t = 300)]
         lease_ttl_s: u64,
+        /// Seconds a lookup waits for a chunk being written (another
+        /// request's store of the same prefix, under way) before it answers
+        /// without it; 0: never waits. Fractions allowed.
+        #[arg(long, default_value_t = 1.0, value_parser = parse_seconds_or_zero)]
+        inflight_wait_s: f64,
         /// Seconds a STORE or RETRIEVE ordered after an engine's event waits
         /// for it (polled from the host: no stream of the server ever waits
         /// on the device for an engine) before it fails
@@ -328,6 +333,13 @@ fn parse_seconds(s: &str) -> Result<f64, String> {
     }
 }
 
+fn parse_seconds_or_zero(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(0.0) => Ok(0.0),
+        _ => parse_seconds(s).map_err(|e| format!("{e}, or 0")),
+    }
+}
+
 /// Prints a status the way the CLI shows it.
 fn show(st: &kvring::jobs::JobStatus) -> String {
     use kvring::jobs::JobStatus::*;
@@ -431,6 +443,7 @@ fn run(cli: Cli, this: Vec<OsString>) -> kvring::Result<()> {
             copy_threads,
             max_request_bytes,
             lease_ttl_s,
+            inflight_wait_s,
             engine_event_timeout,
             evict_at_percent,
             max_pins,
@@ -468,6 +481,7 @@ fn run(cli: Cli, this: Vec<OsString>) -> kvring::Result<()> {
                 ))
             })?;
             cfg.kv.lease_ttl = Duration::from_secs(lease_ttl_s);
+            cfg.kv.inflight_wait = Duration::from_secs_f64(inflight_wait_s);
             cfg.kv.engine_event_timeout = Duration::from_secs_f64(engine_event_timeout);
             cfg.http = match http.as_deref() {
                 Some("off") => None,
