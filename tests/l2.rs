@@ -15,6 +15,7 @@ use common::tier::*;
 use common::valkey::{Valkey, ValkeyCluster};
 use common::*;
 use kvring::kv::{chunk_hashes, ChunkHash};
+use kvring::proto::kv::TierState;
 use kvring::server::l2::value;
 use kvring::{Lookup, LookupPoll};
 use std::time::{Duration, Instant};
@@ -34,8 +35,8 @@ fn objects_stored_on_one_server_are_retrieved_on_another_through_valkey() {
     assert_eq!(fetch_and_check(&mut eb, &hashes), 12);
     let s = stats(&mut eb);
     assert_eq!(
-        (s.lookup_l2_hit_chunks, s.l2_loaded_objects, s.l2_state),
-        (12, 12, 2)
+        (s.lookup_l2_hit_chunks, s.l2_loaded_objects, s.tier_state()),
+        (12, 12, Ok(TierState::Up))
     );
     // Now in B's pool: a second lookup needs no tier.
     assert_eq!(fetch_and_check(&mut eb, &hashes), 12);
@@ -222,10 +223,15 @@ fn valkey_stopped_or_killed_under_load_never_holds_up_the_pool() {
     for seed in 100..110 {
         round(&mut e, seed);
     }
-    let s = until(&mut e, "down while stopped", |s| s.l2_state == 3);
+    let s = until(&mut e, "down while stopped", |s| {
+        s.tier_state() == Ok(TierState::Down)
+    });
     assert!(s.l2_errors > 0, "{s:?}");
     vk.resume();
-    let before = until(&mut e, "up after SIGCONT", |s| s.l2_state == 2).l2_written_objects;
+    let before = until(&mut e, "up after SIGCONT", |s| {
+        s.tier_state() == Ok(TierState::Up)
+    })
+    .l2_written_objects;
     store(&mut e, 120, 2);
     until(&mut e, "writing again", |s| {
         s.l2_written_objects >= before + 2
@@ -234,9 +240,14 @@ fn valkey_stopped_or_killed_under_load_never_holds_up_the_pool() {
     for seed in 130..140 {
         round(&mut e, seed);
     }
-    until(&mut e, "down while killed", |s| s.l2_state == 3);
+    until(&mut e, "down while killed", |s| {
+        s.tier_state() == Ok(TierState::Down)
+    });
     vk.restart();
-    let before = until(&mut e, "up after restart", |s| s.l2_state == 2).l2_written_objects;
+    let before = until(&mut e, "up after restart", |s| {
+        s.tier_state() == Ok(TierState::Up)
+    })
+    .l2_written_objects;
     store(&mut e, 150, 2);
     until(&mut e, "writing after restart", |s| {
         s.l2_written_objects >= before + 2

@@ -12,6 +12,7 @@ use common::tier::*;
 use common::valkey::Valkey;
 use common::*;
 use kvring::kv::{model_id, ChunkHash};
+use kvring::proto::kv::TierState;
 use kvring::server::l2::value::{self, MacKey, Seal, Value};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -63,8 +64,8 @@ fn refused(e: &mut Engine, h: &ChunkHash, what: &str) {
         "{what}: not counted: {s:?}"
     );
     assert_eq!(
-        (s.l2_state, s.l2_errors),
-        (2, before.l2_errors),
+        (s.tier_state(), s.l2_errors),
+        (Ok(TierState::Up), before.l2_errors),
         "{what}: {s:?}"
     );
 }
@@ -230,8 +231,8 @@ fn values_of_the_previous_format_are_misses_not_errors() {
     assert_eq!(fetch_and_check(&mut eb, &hashes), 1);
     let s = stats(&mut eb);
     assert_eq!(
-        (s.l2_corrupt_objects, s.l2_errors, s.l2_state),
-        (1, 0, 2),
+        (s.l2_corrupt_objects, s.l2_errors, s.tier_state()),
+        (1, 0, Ok(TierState::Up)),
         "{s:?}"
     );
 }
@@ -256,7 +257,11 @@ fn a_wrong_typed_key_is_a_miss_and_the_tier_stays_up() {
         // Chunks 0 and 1 come from the tier (the first time) or the pool.
         assert_eq!(fetch_and_check(&mut eb, &hashes), 2, "round {round}");
         let s = stats(&mut eb);
-        assert_eq!(s.l2_state, 2, "round {round}: the tier went down: {s:?}");
+        assert_eq!(
+            s.tier_state(),
+            Ok(TierState::Up),
+            "round {round}: the tier went down: {s:?}"
+        );
         assert!(
             s.l2_errors > errors,
             "round {round}: the reply not counted: {s:?}"
@@ -267,7 +272,7 @@ fn a_wrong_typed_key_is_a_miss_and_the_tier_stays_up() {
     assert_eq!(fetch_and_check(&mut eb, &hashes[3..]), 1);
     let (_a2, _ea2, more) = stored_through(&vk, "l2t-type-c", 64, 4);
     assert_eq!(fetch_and_check(&mut eb, &more), 4);
-    assert_eq!(stats(&mut eb).l2_state, 2);
+    assert_eq!(stats(&mut eb).tier_state(), Ok(TierState::Up));
 }
 
 /// `field` of `/proc/PID/status`, in KiB.

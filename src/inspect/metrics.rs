@@ -8,6 +8,7 @@
 //! are the segment's log2 buckets (`OpStat`), in seconds.
 
 use super::{AnomalyKind, Snapshot};
+use crate::proto::kv::TierState;
 use crate::shm::{OpStat, HIST_BUCKETS};
 use prometheus_client::encoding::{EncodeMetric, MetricEncoder, NoLabelSet};
 use prometheus_client::metrics::MetricType;
@@ -402,12 +403,13 @@ fn registry(s: &Snapshot) -> Registry {
         None,
         c.l2_queue as f64,
     );
-    if c.l2_state != 0 {
+    let tier = c.tier_state();
+    if tier != Ok(TierState::None) {
         x.gauge(
             "l2_up",
             "1 while the second tier answers, 0 while it is down or connecting (absent without one)",
             None,
-            if c.l2_state == 2 { 1.0 } else { 0.0 },
+            if tier == Ok(TierState::Up) { 1.0 } else { 0.0 },
         );
     }
     x.gauge(

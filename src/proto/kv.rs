@@ -151,7 +151,7 @@ shm_struct! {
         /// Chunks a lookup found in the second tier (and brought into the
         /// pool) beyond those the pool had: part of `lookup_hit_chunks`.
         [160] pub lookup_l2_hit_chunks: u64,
-        /// The second tier: 0 none, 1 connecting, 2 up, 3 down.
+        /// The second tier's state, a [`TierState`] (`StatsReply::tier_state`).
         [168] pub l2_state: u64,
         /// Objects written to the second tier.
         [176] pub l2_written_objects: u64,
@@ -172,6 +172,27 @@ shm_struct! {
         [232] pub l2_errors: u64,
         /// Operations queued for or running on the tier now.
         [240] pub l2_queue: u64,
+    }
+}
+
+wire_enum! {
+    /// `StatsReply::l2_state`: the state of the tier below the pool.
+    pub enum TierState: u64 {
+        /// No such tier.
+        None = 0 => "none",
+        /// Started, not yet answered.
+        Connecting = 1 => "connecting",
+        /// Answering: operations are taken.
+        Up = 2 => "up",
+        /// Not answering: nothing waits on it, it is probed again.
+        Down = 3 => "down",
+    }
+}
+
+impl StatsReply {
+    /// The second tier's state (`Err` for a code this build does not know).
+    pub fn tier_state(&self) -> Result<TierState, crate::wire::Unknown<u64>> {
+        TierState::decode(self.l2_state)
     }
 }
 

@@ -5,7 +5,7 @@
 use super::valkey::Valkey;
 use super::*;
 use kvring::kv::{chunk_hashes, ChunkHash};
-use kvring::proto::kv::StatsReply;
+use kvring::proto::kv::{StatsReply, TierState};
 use kvring::Retrieve;
 use std::time::{Duration, Instant};
 
@@ -30,7 +30,9 @@ pub fn server(tag: &str, urls: &[String], extra: &[&str]) -> Fixture {
 /// writes are dropped and its lookups answered from the pool).
 pub fn engine(s: &Fixture) -> Engine {
     let mut e = Engine::new(s, small_layout(), 1, 0);
-    until(&mut e, "the second tier up", |s| s.l2_state == 2);
+    until(&mut e, "the second tier up", |s| {
+        s.tier_state() == Ok(TierState::Up)
+    });
     e
 }
 

@@ -29,9 +29,9 @@ use super::registry::Group;
 use super::Shared;
 use crate::jobs::JobId;
 use crate::kv::ChunkHash;
-use crate::proto::kv::StatsReply;
+use crate::proto::kv::{StatsReply, TierState};
 use conn::Conn;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::fmt;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -113,15 +113,6 @@ impl L2Config {
     }
 }
 
-/// `StatsReply::l2_state` values.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(u8)]
-pub enum L2State {
-    Connecting = 1,
-    Up = 2,
-    Down = 3,
-}
-
 /// The tier's counters (for STATS and the segment).
 #[derive(Default)]
 struct Counters {
@@ -170,7 +161,7 @@ pub(crate) struct L2 {
     cfg: L2Config,
     tx: tokio::sync::mpsc::Sender<Op>,
     rx: Mutex<Option<tokio::sync::mpsc::Receiver<Op>>>,
-    state: AtomicU8,
+    state: AtomicU64,
     counters: Counters,
     /// When the tier was made (what `warned_ms` counts from).
     born: Instant,
@@ -188,7 +179,7 @@ impl L2 {
             cfg,
             tx,
             rx: Mutex::new(Some(rx)),
-            state: AtomicU8::new(L2State::Connecting as u8),
+            state: AtomicU64::new(TierState::Connecting.raw()),
             counters: Counters::default(),
             born: Instant::now(),
             warned_ms: AtomicU64::new(0),
@@ -200,29 +191,29 @@ impl L2 {
         self.cfg.mode
     }
 
-    fn state(&self) -> u8 {
+    fn state(&self) -> u64 {
         // Relaxed: a hint; every operation copes with the tier failing.
         self.state.load(Ordering::Relaxed)
     }
 
-    fn set_state(&self, s: L2State) {
+    fn set_state(&self, s: TierState) {
         // Relaxed: a hint (see `state`); no other access is ordered by it.
-        let old = self.state.swap(s as u8, Ordering::Relaxed);
-        if old != s as u8 {
+        let old = self.state.swap(s.raw(), Ordering::Relaxed);
+        if old != s.raw() {
             match s {
-                L2State::Up => tracing::info!("second tier up ({})", self.cfg.urls.join(", ")),
-                L2State::Down => tracing::warn!(
+                TierState::Up => tracing::info!("second tier up ({})", self.cfg.urls.join(", ")),
+                TierState::Down => tracing::warn!(
                     "second tier down ({}): serving from the pool, retrying",
                     self.cfg.urls.join(", ")
                 ),
-                L2State::Connecting => {}
+                TierState::Connecting | TierState::None => {}
             }
         }
     }
 
     /// Whether operations are taken now (the tier answered last time).
     pub fn up(&self) -> bool {
-        self.state() == L2State::Up as u8
+        self.state() == TierState::Up.raw()
     }
 
     fn push(&self, op: Op) -> Result<(), Box<Op>> {
@@ -266,7 +257,7 @@ impl L2 {
         let c = &self.counters;
         // Relaxed: counters, each read on its own; no access pairs.
         let r = Ordering::Relaxed;
-        s.l2_state = u64::from(self.state());
+        s.l2_state = self.state();
         s.l2_written_objects = c.written.load(r);
         s.l2_write_dropped_objects = c.dropped.load(r);
         s.l2_loaded_objects = c.loaded.load(r);
@@ -303,7 +294,7 @@ impl L2 {
             self.warn(format_args!("second tier: {what} {key}: {e}: a miss (or a dropped write)"));
         } else {
             tracing::debug!("second tier: {what} {key}: {e}");
-            self.set_state(L2State::Down);
+            self.set_state(TierState::Down);
         }
     }
 
@@ -466,10 +457,10 @@ async fn supervise(l2: Arc<L2>, conn: Shared2, stop: Arc<AtomicBool>) {
             Some(c) => c.ping(l2.cfg.response_timeout).await.is_ok(),
         };
         if ok {
-            l2.set_state(L2State::Up);
+            l2.set_state(TierState::Up);
             backoff = Duration::from_millis(100);
         } else {
-            l2.set_state(L2State::Down);
+            l2.set_state(TierState::Down);
             tokio::time::sleep(backoff).await;
             backoff = (backoff * 2).min(Duration::from_secs(2));
         }

@@ -37,7 +37,7 @@ use crate::peers::{kvring_server_with, stop_server};
 use crate::stats::{Spread, Summary};
 use kvring::jobs::JobStatus;
 use kvring::kv::{chunk_hashes, model_id, pattern, KvLayout, LayoutPreset};
-use kvring::proto::kv::StatsReply;
+use kvring::proto::kv::{StatsReply, TierState};
 use kvring::server::l2::value::{self, MacKey, Seal, Value};
 use kvring::wait::WaitPolicy;
 use kvring::{HostKvCache, Job, KvSpec, Lookup, Registration, Retrieve, Store};
@@ -390,7 +390,7 @@ impl Engine {
             .register_host(&KvSpec::new(model(), 1, 0), &cache)
             .expect("register");
         let end = Instant::now() + Duration::from_secs(15);
-        while c.stats().expect("stats").l2_state != 2 {
+        while c.stats().expect("stats").tier_state() != Ok(TierState::Up) {
             assert!(Instant::now() < end, "the second tier never came up");
             std::thread::sleep(Duration::from_millis(10));
         }

@@ -194,16 +194,12 @@ pub fn show(s: &Snapshot, rates: Option<Rates>) -> String {
             mib(c.pinned_bytes)
         );
     }
-    if c.l2_state != 0 {
+    let tier = c.tier_state();
+    if tier != Ok(kvring::proto::kv::TierState::None) {
         let _ = writeln!(
             o,
             "second tier: {}, {} queued; written {} objects ({} dropped), loaded {} ({} missed, {} corrupt), {} MiB out, {} MiB in, {} errors; lookups found {} chunks there",
-            match c.l2_state {
-                1 => "connecting",
-                2 => "up",
-                3 => "down",
-                _ => "?",
-            },
+            tier.map_or("?", |t| t.name()),
             c.l2_queue,
             c.l2_written_objects,
             c.l2_write_dropped_objects,
