@@ -514,7 +514,7 @@ pub(super) fn run(shared: &Shared, listener: Listener, bell: DoorbellReceiver, t
         h.pool_ready_bytes
             .store(shared.kv.pool_ready_bytes(), Ordering::Relaxed);
         // The second tier's state and counters change on its own thread.
-        if shared.kv.l2.is_some() {
+        if shared.kv.tier.is_some() {
             super::kv_ops::publish(shared, &shared.kv.stats());
         }
         a.poll_once(&listener, &bell, tick);

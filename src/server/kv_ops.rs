@@ -6,6 +6,8 @@
 use super::cache::{Cache, LeaseError, LeaseMeta, ObjectKey};
 use super::pool::PoolMemory;
 use super::registry::{Registration, Registry};
+use super::tier::owner::Inbox;
+use super::tier::{Fetch, TierLink, WriteMode};
 use super::transfer::{BackendKind, Copier, Dir, EngineEvent, JobRun, JobWord, Task};
 use super::Shared;
 use crate::jobs::{JobId, JobKind, JobResult, NewJob};
@@ -43,8 +45,13 @@ pub struct KvState {
     pub pool: PoolMemory,
     /// The lookups-by-model rows (written under the cache's lock).
     pub model_rows: Mutex<super::model_rows::ModelRows>,
-    /// The second tier, if any.
-    pub l2: Option<Arc<super::l2::L2>>,
+    /// The tier below the pool, if any: its state and its owner's inbox.
+    pub tier: Option<TierLink>,
+    /// The second tier and its owner's inbox, until the server starts them.
+    pub(super) tier_start: Mutex<Option<(Arc<super::l2::L2>, Inbox)>>,
+    /// Objects the tier was not handed (too many bytes waiting, its queue
+    /// full, or down): counted with its dropped writes.
+    pub(super) tier_refused: AtomicU64,
     /// How long a lookup waits for a chunk being written.
     pub inflight_wait: Duration,
     /// Lookups waiting for a chunk being written (taken after the cache's
@@ -55,7 +62,7 @@ pub struct KvState {
 /// A lookup that stopped at a chunk being written: answered once that
 /// chunk is readable or dropped, or at `deadline`.
 struct Parked {
-    f: Box<super::l2::Fetch>,
+    f: Box<Fetch>,
     /// The chunk it waits for.
     at: usize,
     deadline: Instant,
@@ -119,6 +126,15 @@ impl KvState {
                 .map(|i| super::simulated_device_uuid(i).to_bytes())
                 .collect()
         };
+        let (tier, tier_start) = match cfg.l2.clone() {
+            Some(c) => {
+                let mode = c.mode;
+                let l2 = Arc::new(super::l2::L2::new(c));
+                let (link, inbox) = TierLink::new(l2.clone(), mode);
+                (Some(link), Some((l2, inbox)))
+            }
+            None => (None, None),
+        };
         let kv = KvState {
             backend_note,
             chunk_tokens: cfg.chunk_tokens,
@@ -144,7 +160,9 @@ impl KvState {
             pool,
             copier: Copier::new(max_clients, backend, &devices),
             model_rows: Mutex::new(super::model_rows::ModelRows::default()),
-            l2: cfg.l2.clone().map(|c| Arc::new(super::l2::L2::new(c))),
+            tier,
+            tier_start: Mutex::new(tier_start),
+            tier_refused: AtomicU64::new(0),
             inflight_wait: cfg.inflight_wait,
             parked: Mutex::new(Vec::new()),
         };
@@ -156,7 +174,7 @@ impl KvState {
             limits.max_bytes = cfg.max_pinned_bytes.unwrap_or(limits.max_bytes);
             cache.set_pin_limits(limits);
         }
-        if kv.l2.as_ref().is_some_and(|t| t.mode() == super::l2::WriteMode::Back) {
+        if kv.tier.as_ref().is_some_and(|t| t.mode == WriteMode::Back) {
             // At most a quarter of the pool waits to be written at once.
             kv.cache().set_writeback(kv.pool.len() / 4);
         }
@@ -205,8 +223,8 @@ impl KvState {
     pub fn with_cache<T>(&self, shared: &Shared, f: impl FnOnce(&mut Cache) -> T) -> T {
         let mut c = self.cache();
         let r = f(&mut c);
-        if let Some(l2) = &self.l2 {
-            l2.take_drained(&mut c);
+        if let Some(t) = self.tier.as_ref().filter(|_| c.tier_work()) {
+            t.kick();
         }
         let mut stats = c.stats;
         drop(c);
@@ -218,8 +236,10 @@ impl KvState {
     /// The counters kept outside the cache.
     fn fill(&self, stats: &mut StatsReply) {
         stats.instances = self.instances.load(Ordering::Relaxed);
-        if let Some(l2) = &self.l2 {
-            l2.fill(stats);
+        if let Some(t) = &self.tier {
+            t.tier.fill(stats);
+            // Relaxed: a counter.
+            stats.l2_write_dropped_objects += self.tier_refused.load(Ordering::Relaxed);
         }
     }
 
@@ -302,7 +322,7 @@ pub fn lookup(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
         finish_lookup(shared, id, who.slot, 0, h.n_chunks);
         return id_reply(id);
     };
-    let f = super::l2::Fetch {
+    let f = Fetch {
         id,
         owner: who.slot,
         meta: LeaseMeta {
@@ -330,7 +350,7 @@ pub fn lookup(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
 /// from the second tier, under way), the lookup waits for it, until
 /// `deadline`: its job stays `Running` meanwhile, the engine goes on with
 /// other requests, and the chunk is a hit rather than computed twice.
-fn resolve(shared: &Shared, f: Box<super::l2::Fetch>, deadline: Instant) {
+fn resolve(shared: &Shared, f: Box<Fetch>, deadline: Instant) {
     let id = f.id;
     let mut waiting = Some(f);
     let l1 = shared.kv.with_cache(shared, |c| {
@@ -355,11 +375,11 @@ fn resolve(shared: &Shared, f: Box<super::l2::Fetch>, deadline: Instant) {
         let _ = shared.jobs.start(id, monotonic_ns());
         return;
     };
-    if let Some(l2) = shared.kv.l2.as_ref().filter(|t| t.up()) {
+    if let Some(t) = shared.kv.tier.as_ref().filter(|t| t.up()) {
         if (l1 as usize) < f.hashes.len() {
             let _ = shared.jobs.start(id, monotonic_ns());
-            // The tier's queue is full: the pool's answer.
-            if let Err(f) = l2.fetch(Box::new(super::l2::Fetch { l1, ..*f })) {
+            // The owner hands it to the tier (or answers from the pool).
+            if let Err(f) = t.fetch(Box::new(Fetch { l1, ..*f })) {
                 end_lookup(shared, &f, 0);
             }
             return;
@@ -396,7 +416,7 @@ pub(super) fn wake_lookups(shared: &Shared) {
 /// Ends lookup `f` (inline, or once the second tier brought `l2_hits`
 /// chunks past the pool's `f.l1` into the pool): takes its lease on the
 /// longest prefix stored for every rank, counts it, and finishes its job.
-pub(super) fn end_lookup(shared: &Shared, f: &super::l2::Fetch, l2_hits: u32) {
+pub(super) fn end_lookup(shared: &Shared, f: &Fetch, l2_hits: u32) {
     let n = f.hashes.len() as u32;
     let hits = shared.kv.with_cache(shared, |c| {
         let hits = c.lookup(

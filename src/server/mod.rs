@@ -23,6 +23,7 @@ mod delay;
 pub(crate) mod http;
 mod kv_ops;
 pub mod l2;
+mod tier;
 mod model_rows;
 mod peer_memory;
 mod pool;
@@ -412,8 +413,9 @@ pub struct ServerHandle {
     workers: Vec<JoinHandle<()>>,
     /// Stopped first at shutdown.
     http: Option<http::HttpServer>,
-    /// The second tier's thread: stopped after the copy workers.
-    l2: Option<l2::L2Thread>,
+    /// The second tier's owner and thread: stopped after the copy workers
+    /// (the owner first, so nothing is handed to the tier after).
+    l2: Option<(tier::owner::TierOwner, l2::L2Thread)>,
     paths: ServerPaths,
     _lock: File,
 }
@@ -477,7 +479,8 @@ impl ServerHandle {
         // the jobs are failed below.
         sh.kv.copier.drop_queued(sh.seg.mapping.lanes());
         // The second tier: its lookups not answered yet fail below.
-        if let Some(mut t) = self.l2.take() {
+        if let Some((mut owner, mut t)) = self.l2.take() {
+            owner.stop();
             t.stop();
         }
         // Unfinished jobs end Failed(ServerShutdown) while their owners are
@@ -716,8 +719,18 @@ pub fn start(cfg: ServerConfig) -> Result<ServerHandle> {
         )?),
         _ => None,
     };
-    let l2 = match shared.kv.l2 {
-        Some(_) => Some(l2::L2Thread::start(shared.clone())?),
+    let start = shared
+        .kv
+        .tier_start
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .take();
+    let l2 = match start {
+        Some((l2, inbox)) => {
+            let pool: Arc<dyn tier::PoolView> = Arc::new(tier::owner::Pool(shared.clone()));
+            let thread = l2::L2Thread::start(l2, pool, inbox.finished.clone())?;
+            Some((tier::owner::TierOwner::start(shared.clone(), inbox)?, thread))
+        }
         None => None,
     };
     undo.done();

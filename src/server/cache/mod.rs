@@ -159,6 +159,9 @@ pub struct Cache {
     /// Evicted objects not kept for the second tier since the last
     /// [`Cache::take_drained`] (too many bytes waiting already).
     drain_refused: u64,
+    /// Stored objects held for a write-through to the second tier, not yet
+    /// handed to it: (object, key, offset, length).
+    through: Vec<(u32, ObjectKey, u64, u64)>,
 }
 
 /// An evicted object whose pool range is kept until the second tier has
@@ -214,6 +217,7 @@ impl Cache {
             low_water: (cap * low) as u64,
             writeback: None,
             drained: Vec::new(),
+            through: Vec::new(),
             draining_bytes: 0,
             drain_refused: 0,
         }
@@ -361,20 +365,30 @@ impl Cache {
     }
 
     /// Holds each of `objs` that the second tier does not have, for a write
-    /// there (write-through): the returned ones stay readable and are not
-    /// evicted until [`Cache::l2_written`].
-    pub fn hold_for_l2(&mut self, objs: &[u32]) -> Vec<(u32, ObjectKey, u64, u64)> {
-        let mut out = Vec::new();
+    /// there (write-through): they stay readable and are not evicted until
+    /// [`Cache::l2_written`]; [`Cache::take_through`] hands them over.
+    pub fn hold_for_l2(&mut self, objs: &[u32]) {
         for &id in objs {
             let Some(o) = self.objects.get_mut(id as usize).and_then(Option::as_mut) else {
                 continue;
             };
             if o.state == ObjState::Ready && !o.in_l2 {
                 o.holds += 1;
-                out.push((id, o.key, o.off, o.len));
+                self.through.push((id, o.key, o.off, o.len));
             }
         }
-        out
+    }
+
+    /// The objects [`Cache::hold_for_l2`] held, to write: (object, key,
+    /// offset, length).
+    pub fn take_through(&mut self) -> Vec<(u32, ObjectKey, u64, u64)> {
+        std::mem::take(&mut self.through)
+    }
+
+    /// Whether evicted or stored objects wait to be handed to the second
+    /// tier.
+    pub fn tier_work(&self) -> bool {
+        !self.drained.is_empty() || !self.through.is_empty() || self.drain_refused > 0
     }
 
     /// A write held by [`Cache::hold_for_l2`] ended (`ok`: the tier has it).

@@ -12,10 +12,12 @@
 //!   the rest, brings the leading chunks it has (every rank's object, each
 //!   value checked) into the pool, and only then takes its lease and ends:
 //!   its job stays `Running` meanwhile, at most `lookup_wait`.
+//! * It is a `Tier` (`server/tier`): its owner submits writes and
+//!   fetches (`try_send` on a bounded queue, never waiting) and applies
+//!   what it finished; it sees the pool through a `PoolView` and never
+//!   calls into the request path.
 //! * Network I/O runs on the tier's own thread (`kvring-l2`, a Tokio
-//!   runtime with a worker per connection of its pool, `kvring-l2-io`):
-//!   the ring loop and the copy workers only
-//!   queue operations (`try_send` on a bounded queue, never waiting). Every
+//!   runtime with a worker per connection of its pool, `kvring-l2-io`). Every
 //!   command has a deadline; a failed one marks the tier down, and while it
 //!   is down nothing waits on it: writes are dropped, lookups answer from
 //!   the pool, and the tier is probed again with a backoff (100 ms to 2 s).
@@ -24,26 +26,15 @@ mod conn;
 mod key;
 pub mod value;
 
-use super::cache::{Cache, Drained, LeaseMeta, ObjectKey};
-use super::registry::Group;
-use super::Shared;
-use crate::jobs::JobId;
-use crate::kv::ChunkHash;
+use super::cache::{Cache, ObjectKey};
+use super::tier::{Fetch, Finished, Placement, PoolView, Tier, TierDone, TierOp};
+pub use super::tier::WriteMode;
 use crate::proto::kv::{StatsReply, TierState};
 use conn::Conn;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::fmt;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-
-/// When objects go to the second tier.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum WriteMode {
-    /// When the pool evicts them.
-    Back,
-    /// As soon as they are stored.
-    Through,
-}
 
 /// The second tier's settings (`kvring serve --l2 URL ...`).
 #[derive(Clone, Debug)]
@@ -127,40 +118,12 @@ struct Counters {
     queue: AtomicU64,
 }
 
-/// What a write does when it ends (written or not).
-pub(crate) enum AfterWrite {
-    /// Drop the hold write-through took on object `.0`.
-    Release(u32),
-    /// Give back an evicted object's range (write-back).
-    Free(Drained),
-}
-
-/// A lookup that missed the pool after `l1` chunks.
-pub(crate) struct Fetch {
-    pub id: JobId,
-    pub owner: u32,
-    pub meta: LeaseMeta,
-    pub group: Group,
-    pub hashes: Vec<ChunkHash>,
-    pub l1: u32,
-}
-
-enum Op {
-    Write {
-        key: ObjectKey,
-        off: u64,
-        len: u64,
-        then: AfterWrite,
-    },
-    Fetch(Box<Fetch>),
-}
-
 /// The tier as the server's threads see it: a bounded queue to its thread,
 /// its state and counters.
 pub(crate) struct L2 {
     cfg: L2Config,
-    tx: tokio::sync::mpsc::Sender<Op>,
-    rx: Mutex<Option<tokio::sync::mpsc::Receiver<Op>>>,
+    tx: tokio::sync::mpsc::Sender<TierOp>,
+    rx: Mutex<Option<tokio::sync::mpsc::Receiver<TierOp>>>,
     state: AtomicU64,
     counters: Counters,
     /// When the tier was made (what `warned_ms` counts from).
@@ -187,10 +150,6 @@ impl L2 {
         }
     }
 
-    pub fn mode(&self) -> WriteMode {
-        self.cfg.mode
-    }
-
     fn state(&self) -> u64 {
         // Relaxed: a hint; every operation copes with the tier failing.
         self.state.load(Ordering::Relaxed)
@@ -214,72 +173,6 @@ impl L2 {
     /// Whether operations are taken now (the tier answered last time).
     pub fn up(&self) -> bool {
         self.state() == TierState::Up.raw()
-    }
-
-    fn push(&self, op: Op) -> Result<(), Box<Op>> {
-        if !self.up() {
-            return Err(Box::new(op));
-        }
-        match self.tx.try_send(op) {
-            Ok(()) => {
-                // Relaxed: a gauge for observers.
-                self.counters.queue.fetch_add(1, Ordering::Relaxed);
-                Ok(())
-            }
-            Err(e) => Err(Box::new(e.into_inner())),
-        }
-    }
-
-    /// Queues a write of object `key` (its bytes at pool offset `off`, kept
-    /// by the caller until `then` runs); `Err(then)` when not queued (the
-    /// tier down, its queue full): the caller undoes `then` itself.
-    pub fn write(&self, key: ObjectKey, off: u64, len: u64, then: AfterWrite) -> Result<(), AfterWrite> {
-        self.push(Op::Write { key, off, len, then }).map_err(|op| {
-            // Relaxed: a counter.
-            self.counters.dropped.fetch_add(1, Ordering::Relaxed);
-            match *op {
-                Op::Write { then, .. } => then,
-                Op::Fetch(_) => unreachable!("a write was pushed"),
-            }
-        })
-    }
-
-    /// Queues a lookup's fetch; `Err` when not queued.
-    pub fn fetch(&self, f: Box<Fetch>) -> Result<(), Box<Fetch>> {
-        self.push(Op::Fetch(f)).map_err(|op| match *op {
-            Op::Fetch(f) => f,
-            Op::Write { .. } => unreachable!("a fetch was pushed"),
-        })
-    }
-
-    /// Copies the tier's counters into `s`.
-    pub fn fill(&self, s: &mut StatsReply) {
-        let c = &self.counters;
-        // Relaxed: counters, each read on its own; no access pairs.
-        let r = Ordering::Relaxed;
-        s.l2_state = self.state();
-        s.l2_written_objects = c.written.load(r);
-        s.l2_write_dropped_objects = c.dropped.load(r);
-        s.l2_loaded_objects = c.loaded.load(r);
-        s.l2_missed_objects = c.missed.load(r);
-        s.l2_corrupt_objects = c.corrupt.load(r);
-        s.l2_bytes_out = c.bytes_out.load(r);
-        s.l2_bytes_in = c.bytes_in.load(r);
-        s.l2_errors = c.errors.load(r);
-        s.l2_queue = c.queue.load(r);
-    }
-
-    /// Hands the objects the cache evicted to the tier (write-back); one
-    /// not taken gets its range back at once. Called with the cache locked.
-    pub fn take_drained(&self, c: &mut Cache) {
-        let (drained, refused) = c.take_drained();
-        // Relaxed: a counter.
-        self.counters.dropped.fetch_add(refused, Ordering::Relaxed);
-        for d in drained {
-            if let Err(AfterWrite::Free(d)) = self.write(d.key, d.off, d.len, AfterWrite::Free(d)) {
-                c.free_drained(&d);
-            }
-        }
     }
 
     /// Command `what` on `key` failed: counted. A connection error or a
@@ -317,6 +210,48 @@ impl L2 {
     }
 }
 
+impl Tier for L2 {
+    fn state(&self) -> TierState {
+        TierState::decode(self.state()).unwrap_or(TierState::Down)
+    }
+
+    fn submit(&self, op: TierOp) -> Result<(), TierOp> {
+        let refused = if !self.up() {
+            Err(op)
+        } else {
+            match self.tx.try_send(op) {
+                Ok(()) => {
+                    // Relaxed: a gauge for observers.
+                    self.counters.queue.fetch_add(1, Ordering::Relaxed);
+                    Ok(())
+                }
+                Err(e) => Err(e.into_inner()),
+            }
+        };
+        if let Err(TierOp::Write { .. }) = &refused {
+            // Relaxed: a counter.
+            self.counters.dropped.fetch_add(1, Ordering::Relaxed);
+        }
+        refused
+    }
+
+    fn fill(&self, s: &mut StatsReply) {
+        let c = &self.counters;
+        // Relaxed: counters, each read on its own; no access pairs.
+        let r = Ordering::Relaxed;
+        s.l2_state = self.state();
+        s.l2_written_objects = c.written.load(r);
+        s.l2_write_dropped_objects = c.dropped.load(r);
+        s.l2_loaded_objects = c.loaded.load(r);
+        s.l2_missed_objects = c.missed.load(r);
+        s.l2_corrupt_objects = c.corrupt.load(r);
+        s.l2_bytes_out = c.bytes_out.load(r);
+        s.l2_bytes_in = c.bytes_in.load(r);
+        s.l2_errors = c.errors.load(r);
+        s.l2_queue = c.queue.load(r);
+    }
+}
+
 /// Whether `e` is the store's answer about one command (an error reply),
 /// not a failure of the connection or of the store as a whole.
 fn is_reply(e: &redis::RedisError) -> bool {
@@ -341,9 +276,9 @@ pub(crate) struct L2Thread {
 }
 
 impl L2Thread {
-    /// Starts the tier's thread for `shared.kv.l2`.
-    pub fn start(shared: Arc<Shared>) -> crate::Result<L2Thread> {
-        let l2 = shared.kv.l2.clone().expect("a second tier");
+    /// Starts the thread of tier `l2`: it reads and writes the pool
+    /// through `pool` and hands what it finished to `finished`.
+    pub fn start(l2: Arc<L2>, pool: Arc<dyn PoolView>, finished: Finished) -> crate::Result<L2Thread> {
         let rx = l2
             .rx
             .lock()
@@ -365,7 +300,7 @@ impl L2Thread {
         let thread = std::thread::Builder::new()
             .name("kvring-l2".into())
             .spawn(move || {
-                rt.block_on(serve(shared, l2, rx, s, w));
+                rt.block_on(serve(pool, finished, l2, rx, s, w));
                 rt.shutdown_timeout(Duration::from_secs(1));
             })
             .map_err(crate::error::io("spawn the second tier's thread"))?;
@@ -399,9 +334,10 @@ impl Drop for L2Thread {
 type Shared2 = Arc<tokio::sync::RwLock<Option<Conn>>>;
 
 async fn serve(
-    shared: Arc<Shared>,
+    pool: Arc<dyn PoolView>,
+    finished: Finished,
     l2: Arc<L2>,
-    mut rx: tokio::sync::mpsc::Receiver<Op>,
+    mut rx: tokio::sync::mpsc::Receiver<TierOp>,
     stop: Arc<AtomicBool>,
     wake: Arc<tokio::sync::Notify>,
 ) {
@@ -421,9 +357,10 @@ async fn serve(
         let Ok(permit) = slots.clone().acquire_owned().await else {
             break;
         };
-        let (shared, l2, conn) = (shared.clone(), l2.clone(), conn.clone());
+        let (pool, l2, conn) = (pool.clone(), l2.clone(), conn.clone());
+        let finished = finished.clone();
         tokio::spawn(async move {
-            run_op(&shared, &l2, &conn, op).await;
+            finished.send(run_op(&pool, &l2, &conn, op).await);
             // Relaxed: a gauge.
             l2.counters.queue.fetch_sub(1, Ordering::Relaxed);
             drop(permit);
@@ -467,39 +404,44 @@ async fn supervise(l2: Arc<L2>, conn: Shared2, stop: Arc<AtomicBool>) {
     }
 }
 
-async fn run_op(shared: &Arc<Shared>, l2: &Arc<L2>, conn: &Shared2, op: Op) {
+async fn run_op(pool: &Arc<dyn PoolView>, l2: &Arc<L2>, conn: &Shared2, op: TierOp) -> TierDone {
     let c = conn.read().await.clone();
     match op {
-        Op::Write { key, off, len, then } => {
-            let check = matches!(&then, AfterWrite::Free(d) if d.in_l2);
+        TierOp::Write {
+            key,
+            off,
+            len,
+            check,
+            then,
+        } => {
             let ok = match c {
-                Some(c) => write(shared, l2, c, &key, off, len, check).await,
+                Some(c) => write(&**pool, l2, c, &key, off, len, check).await,
                 None => false,
             };
             if !ok {
                 // Relaxed: a counter.
                 l2.counters.dropped.fetch_add(1, Ordering::Relaxed);
             }
-            shared.kv.with_cache(shared, |cache| match &then {
-                AfterWrite::Release(id) => cache.l2_written(*id, ok),
-                AfterWrite::Free(d) => cache.free_drained(d),
-            });
+            TierDone::Written { then, ok }
         }
-        Op::Fetch(f) => {
-            let l2_hits = match c {
-                Some(c) if l2.up() => fetch(shared, l2, c, &f).await,
-                _ => 0,
+        TierOp::Fetch(f) => {
+            let (hits, keep, drop) = match c {
+                Some(c) if l2.up() => fetch(pool, l2, c, &f).await,
+                _ => (0, Vec::new(), Vec::new()),
             };
-            super::kv_ops::end_lookup(shared, &f, l2_hits);
-            // Its reads settled objects other lookups may wait for.
-            super::kv_ops::wake_lookups(shared);
+            TierDone::Fetched {
+                fetch: f,
+                hits,
+                keep,
+                drop,
+            }
         }
     }
 }
 
 /// Writes one object (`check`: unless the tier has it already); whether the
 /// tier has it.
-async fn write(shared: &Shared, l2: &L2, c: Conn, key: &ObjectKey, off: u64, len: u64, check: bool) -> bool {
+async fn write(pool: &dyn PoolView, l2: &L2, c: Conn, key: &ObjectKey, off: u64, len: u64, check: bool) -> bool {
     let k = key::key(&l2.cfg.prefix, key);
     if check {
         match c.exists(&k, l2.cfg.response_timeout).await {
@@ -511,13 +453,11 @@ async fn write(shared: &Shared, l2: &L2, c: Conn, key: &ObjectKey, off: u64, len
             }
         }
     }
-    // SAFETY: `[off, off + len)` is an object's range in the pool, kept by
-    // the caller of `L2::write` until this write's `then` runs (a
+    // SAFETY: `[off, off + len)` is the range of the object submitted for
+    // this write, which the owner keeps until it applies the write's end (a
     // write-through hold on a ready object, which nothing writes; or an
-    // evicted object's range, kept out of the allocator): nothing writes or
-    // frees it meanwhile, and the pool lives as long as the server, whose
-    // shutdown joins this thread first.
-    let bytes = unsafe { std::slice::from_raw_parts(shared.kv.pool.at(off), len as usize) };
+    // evicted object's range, kept out of the allocator).
+    let bytes = unsafe { pool.bytes(off, len) };
     let value = value::Value::seal(&k, bytes, &l2.cfg.seal);
     let value_len = value.len();
     match c.set(&k, value, l2.cfg.ttl, l2.cfg.response_timeout).await {
@@ -548,16 +488,20 @@ enum Got {
     Present,
     /// Not in the tier, corrupt, no room in the pool, or the read failed.
     Missing,
+    /// Placed as object `.0`, then found corrupt on the copy: dropped.
+    Failed(u32),
 }
 
 /// Brings the leading chunks of `f.hashes[f.l1..]` the tier has (for every
-/// rank, every value checked) into the pool; how many.
+/// rank, every value checked) into the pool: how many, the objects placed
+/// for them, and the other objects placed (past that prefix, or failed on
+/// the copy), for the owner to drop.
 ///
 /// Each object is read, checked and copied into the pool by a task of its
 /// own, up to `WINDOW` chunks ahead, so copies overlap the reads that
 /// follow. Chunks past the first one the tier lacks are not asked for; the
 /// objects of chunks past the prefix that arrived anyway are dropped.
-async fn fetch(shared: &Arc<Shared>, l2: &Arc<L2>, c: Conn, f: &Fetch) -> u32 {
+async fn fetch(pool: &Arc<dyn PoolView>, l2: &Arc<L2>, c: Conn, f: &Fetch) -> (u32, Vec<u32>, Vec<u32>) {
     let deadline = Instant::now() + l2.cfg.lookup_wait;
     // Per chunk past the pool's prefix, one key per rank (one for all when
     // the ranks share objects).
@@ -585,9 +529,9 @@ async fn fetch(shared: &Arc<Shared>, l2: &Arc<L2>, c: Conn, f: &Fetch) -> u32 {
             }
             let wait = left.min(l2.cfg.response_timeout);
             for (r, k) in keys[next].iter().enumerate() {
-                let (shared, l2, c, k, i) = (shared.clone(), l2.clone(), c.clone(), *k, next);
+                let (pool, l2, c, k, i) = (pool.clone(), l2.clone(), c.clone(), *k, next);
                 let len = f.group.object_bytes;
-                reads.spawn(async move { (i, r, read_object(&shared, &l2, &c, k, len, wait).await) });
+                reads.spawn(async move { (i, r, read_object(&*pool, &l2, &c, k, len, wait).await) });
             }
             next += 1;
             in_flight += 1;
@@ -603,7 +547,7 @@ async fn fetch(shared: &Arc<Shared>, l2: &Arc<L2>, c: Conn, f: &Fetch) -> u32 {
                 continue;
             }
         };
-        if matches!(g, Got::Missing) {
+        if matches!(g, Got::Missing | Got::Failed(_)) {
             end = end.min(i);
         }
         got[i][r] = Some(g);
@@ -626,14 +570,14 @@ async fn fetch(shared: &Arc<Shared>, l2: &Arc<L2>, c: Conn, f: &Fetch) -> u32 {
             })
             .collect()
     };
-    let (keep, drop) = (placed(&got[..hits]), placed(&got[hits..]));
-    shared.kv.with_cache(shared, |c| {
-        c.finish_objects(&keep, true, true);
-        c.finish_objects(&drop, false, false);
-    });
+    let (keep, mut drop) = (placed(&got[..hits]), placed(&got[hits..]));
+    drop.extend(got.iter().flatten().filter_map(|g| match g {
+        Some(Got::Failed(o)) => Some(*o),
+        _ => None,
+    }));
     // Relaxed: a counter.
     l2.counters.loaded.fetch_add(keep.len() as u64, Ordering::Relaxed);
-    hits as u32
+    (hits as u32, keep, drop)
 }
 
 /// Reads object `k` (`len` bytes, as its fingerprint fixes) from the tier,
@@ -641,7 +585,7 @@ async fn fetch(shared: &Arc<Shared>, l2: &Arc<L2>, c: Conn, f: &Fetch) -> u32 {
 ///
 /// A value whose length is not that of such a value is refused before it
 /// is read ([`Conn::get_sized`]), so it costs this server no memory.
-async fn read_object(shared: &Shared, l2: &L2, c: &Conn, k: ObjectKey, len: u64, wait: Duration) -> Got {
+async fn read_object(pool: &dyn PoolView, l2: &L2, c: &Conn, k: ObjectKey, len: u64, wait: Duration) -> Got {
     // Relaxed (all counters here): no access pairs with them.
     let r = Ordering::Relaxed;
     let name = key::key(&l2.cfg.prefix, &k);
@@ -674,23 +618,23 @@ async fn read_object(shared: &Shared, l2: &L2, c: &Conn, k: ObjectKey, len: u64,
         Ok(o) => o,
         Err(e) => return corrupt(e),
     };
-    let plan = shared.kv.with_cache(shared, |c| c.plan_objects(&[k], len));
-    let Some(p) = plan.write.first() else {
-        return if plan.present > 0 { Got::Present } else { Got::Missing };
+    let (obj, off) = match pool.place(k, len) {
+        Placement::Room { obj, off } => (obj, off),
+        Placement::Present => return Got::Present,
+        Placement::NoRoom => return Got::Missing,
     };
-    // SAFETY: the range of an object just planned, `Writing`: no reader
-    // sees it (lookups take ready objects only) and nothing else writes or
-    // frees it until this fetch finishes it (below, or at the fetch's end);
-    // `len` bytes, the object's size (which `open` checked the value's
-    // object has), in the pool.
-    let dst = unsafe { std::slice::from_raw_parts_mut(shared.kv.pool.at(p.off), opened.len()) };
+    // SAFETY: the room `place` just gave this read alone, a `Writing`
+    // object (no reader sees it, nothing else writes it) until the fetch
+    // reports it; `len` bytes, the object's size (which `open` checked the
+    // value's object has).
+    let dst = unsafe { pool.bytes_mut(off, opened.len() as u64) };
     // Copied from the reply into the pool, its seal checked on the way (no
     // buffer of its own, one pass over the reply).
     match opened.copy_into(dst) {
-        Ok(()) => Got::Placed(p.obj),
+        Ok(()) => Got::Placed(obj),
         Err(e) => {
-            shared.kv.with_cache(shared, |c| c.finish_objects(&[p.obj], false, false));
-            corrupt(e)
+            corrupt(e);
+            Got::Failed(obj)
         }
     }
 }

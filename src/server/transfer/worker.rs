@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use crate::jobs::{FailReason, JobResult};
 use crate::liveness::monotonic_ns;
-use crate::server::l2::{AfterWrite, WriteMode};
+use crate::server::tier::WriteMode;
 use crate::server::Shared;
 use std::sync::atomic::Ordering;
 
@@ -376,16 +376,11 @@ fn finish(shared: &Shared, job: &JobRun) {
         Dir::ToPool => {
             shared.kv.with_cache(shared, |c| {
                 c.finish_store(&job.objs, ok, bytes);
-                // Write-through: each new object goes to the second tier,
-                // held (readable, not evicted) until written.
-                if let Some(l2) = shared.kv.l2.as_ref().filter(|t| t.mode() == WriteMode::Through) {
-                    if ok {
-                        for (id, key, off, len) in c.hold_for_l2(&job.objs) {
-                            if l2.write(key, off, len, AfterWrite::Release(id)).is_err() {
-                                c.l2_written(id, false);
-                            }
-                        }
-                    }
+                // Write-through: each new object goes to the second tier
+                // (its owner hands it over), held (readable, not evicted)
+                // until written.
+                if ok && shared.kv.tier.as_ref().is_some_and(|t| t.mode == WriteMode::Through) {
+                    c.hold_for_l2(&job.objs);
                 }
             });
             // Lookups that reached these objects while they were written.
