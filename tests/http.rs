@@ -589,7 +589,7 @@ fn a_hundred_thousand_pins_stop_at_the_bound_and_list_by_page() {
         at(0.99),
         took.last().unwrap()
     );
-    // 65,536 pins take a few MiB (README: "Pins").
+    // 65,536 pins take a few MiB (docs/operations.md: "Pins").
     assert!(grew < 32 << 20, "the server grew by {} MiB", grew >> 20);
     // Unpinned, they are gone.
     for call in all[..max].chunks(per) {

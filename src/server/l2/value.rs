@@ -8,7 +8,7 @@
 //! where the operator gave the servers a secret, a MAC (keyed BLAKE3). A
 //! value that does not open under the key it was read from, with the size
 //! that key's format fixes and the seal this server uses, is a miss, never
-//! an engine's KV. What each seal protects against is the README's "Trust".
+//! an engine's KV. What each seal protects against: docs/tiers.md, "Trust".
 //!
 //! | offset | bytes | field |
 //! |---|---|---|
