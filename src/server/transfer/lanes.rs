@@ -49,36 +49,45 @@ pub(super) struct Lane {
     cv: Condvar,
 }
 
+/// What [`Lane::pop_within`] found.
+pub(super) enum Pop {
+    Task(Task),
+    /// None came within the wait.
+    Empty,
+    /// The lane stopped.
+    Stopped,
+}
+
 impl Lane {
     fn lock(&self) -> MutexGuard<'_, Queues> {
         self.q.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The next task, round robin over clients, sleeping at most `wait` for
-    /// one (`None`: not at all). `Err(true)` once stopped, `Err(false)` when
-    /// none came. `stat` is this lane's words; `me` the calling worker's,
-    /// whose beat is stored at every wake-up (at least every 100 ms).
+    /// one (`None`: not at all). `stat` is this lane's words; `me` the
+    /// calling worker's, whose beat is stored at every wake-up (at least
+    /// every 100 ms).
     pub(super) fn pop_within(
         &self,
         stat: &LaneStat,
         me: &WorkerStat,
         wait: Option<Duration>,
-    ) -> Result<Task, bool> {
+    ) -> Pop {
         let until = wait.and_then(|w| std::time::Instant::now().checked_add(w));
         let mut q = self.lock();
         loop {
             // Relaxed: observers read each word on its own.
             me.beat_ns.store(monotonic_ns(), Ordering::Relaxed);
             if q.stop {
-                return Err(true);
+                return Pop::Stopped;
             }
             if let Some(t) = q.pop_round_robin() {
                 // Relaxed, under the lock: the last store is the depth.
                 stat.queued.store(q.queued, Ordering::Relaxed);
-                return Ok(t);
+                return Pop::Task(t);
             }
             if wait.is_none() {
-                return Err(false);
+                return Pop::Empty;
             }
             // Sleep until work, stop or the end of `wait` (a 100 ms slice
             // bounds how long a missed notification could delay shutdown).
@@ -86,7 +95,7 @@ impl Lane {
             if let Some(until) = until {
                 let left = until.saturating_duration_since(std::time::Instant::now());
                 if left.is_zero() {
-                    return Err(false);
+                    return Pop::Empty;
                 }
                 slice = slice.min(left);
             }

@@ -2,6 +2,7 @@
 
 use super::backend::{ChunkCopy, ChunkOutcome, CopyError, CopyExecutor, CopyWord, Dir};
 use super::job::{JobRun, Task};
+use super::lanes::Pop;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -86,221 +87,321 @@ enum EventState {
 const EVENT_POLL_MIN: Duration = Duration::from_micros(20);
 const EVENT_POLL_MAX: Duration = Duration::from_millis(1);
 
-/// Copy worker `worker` of lane `lane` (below `WORD_WORKERS`): keeps its executor's pipeline full with
-/// tasks taken round robin, and settles each chunk as its copy finishes.
-/// A task whose job comes after an engine's event that has not completed
-/// waits in the worker's `held` list, asked about again on a backoff (once
-/// per job), while the worker serves every other task; past the job's
-/// deadline it fails.
+/// Copy worker `worker` of lane `lane` (below `WORD_WORKERS`): keeps its
+/// executor's pipeline full with tasks taken round robin, and settles each
+/// chunk as its copy finishes. A task whose job comes after an engine's
+/// event that has not completed waits in the worker's `held` list, asked
+/// about again on a backoff (once per job), while the worker serves every
+/// other task; past the job's deadline it fails.
 pub fn run(shared: &Shared, lane: usize, worker: u32) {
-    let copier = &shared.kv.copier;
-    let queue = copier.lane(lane);
-    // This lane's words and this worker's, in the segment (observers see a
-    // worker with work whose beat stopped).
-    let stat = &shared.seg.mapping.lanes().lanes[lane];
-    let me = &stat.worker[worker as usize];
-    let mut shown = (u32::MAX, u32::MAX, u64::MAX);
-    let mut copies = 0u64;
-    let chunk_tokens = shared.kv.chunk_tokens;
-    let mut executor = match copier.backend.executor() {
+    let executor = match shared.kv.copier.backend.executor() {
         Ok(e) => e,
         Err(e) => {
             tracing::error!("a copy worker could not start its executor: {e}");
             return;
         }
     };
-    let depth = executor.depth().max(1);
-    let mut inflight: Vec<Option<Task>> = (0..depth).map(|_| None).collect();
-    let mut busy = 0usize;
-    let mut done = Vec::new();
-    // Held back for their engine's event, oldest first; and those whose
-    // event was seen, to be copied before anything new is taken.
-    let mut held: VecDeque<Task> = VecDeque::new();
-    let mut ready: VecDeque<Task> = VecDeque::new();
-    let mut event_poll = EVENT_POLL_MIN;
-    let mut next_scan = Instant::now();
-    // One answer per job per scan.
-    let mut asked: HashMap<*const JobRun, EventState> = HashMap::new();
-    // This worker's copy numbers (in its jobs' `entered` / `done` words).
-    let mut seq = 0u32;
-    // Tasks whose copy may still run on the device: kept (with their job,
-    // its client's memory and its words) for the server's life.
-    let mut wedged: Vec<Task> = Vec::new();
+    let mut w = Worker::new(shared, lane, worker, executor);
     loop {
-        // Settle what finished (here or in the blocking poll below).
-        executor.poll(false, &mut done);
-        for (token, r) in done.drain(..) {
-            if let Some(t) = inflight.get_mut(token).and_then(Option::take) {
-                busy -= 1;
-                copies += 1;
-                settle(shared, t, r, &mut wedged);
-            }
-        }
-        // Relaxed stores of this worker's own words: observers read each
-        // on its own. The gauges are stored when they change.
-        me.beat_ns.store(monotonic_ns(), Ordering::Relaxed);
-        let now_shown = (busy as u32, (held.len() + ready.len()) as u32, copies);
-        if now_shown != shown {
-            shown = now_shown;
-            me.in_flight.store(shown.0, Ordering::Relaxed);
-            me.held.store(shown.1, Ordering::Relaxed);
-            me.copies.store(shown.2, Ordering::Relaxed);
-        }
-        if busy >= depth {
-            executor.poll(true, &mut done);
+        w.settle_finished();
+        w.show();
+        if w.busy >= w.depth {
+            w.executor.poll(true, &mut w.done);
             continue;
         }
-        // Ask about the held tasks' events, on the backoff's schedule: a
-        // task whose event completed moves to `ready`; one past its
-        // deadline, or of a job that ended meanwhile, is settled here.
+        w.scan_held();
+        let task = match w.next_task() {
+            Next::Task(t) => t,
+            Next::Stopped => break,
+            Next::Later => continue,
+        };
+        if let Some(task) = w.admit(task) {
+            w.submit(task);
+        }
+    }
+    w.stop();
+}
+
+/// What a worker does next.
+enum Next {
+    /// Copy this task (if its job still wants it).
+    Task(Task),
+    /// Nothing to take now: go round again.
+    Later,
+    /// The lane stopped and nothing is in flight.
+    Stopped,
+}
+
+/// A copy worker's state.
+struct Worker<'a> {
+    shared: &'a Shared,
+    lane: &'a super::lanes::Lane,
+    /// This lane's words and this worker's, in the segment (observers see
+    /// a worker with work whose beat stopped).
+    stat: &'a crate::shm::LaneStat,
+    me: &'a crate::shm::WorkerStat,
+    worker: u32,
+    executor: Box<dyn CopyExecutor>,
+    depth: usize,
+    /// Tasks in the executor, by token.
+    inflight: Vec<Option<Task>>,
+    busy: usize,
+    /// Copies the executor reported finished.
+    done: Vec<(usize, Result<u64, CopyError>)>,
+    /// Held back for their engine's event, oldest first; and those whose
+    /// event was seen, to be copied before anything new is taken.
+    held: VecDeque<Task>,
+    ready: VecDeque<Task>,
+    event_poll: Duration,
+    next_scan: Instant,
+    /// One answer per job per scan.
+    asked: HashMap<*const JobRun, EventState>,
+    /// This worker's copy numbers (in its jobs' `entered` / `done` words).
+    seq: u32,
+    copies: u64,
+    /// The gauges last stored: in flight, held, copies.
+    shown: (u32, u32, u64),
+    /// Tasks whose copy may still run on the device: kept (with their job,
+    /// its client's memory and its words) for the server's life.
+    wedged: Vec<Task>,
+}
+
+impl<'a> Worker<'a> {
+    fn new(
+        shared: &'a Shared,
+        lane: usize,
+        worker: u32,
+        executor: Box<dyn CopyExecutor>,
+    ) -> Worker<'a> {
+        let stat = &shared.seg.mapping.lanes().lanes[lane];
+        let depth = executor.depth().max(1);
+        Worker {
+            shared,
+            lane: shared.kv.copier.lane(lane),
+            stat,
+            me: &stat.worker[worker as usize],
+            worker,
+            executor,
+            depth,
+            inflight: (0..depth).map(|_| None).collect(),
+            busy: 0,
+            done: Vec::new(),
+            held: VecDeque::new(),
+            ready: VecDeque::new(),
+            event_poll: EVENT_POLL_MIN,
+            next_scan: Instant::now(),
+            asked: HashMap::new(),
+            seq: 0,
+            copies: 0,
+            shown: (u32::MAX, u32::MAX, u64::MAX),
+            wedged: Vec::new(),
+        }
+    }
+
+    /// Settles what finished (here or in a blocking poll).
+    fn settle_finished(&mut self) {
+        self.executor.poll(false, &mut self.done);
+        for (token, r) in self.done.drain(..) {
+            if let Some(t) = self.inflight.get_mut(token).and_then(Option::take) {
+                self.busy -= 1;
+                self.copies += 1;
+                settle(self.shared, t, r, &mut self.wedged);
+            }
+        }
+    }
+
+    /// Stores this worker's beat, and its gauges when they change.
+    fn show(&mut self) {
+        // Relaxed stores of this worker's own words: observers read each
+        // on its own.
+        self.me.beat_ns.store(monotonic_ns(), Ordering::Relaxed);
+        let now = (
+            self.busy as u32,
+            (self.held.len() + self.ready.len()) as u32,
+            self.copies,
+        );
+        if now != self.shown {
+            self.shown = now;
+            self.me.in_flight.store(now.0, Ordering::Relaxed);
+            self.me.held.store(now.1, Ordering::Relaxed);
+            self.me.copies.store(now.2, Ordering::Relaxed);
+        }
+    }
+
+    /// Asks about the held tasks' events, on the backoff's schedule: a task
+    /// whose event completed moves to `ready`; one past its deadline, or of
+    /// a job that ended meanwhile, is settled here.
+    fn scan_held(&mut self) {
         let now = Instant::now();
-        if !held.is_empty() && now >= next_scan {
-            asked.clear();
-            let mut moved = false;
-            for _ in 0..held.len() {
-                let t = held.pop_front().expect("held task");
-                // Relaxed: a hint only, as below: a job that ended copies
-                // nothing more; `finish` settles it through `remaining`.
-                if t.job.failed.load(Ordering::Relaxed) || !shared.jobs.is_live(t.job.id) {
-                    chunk_done(shared, &t.job, ChunkOutcome::Skipped);
-                    continue;
-                }
-                let key = Arc::as_ptr(&t.job);
-                let state = match asked.get(&key) {
-                    Some(&st) => Ok(st),
-                    None => event_state(executor.as_mut(), &t, now),
-                };
-                match state {
-                    Ok(st) => {
-                        asked.insert(key, st);
-                        match st {
-                            EventState::Ready => {
-                                moved = true;
-                                ready.push_back(t);
-                            }
-                            EventState::NotYet => held.push_back(t),
-                            EventState::TimedOut => {
-                                chunk_done(shared, &t.job, ChunkOutcome::EventTimeout)
-                            }
+        if self.held.is_empty() || now < self.next_scan {
+            return;
+        }
+        self.asked.clear();
+        let mut moved = false;
+        for _ in 0..self.held.len() {
+            let t = self.held.pop_front().expect("held task");
+            // Relaxed: a hint only, as in `admit`: a job that ended copies
+            // nothing more; `finish` settles it through `remaining`.
+            if t.job.failed.load(Ordering::Relaxed) || !self.shared.jobs.is_live(t.job.id) {
+                chunk_done(self.shared, &t.job, ChunkOutcome::Skipped);
+                continue;
+            }
+            let key = Arc::as_ptr(&t.job);
+            let state = match self.asked.get(&key) {
+                Some(&st) => Ok(st),
+                None => event_state(self.executor.as_mut(), &t, now),
+            };
+            match state {
+                Ok(st) => {
+                    self.asked.insert(key, st);
+                    match st {
+                        EventState::Ready => {
+                            moved = true;
+                            self.ready.push_back(t);
+                        }
+                        EventState::NotYet => self.held.push_back(t),
+                        EventState::TimedOut => {
+                            chunk_done(self.shared, &t.job, ChunkOutcome::EventTimeout)
                         }
                     }
-                    // The job fails; its other held tasks are skipped at the
-                    // next scan (`failed` is set).
-                    Err(e) => chunk_done(shared, &t.job, ChunkOutcome::Failed(e)),
                 }
+                // The job fails; its other held tasks are skipped at the
+                // next scan (`failed` is set).
+                Err(e) => chunk_done(self.shared, &t.job, ChunkOutcome::Failed(e)),
             }
-            event_poll = if moved {
-                EVENT_POLL_MIN
-            } else {
-                (event_poll * 2).min(EVENT_POLL_MAX)
-            };
-            next_scan = now + event_poll;
         }
-        let task = match ready.pop_front() {
-            Some(t) => t,
-            // With nothing in flight or held, sleep for work; with tasks
-            // held, only until their events are asked about again; else
-            // take only what is queued now.
-            None => match queue.pop_within(stat, me, match (busy, held.is_empty()) {
-                (0, true) => Some(Duration::MAX),
-                (0, false) => Some(next_scan.saturating_duration_since(Instant::now())),
-                _ => None,
-            }) {
-                Ok(t) => t,
-                Err(true) if busy == 0 => break, // stopped
-                Err(_) => {
-                    if busy > 0 {
-                        // Until a copy finishes (a chunk takes about
-                        // 0.1-1 ms); held tasks are asked about after.
-                        executor.poll(true, &mut done);
-                    }
-                    continue;
-                }
-            },
+        self.event_poll = if moved {
+            EVENT_POLL_MIN
+        } else {
+            (self.event_poll * 2).min(EVENT_POLL_MAX)
         };
-        let job = task.job.clone();
-        // A job that ended meanwhile (its client died, the server
-        // shuts down) or that its client gave up copies nothing more: a
-        // dead engine's memory is neither read into the pool nor written.
-        // (A give-up after this check is caught by the copy itself.)
+        self.next_scan = now + self.event_poll;
+    }
+
+    /// A ready task, else one from the lane: with nothing in flight or
+    /// held, it sleeps for work; with tasks held, only until their events
+    /// are asked about again; else it takes only what is queued now.
+    fn next_task(&mut self) -> Next {
+        if let Some(t) = self.ready.pop_front() {
+            return Next::Task(t);
+        }
+        let wait = match (self.busy, self.held.is_empty()) {
+            (0, true) => Some(Duration::MAX),
+            (0, false) => Some(self.next_scan.saturating_duration_since(Instant::now())),
+            _ => None,
+        };
+        match self.lane.pop_within(self.stat, self.me, wait) {
+            Pop::Task(t) => Next::Task(t),
+            Pop::Stopped if self.busy == 0 => Next::Stopped,
+            Pop::Stopped | Pop::Empty => {
+                if self.busy > 0 {
+                    // Until a copy finishes (a chunk takes about 0.1-1 ms);
+                    // held tasks are asked about after.
+                    self.executor.poll(true, &mut self.done);
+                }
+                Next::Later
+            }
+        }
+    }
+
+    /// `task` if its copy is to start now; else it is held for its
+    /// engine's event or settled (its job ended, was given up, or its
+    /// event timed out or failed).
+    fn admit(&mut self, task: Task) -> Option<Task> {
+        let job = &task.job;
+        // A job that ended meanwhile (its client died, the server shuts
+        // down) or that its client gave up copies nothing more: a dead
+        // engine's memory is neither read into the pool nor written. (A
+        // give-up after this check is caught by the copy itself.)
         if job.failed.load(Ordering::Relaxed)
-            || !shared.jobs.is_live(job.id)
+            || !self.shared.jobs.is_live(job.id)
             || job.word.cancelled()
         {
-            chunk_done(shared, &job, ChunkOutcome::Skipped);
-            continue;
+            chunk_done(self.shared, job, ChunkOutcome::Skipped);
+            return None;
         }
-        match event_state(executor.as_mut(), &task, Instant::now()) {
-            Ok(EventState::Ready) => {}
+        match event_state(self.executor.as_mut(), &task, Instant::now()) {
+            Ok(EventState::Ready) => Some(task),
             Ok(EventState::NotYet) => {
-                if task.job.event.as_ref().is_some_and(|e| e.mark_waited()) {
+                if job.event.as_ref().is_some_and(|e| e.mark_waited()) {
                     // Relaxed: a counter.
-                    stat.events_waited.fetch_add(1, Ordering::Relaxed);
+                    self.stat.events_waited.fetch_add(1, Ordering::Relaxed);
                 }
-                if held.is_empty() {
-                    event_poll = EVENT_POLL_MIN;
-                    next_scan = Instant::now() + event_poll;
+                if self.held.is_empty() {
+                    self.event_poll = EVENT_POLL_MIN;
+                    self.next_scan = Instant::now() + self.event_poll;
                 }
-                held.push_back(task);
-                continue;
+                self.held.push_back(task);
+                None
             }
             Ok(EventState::TimedOut) => {
-                chunk_done(shared, &job, ChunkOutcome::EventTimeout);
-                continue;
+                chunk_done(self.shared, job, ChunkOutcome::EventTimeout);
+                None
             }
             Err(e) => {
-                chunk_done(shared, &job, ChunkOutcome::Failed(e));
-                continue;
+                chunk_done(self.shared, job, ChunkOutcome::Failed(e));
+                None
             }
         }
+    }
+
+    /// Starts `task`'s copy (its job is marked running by the first).
+    fn submit(&mut self, task: Task) {
+        let job = task.job.clone();
         // Relaxed: only decides which worker marks the job running (once
         // its engine's event completed); the table's seqlock orders the
         // state itself.
         if !job.started.swap(true, Ordering::Relaxed) {
-            let _ = shared.jobs.start(job.id, monotonic_ns());
+            let _ = self.shared.jobs.start(job.id, monotonic_ns());
         }
-        let token = inflight
+        let token = self
+            .inflight
             .iter()
             .position(Option::is_none)
             .expect("a free slot");
-        seq = seq.wrapping_add(1).max(1);
+        self.seq = self.seq.wrapping_add(1).max(1);
         let c = ChunkCopy {
             word: CopyWord {
                 job: &job.word,
-                worker,
-                seq,
+                worker: self.worker,
+                seq: self.seq,
             },
             inst: &job.inst,
-            chunk_tokens,
+            chunk_tokens: self.shared.kv.chunk_tokens,
             blocks: &task.blocks,
             skip_blocks: task.skip_blocks,
-            object: shared.kv.pool.at(task.pool_off),
+            object: self.shared.kv.pool.at(task.pool_off),
             dir: job.dir,
         };
-        match executor.submit(&c, token) {
+        match self.executor.submit(&c, token) {
             Ok(()) => {
-                inflight[token] = Some(task);
-                busy += 1;
+                self.inflight[token] = Some(task);
+                self.busy += 1;
             }
             Err(e) => {
-                copies += 1;
-                settle(shared, task, Err(e), &mut wedged)
+                self.copies += 1;
+                settle(self.shared, task, Err(e), &mut self.wedged)
             }
         }
     }
-    // Relaxed: this worker's own gauges, for observers only.
-    me.in_flight.store(0, Ordering::Relaxed);
-    me.held.store(0, Ordering::Relaxed);
-    // Held tasks of a stopping server go as its queued ones do: their jobs
-    // are failed (ServerShutdown) by the shutdown that follows, and their
-    // streams released when the last task of each goes (`JobWord`'s drop).
-    drop((held, ready));
-    // Never released: their copies may still run as the process exits; nor
-    // is the executor then (its streams would be drained on drop, waiting
-    // for them).
-    if !wedged.is_empty() {
-        std::mem::forget(wedged);
-        std::mem::forget(executor);
+
+    /// The worker's end (the lane stopped, nothing in flight).
+    fn stop(self) {
+        // Relaxed: this worker's own gauges, for observers only.
+        self.me.in_flight.store(0, Ordering::Relaxed);
+        self.me.held.store(0, Ordering::Relaxed);
+        // Held tasks of a stopping server go as its queued ones do: their
+        // jobs are failed (ServerShutdown) by the shutdown that follows,
+        // and their streams released when the last task of each goes
+        // (`JobWord`'s drop).
+        drop((self.held, self.ready));
+        // Never released: their copies may still run as the process exits;
+        // nor is the executor then (its streams would be drained on drop,
+        // waiting for them).
+        if !self.wedged.is_empty() {
+            std::mem::forget(self.wedged);
+            std::mem::forget(self.executor);
+        }
     }
 }
 
