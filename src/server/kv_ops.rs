@@ -227,26 +227,31 @@ impl KvState {
             t.kick();
         }
         let mut stats = c.stats;
+        let pending = c.tier_pending();
         drop(c);
-        self.fill(&mut stats);
+        self.fill(&mut stats, pending);
         publish(shared, &stats);
         r
     }
 
-    /// The counters kept outside the cache.
-    fn fill(&self, stats: &mut StatsReply) {
+    /// The counters kept outside the cache (`pending`: objects the cache
+    /// holds for the tier, not yet handed to it, counted in its queue).
+    pub(super) fn fill(&self, stats: &mut StatsReply, pending: u64) {
         stats.instances = self.instances.load(Ordering::Relaxed);
         if let Some(t) = &self.tier {
             t.tier.fill(stats);
             // Relaxed: a counter.
             stats.l2_write_dropped_objects += self.tier_refused.load(Ordering::Relaxed);
+            stats.l2_queue += pending;
         }
     }
 
     /// The cache's counters now.
     pub fn stats(&self) -> StatsReply {
-        let mut s = self.cache().stats;
-        self.fill(&mut s);
+        let c = self.cache();
+        let (mut s, pending) = (c.stats, c.tier_pending());
+        drop(c);
+        self.fill(&mut s, pending);
         s
     }
 }

@@ -385,6 +385,11 @@ impl Cache {
         std::mem::take(&mut self.through)
     }
 
+    /// Objects waiting to be handed to the second tier.
+    pub fn tier_pending(&self) -> u64 {
+        (self.drained.len() + self.through.len()) as u64
+    }
+
     /// Whether evicted or stored objects wait to be handed to the second
     /// tier.
     pub fn tier_work(&self) -> bool {

@@ -228,10 +228,7 @@ impl Tier for L2 {
                 Err(e) => Err(e.into_inner()),
             }
         };
-        if let Err(TierOp::Write { .. }) = &refused {
-            // Relaxed: a counter.
-            self.counters.dropped.fetch_add(1, Ordering::Relaxed);
-        }
+        // A refused write is counted by its owner (which gives it back).
         refused
     }
 

@@ -128,20 +128,15 @@ fn feed(shared: &Shared) {
         return;
     };
     link.take_kick();
-    let (drained, through) = {
-        let mut c = shared.kv.cache();
-        let (drained, refused) = c.take_drained();
-        // Relaxed: a counter.
-        shared
-            .kv
-            .tier_refused
-            .fetch_add(refused, Ordering::Relaxed);
-        (drained, c.take_through())
-    };
-    if drained.is_empty() && through.is_empty() {
+    // Under the cache's lock throughout (submitting never waits), so an
+    // object is always either waiting in the cache or in the tier's queue:
+    // observers that see both empty see it written or dropped.
+    let mut c = shared.kv.cache();
+    let (drained, refused) = c.take_drained();
+    let through = c.take_through();
+    if drained.is_empty() && through.is_empty() && refused == 0 {
         return;
     }
-    let mut back = Vec::new();
     let up = link.up();
     let writes = drained
         .into_iter()
@@ -159,28 +154,27 @@ fn feed(shared: &Shared) {
             check: false,
             then: AfterWrite::Release(id),
         }));
+    let mut dropped = refused;
     for op in writes {
-        let refused = if up { link.tier.submit(op).err() } else { Some(op) };
-        if let Some(TierOp::Write { then, .. }) = refused {
-            back.push(then);
+        let back = if up { link.tier.submit(op).err() } else { Some(op) };
+        if let Some(TierOp::Write { then, .. }) = back {
+            dropped += 1;
+            match &then {
+                AfterWrite::Release(id) => c.l2_written(*id, false),
+                AfterWrite::Free(d) => c.free_drained(d),
+            }
         }
-    }
-    if back.is_empty() {
-        return;
     }
     // Relaxed: a counter.
     shared
         .kv
         .tier_refused
-        .fetch_add(back.len() as u64, Ordering::Relaxed);
-    shared.kv.with_cache(shared, |c| {
-        for then in &back {
-            match then {
-                AfterWrite::Release(id) => c.l2_written(*id, false),
-                AfterWrite::Free(d) => c.free_drained(d),
-            }
-        }
-    });
+        .fetch_add(dropped, Ordering::Relaxed);
+    let mut stats = c.stats;
+    let pending = c.tier_pending();
+    drop(c);
+    shared.kv.fill(&mut stats, pending);
+    crate::server::kv_ops::publish(shared, &stats);
 }
 
 /// The pool, as the tier sees it.
