@@ -12,6 +12,14 @@
 //!   (`cuStreamWaitValue32`, a cyclic `>=`). The client stores `g` itself
 //!   when it gives the job up, so no stream waits for a server that died or
 //!   stopped. `go` only moves forward.
+//! * `landed`: for a RETRIEVE in `G` layer groups (the layers split in `G`
+//!   ranges, copied group after group), the server stores `g - G + k` once
+//!   the copies of the first `k` groups are over, so an engine's stream
+//!   can wait for the layers its next kernel reads (`>= g - G + k + 1`
+//!   before group `k`) while later groups still land. The client takes
+//!   the `G` generations `g - G + 1 ..= g` for such a job (so no older
+//!   value reads as reached), and `landed` ends at `g` with `go`: the
+//!   server's release and the client's give-up store both.
 //! * `cancel`: the client stores `g` to give the job up. The server reads it
 //!   before each chunk copy, and the copy kernel reads it again on the
 //!   device before it touches the engine's memory; a store whose job was
@@ -48,6 +56,7 @@ pub const REGION_BYTES: usize = JOB_WORDS as usize * ENTRY_BYTES;
 /// Offsets of the words in an entry.
 pub const GO: usize = 0;
 pub const CANCEL: usize = 4;
+pub const LANDED: usize = 8;
 pub const ENTERED: usize = 16;
 pub const DONE: usize = ENTERED + 4 * WORD_WORKERS as usize;
 const _: () = assert!(DONE + 4 * WORD_WORKERS as usize <= ENTRY_BYTES);
@@ -57,6 +66,33 @@ const _: () = assert!(REGION_BYTES % crate::shm::PAGE == 0);
 /// `cuStreamWaitValue32` with `GEQ` compares): generations may wrap.
 pub fn reached(value: u32, target: u32) -> bool {
     (value.wrapping_sub(target) as i32) >= 0
+}
+
+/// Moves `word` forward to `value` (cyclically; never back). The exchange
+/// is tried a bounded number of times: the other side changes the word at
+/// most once per generation or layer group, so only a party scribbling on
+/// it (a client on its own words) keeps it failing, and the server must not
+/// spin on memory a client writes.
+fn forward(word: &AtomicU32, value: u32, name: &str) {
+    const TRIES: usize = 16;
+    // Relaxed: only the value decides; the successful exchange is the
+    // release.
+    let mut cur = word.load(Ordering::Relaxed);
+    for _ in 0..TRIES {
+        if reached(cur, value) {
+            return;
+        }
+        // Release (success): whatever the releasing side did before (the
+        // server's copies, settled; the client's give-up) happens before a
+        // host reader's Acquire load of the word (`released`, `landed_at`;
+        // a stream reads it on the device). Relaxed (failure): retried with
+        // the value seen.
+        match word.compare_exchange_weak(cur, value, Ordering::Release, Ordering::Relaxed) {
+            Ok(_) => return,
+            Err(now) => cur = now,
+        }
+    }
+    tracing::warn!(word = name, "a job word kept changing under a store; left as it is");
 }
 
 /// One session's job words as mapped in this process (borrowed from the
@@ -103,6 +139,10 @@ impl<'a> Words<'a> {
 
     pub fn cancel(&self, entry: u32) -> &'a AtomicU32 {
         self.at(entry, CANCEL)
+    }
+
+    pub fn landed(&self, entry: u32) -> &'a AtomicU32 {
+        self.at(entry, LANDED)
     }
 
     pub fn entered(&self, entry: u32, worker: u32) -> &'a AtomicU32 {
@@ -161,54 +201,54 @@ impl<'a> Words<'a> {
         })
     }
 
-    /// Releases the streams waiting for generation `g` of `entry`: `go`
-    /// only moves forward (cyclically), so a late or repeated release of
-    /// an older generation never takes a newer one back. The exchange is
-    /// tried a bounded number of times: the other side changes the word at
-    /// most once per generation, so only a party scribbling on it (a client
-    /// on its own words) keeps it failing, and the server must not spin on
-    /// memory a client writes.
+    /// Releases the streams waiting for generation `g` of `entry` (its
+    /// `go`, and its `landed` with it): both only move forward
+    /// (cyclically), so a late or repeated release of an older generation
+    /// never takes a newer one back.
     pub fn release(&self, entry: u32, g: u32) {
-        const TRIES: usize = 16;
-        let go = self.go(entry);
-        // Relaxed: only the value decides; the successful exchange is the
-        // release.
-        let mut cur = go.load(Ordering::Relaxed);
-        for _ in 0..TRIES {
-            if reached(cur, g) {
-                return;
-            }
-            // Release (success): whatever the releasing side did before (the
-            // server's copies, settled; the client's give-up) happens before
-            // a host reader's Acquire load of `go` (a stream reads it on the
-            // device). Relaxed (failure): retried with the value seen.
-            match go.compare_exchange_weak(cur, g, Ordering::Release, Ordering::Relaxed) {
-                Ok(_) => return,
-                Err(now) => cur = now,
-            }
-        }
-        tracing::warn!(entry, "job word `go` kept changing under a release; left as it is");
+        // `landed` first: a reader that sees `go` reached finds every
+        // layer group landed too.
+        forward(self.landed(entry), g, "landed");
+        forward(self.go(entry), g, "go");
     }
 
-    /// Makes `entry` ready for generation `g`, whose predecessor in the
-    /// entry ended (released, no copy under way): `go` and `cancel` one
-    /// behind `g`, so neither reads as reached for `g` however long the
-    /// entry was idle.
+    /// The first layer groups of generation `g` of `entry`, which has
+    /// `groups` of them, landed up to `value` (`g - groups + k` after `k`
+    /// groups): streams waiting for those groups go on.
+    pub fn land(&self, entry: u32, value: u32) {
+        forward(self.landed(entry), value, "landed");
+    }
+
+    /// Makes `entry` ready for generation `g` of a job in `groups` layer
+    /// groups (1 for any other job), whose predecessor in the entry ended
+    /// (released, no copy under way): `go` and `cancel` one behind `g` and
+    /// `landed` at `g - groups`, so none reads as reached for the job
+    /// however long the entry was idle (the predecessor's generation is at
+    /// most `g - groups`).
     /// Its `entered` and `done` words go back to 0 (copy numbers are never
     /// 0): a copy of the new generation always changes `entered`, even one
     /// by a worker of another lane whose count happens to match.
-    pub fn reset(&self, entry: u32, g: u32) {
+    pub fn reset(&self, entry: u32, g: u32, groups: u32) {
         // Relaxed: nothing of generation `g` runs yet (the request that
         // names it is sent after this, a Release on the ring); a stream of
         // an older generation reads a value at or past its own.
         self.go(entry).store(g.wrapping_sub(1), Ordering::Relaxed);
         self.cancel(entry).store(g.wrapping_sub(1), Ordering::Relaxed);
+        self.landed(entry)
+            .store(g.wrapping_sub(groups.max(1)), Ordering::Relaxed);
         for w in 0..WORD_WORKERS {
             // Relaxed: as above; no copy of the entry's last job is under
             // way (the entry is reused only then).
             self.entered(entry, w).store(0, Ordering::Relaxed);
             self.done(entry, w).store(0, Ordering::Relaxed);
         }
+    }
+
+    /// Whether `landed` of `entry` has reached `value`.
+    pub fn landed_at(&self, entry: u32, value: u32) -> bool {
+        // Acquire: pairs with the Release exchange in `forward` (`land`,
+        // `release`): the group's copies happen before.
+        reached(self.landed(entry).load(Ordering::Acquire), value)
     }
 
     /// Whether generation `g` of `entry` was released.
@@ -258,11 +298,36 @@ mod tests {
         assert!(w.released(e, g + 5));
         // Reset for a generation far ahead: neither cancelled nor released.
         let far = g.wrapping_add(3 << 30);
-        w.reset(e, far);
+        w.reset(e, far, 1);
         assert!(!w.cancelled(e, far) && !w.released(e, far));
         // A copy of the new generation numbered as the last one is seen.
         assert!(w.enter(e, far, 2, 11));
         w.give_up(e, far);
         assert!(!w.quiescent(e));
+    }
+
+    #[test]
+    fn layer_groups_land_in_order_and_end_with_go() {
+        let mut region = vec![0u64; REGION_BYTES / 8];
+        // SAFETY: the region is REGION_BYTES long, 8-aligned and lives for
+        // the test.
+        let w = unsafe { Words::new(region.as_mut_ptr() as *mut u8) };
+        let (e, groups) = (7, 4u32);
+        // The last job of the entry had generation 10; this one takes
+        // 11..=14 and names 14.
+        w.reset(e, 10, 1);
+        w.release(e, 10);
+        let g = 14;
+        w.reset(e, g, groups);
+        let target = |k: u32| g - groups + k;
+        assert!(w.landed_at(e, target(0)) && !w.landed_at(e, target(1)));
+        w.land(e, target(2));
+        assert!(w.landed_at(e, target(2)) && !w.landed_at(e, target(3)));
+        // Never back.
+        w.land(e, target(1));
+        assert!(w.landed_at(e, target(2)));
+        assert!(!w.released(e, g));
+        w.release(e, g);
+        assert!(w.landed_at(e, target(groups)) && w.released(e, g));
     }
 }

@@ -215,6 +215,59 @@ fn retrieve_needs_a_lease_and_uses_it_once<B: Backend>() {
     expect_status(e.c.end_lease_id(id), Status::NoLease);
 }
 
+fn a_retrieve_in_layer_groups_lands_group_after_group_byte_for_byte<B: Backend>() {
+    let s = B::fixture("groups", Duration::from_secs(120), B::POOL);
+    let l = layout::<B>(LayoutPreset::Lbnhc, 2, 64);
+    let layers = l.geometry().layers;
+    assert_eq!(layers, 3);
+    let mut a = B::engine(&s, l.clone(), 1, 0, 0);
+    let hashes = chunk_hashes(&prompt(9, 3 * CHUNK as usize), CHUNK);
+    let src = a.blocks(0, 3);
+    a.write(&hashes, &src);
+    a.store(0, &hashes, &src);
+    let mut b = B::engine(&s, l.clone(), 1, 0, 0);
+    let dst = b.blocks(7, 3);
+    // No groups, or more groups than layers: refused before anything is
+    // sent (the server refuses them too: `kv.rs`).
+    let lease = lookup(&mut b.c, 1, 0, &hashes);
+    for bad in [0, layers + 1] {
+        let r =
+            b.c.retrieve(Retrieve::new(&b.inst, &lease, &dst).layer_groups(bad));
+        assert!(
+            matches!(r, Err(kvring::Error::InvalidArgument(_))),
+            "{bad}: {r:?}"
+        );
+    }
+    b.c.end_lease(lease).unwrap();
+    let skip = 16;
+    for groups in [layers, 2, 1] {
+        b.cache.poison(0x5a);
+        let lease = lookup(&mut b.c, 1, 0, &hashes);
+        let job =
+            b.c.retrieve(
+                Retrieve::new(&b.inst, &lease, &dst)
+                    .layer_groups(groups)
+                    .skip_tokens(skip),
+            )
+            .unwrap();
+        assert_eq!(job.layer_groups(), groups);
+        for k in 0..groups {
+            job.wait_layer_group(k, far()).unwrap();
+            assert!(
+                (0..=k).all(|j| job.layer_group_landed(j)),
+                "{groups} groups: {k}"
+            );
+        }
+        let r = done(job);
+        assert_eq!(r.value, 3);
+        let skipped = u64::from(skip / l.geometry().block_tokens) * u64::from(layers);
+        let pages = 3 * u64::from(b.bpc()) * u64::from(layers) - skipped;
+        assert_eq!(r.aux, pages * l.geometry().page_bytes(), "{groups} groups");
+        b.verify(&hashes, &dst, skip / l.geometry().block_tokens, 0x5a);
+        let _ = lease.into_id();
+    }
+}
+
 fn eviction_under_pressure_never_takes_leased_objects<B: Backend>() {
     // Each object is 3 layers * 2 parts * 64 tokens * 96 B = 36 KiB (the
     // same rows on every backend): a 1 MiB pool holds 28.
@@ -393,6 +446,7 @@ macro_rules! conformance {
                 lookups_find_the_longest_stored_prefix_per_salt,
                 retrieve_needs_a_lease_and_uses_it_once,
                 eviction_under_pressure_never_takes_leased_objects,
+                a_retrieve_in_layer_groups_lands_group_after_group_byte_for_byte,
                 tensor_parallel_ranks_store_and_retrieve_concurrently_and_mla_shares
                 $($(, $device_test)*)?
             );

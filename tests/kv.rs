@@ -11,7 +11,7 @@ mod common;
 use common::*;
 use kvring::jobs::JobStatus;
 use kvring::kv::{chunk_hashes, model_id, ChunkHash, KvGeometry, KvLayout, KvShape, LayoutPreset};
-use kvring::proto::kv::StoreRequest;
+use kvring::proto::kv::{RetrieveRequest, StoreRequest};
 use kvring::proto::{Opcode, Status};
 use kvring::ring::FrameHeader;
 use kvring::{Client, Error, HostKvCache, KvSpec, Lookup, Retrieve, Store};
@@ -184,6 +184,19 @@ fn bad_requests_get_clear_errors_and_the_server_keeps_serving() {
     let lease = lookup(&mut e.c, 1, 0, &hashes);
     expect_status(
         e.c.retrieve(Retrieve::new(&e.inst, &lease, &blocks).skip_tokens(5)),
+        Status::InvalidArgument,
+    );
+    // More layer groups than the layout has layers (the client library
+    // refuses them before sending; sent raw, the server does).
+    let mut h: RetrieveRequest = bytemuck::Zeroable::zeroed();
+    h.lease = kvring::LeaseId::from(&lease).job();
+    h.instance = e.inst.id();
+    h.n_chunks = 1;
+    h.layer_groups = e.inst.layout().geometry().layers + 1;
+    let mut payload = bytemuck::bytes_of(&h).to_vec();
+    payload.extend_from_slice(bytemuck::cast_slice(&blocks));
+    expect_status(
+        e.c.raw().call_large(Opcode::Retrieve, &payload, far()),
         Status::InvalidArgument,
     );
     let l16 = layout(LayoutPreset::Lbnhc, 2, 16);

@@ -137,6 +137,15 @@ class Job:
     def give_up(self) -> None:
         """No copy of it starts afterwards; waits (bounded) for one under way."""
     @property
+    def layer_groups(self) -> int:
+        """The layer groups a RETRIEVE lands in (1 for any other job)."""
+    def wait_layer_group(self, group: int, timeout: Optional[float] = None) -> None:
+        """Waits (releases the GIL) until layer group `group` landed; a
+        job that ends, passes its own timeout or loses its server first is
+        waited for as `wait` does (raising as it does)."""
+    def layer_group_landed(self, group: int) -> bool:
+        """Whether layer group `group` landed (or the job was released)."""
+    @property
     def released(self) -> bool:
         """Whether streams ordered after it may go on."""
     def release(self) -> None: ...
@@ -286,7 +295,13 @@ class Client:
         skip_tokens: int = 0,
         timeout: Optional[float] = None,
         after: Optional[bytes] = None,
-    ) -> Job: ...
+        layer_groups: int = 1,
+    ) -> Job:
+        """Copies chunks `first_chunk ..` of the lease into `blocks`. With
+        `layer_groups` G > 1 the layers land in G groups, one after another
+        (group k: layers k*L//G .. (k+1)*L//G of L): wait for a group with
+        `Job.wait_layer_group` or `EngineStream.wait_layer_group` before
+        reading its layers."""
     def delay_job(
         self, pending: float, running: float, *, value: int = 0, aux: int = 0
     ) -> Job:
@@ -310,6 +325,9 @@ class EngineStream:
         outlive this object."""
     def wait_job(self, job: Job) -> None:
         """Later work on the stream waits until `job` is over."""
+    def wait_layer_group(self, job: Job, group: int) -> None:
+        """Later work on the stream waits until layer group `group` of
+        `job` (and every group before it) landed; bounded as `wait_job`."""
     def synchronize(self) -> None: ...
     def close(self) -> None: ...
     def __enter__(self) -> "EngineStream": ...

@@ -14,8 +14,9 @@ an autostarted server; a running server must have that chunk size),
 `kvring.timeout_s` (deadline of a store, default 60),
 `kvring.load_timeout_s` (deadline of a retrieve, default 5: what a load
 may hold the forward waiting for it), `kvring.async_load` (default false:
-see below), `kvring.min_load_tokens` (a hit shorter than this is
-recomputed, default 0),
+see below), `kvring.layer_groups` (default 4: a load lands in that many
+groups of layers, see below), `kvring.min_load_tokens` (a hit shorter than
+this is recomputed, default 0),
 `kvring.lookup_submit_s` (how long the scheduler waits for the server to
 take a lookup, default 0.25: a stopped server costs the scheduler that once,
 then lookups miss until it answers again), `kvring.lookup_wait_s` (how long
@@ -46,9 +47,16 @@ How vLLM's hooks map to kvring:
 
 A load runs in the step that schedules its request (the default): the
 forward of that step waits for it, on a GPU on the device (the engine's
-stream waits on the job's word, which the client library itself releases
+stream waits on the job's words, which the client library itself releases
 at the load's deadline or when the server dies or stops, so the forward is
-never held longer than `load_timeout_s`), on a CPU in `start_load_kv`. A
+never held longer than `load_timeout_s`), on a CPU on the host. The server
+lands the layers in `kvring.layer_groups` groups, one after another, and
+each attention layer waits only for its own group (`wait_for_layer_load`),
+so the forward of the first layers overlaps the copy of the later ones. A
+step that vLLM replays as one full CUDA graph (no per-layer hooks) waits
+for the whole load before its forward instead; a load whose layers were
+not all waited for is reported failed (recomputed) and layer groups are
+turned off. A
 load that failed is reported in the same step and vLLM recomputes those
 tokens, discarding the step's output for the request. With
 `kvring.async_load` the request instead waits in vLLM's queue until its
@@ -144,6 +152,7 @@ class KvringSettings:
     timeout_s: float = 60.0
     load_timeout_s: float = 5.0
     async_load: bool = False
+    layer_groups: int = 4
     min_load_tokens: int = 0
     lookup_submit_s: float = 0.25
     lookup_wait_s: float = 3.0
@@ -161,6 +170,7 @@ class KvringSettings:
             "kvring.timeout_s",
             "kvring.load_timeout_s",
             "kvring.async_load",
+            "kvring.layer_groups",
             "kvring.min_load_tokens",
             "kvring.lookup_submit_s",
             "kvring.lookup_wait_s",
@@ -180,6 +190,7 @@ class KvringSettings:
             timeout_s=float(extra.get("kvring.timeout_s", cls.timeout_s)),
             load_timeout_s=float(extra.get("kvring.load_timeout_s", cls.load_timeout_s)),
             async_load=_as_bool("kvring.async_load", extra.get("kvring.async_load", cls.async_load)),
+            layer_groups=int(extra.get("kvring.layer_groups", cls.layer_groups)),
             min_load_tokens=int(extra.get("kvring.min_load_tokens", cls.min_load_tokens)),
             lookup_submit_s=float(extra.get("kvring.lookup_submit_s", cls.lookup_submit_s)),
             lookup_wait_s=float(extra.get("kvring.lookup_wait_s", cls.lookup_wait_s)),
@@ -187,6 +198,8 @@ class KvringSettings:
         )
         if settings.chunk_tokens is not None and settings.chunk_tokens <= 0:
             raise KvringError(f"kvring.chunk_tokens must be positive, not {settings.chunk_tokens}")
+        if settings.layer_groups < 1:
+            raise KvringError(f"kvring.layer_groups must be at least 1, not {settings.layer_groups}")
         if settings.min_load_tokens < 0:
             raise KvringError(f"kvring.min_load_tokens must not be negative, not {settings.min_load_tokens}")
         for key in ("timeout_s", "load_timeout_s", "lookup_submit_s", "lookup_wait_s"):
@@ -945,6 +958,11 @@ class _Transfer:
     outcome: bool | None = None
     """Once known: done (True) or failed; its job is released then. A
     step's stores share one STORE, and so one transfer."""
+    groups: int = 1
+    """A load in layer groups: the forward waits for each group at its
+    first layer (`wait_for_layer_load`)."""
+    next_group: int = 0
+    """The first group not waited for yet."""
 
     def settle(self, ok: bool, stats: KvringStats) -> None:
         """Records the outcome once (the job released, the chunks counted)."""
@@ -980,12 +998,18 @@ class _WorkerSide:
         )
         self._memory: KvCacheMemory | None = None
         self._registration: Registration | None = None
+        # Each registered layer's group for this worker's layer groups
+        # (`kvring.layer_groups`, at most one per layer), by layer name.
+        self._layer_group: dict[str, int] = {}
+        self._groups = 1
         if settings.chunk_tokens is not None:  # refused before a server is started for it
             _check_block_size(self._block_size, settings.chunk_tokens)
         self.chunk_tokens: int | None = None
         self._loads: dict[str, _Transfer] = {}
         # Loads in this step's forward, settled in get_block_ids_with_load_errors.
         self._step_loads: dict[str, _Transfer] = {}
+        # Those of them the forward waits for layer group by layer group.
+        self._layered: list[_Transfer] = []
         # The engine's streams that wait on loads, by CUDA stream handle.
         self._streams: dict[int, Any] = {}
         self._stores: dict[str, list[_Transfer]] = {}
@@ -1029,6 +1053,15 @@ class _WorkerSide:
             memory = describe_kv_caches(kv_caches, self._geometry, shared=self._mla)
         memory.layout.validate(self.chunk_tokens)
         self._memory = memory
+        layers = memory.layout.layers
+        # One group per layer at most; none where the names do not map one
+        # to one onto the layout's layers.
+        self._groups = min(self._settings.layer_groups, layers) if len(kv_caches) == layers else 1
+        # Group k of G over L layers: layers k*L//G .. (k+1)*L//G (the
+        # split the server lands them in).
+        self._layer_group = {
+            name: ((i + 1) * self._groups - 1) // layers for i, name in enumerate(kv_caches)
+        }
         client = self._link.client()
         if client is None:
             logger.warning("kvring: no server to register the KV cache with yet; registering at reconnect")
@@ -1076,21 +1109,26 @@ class _WorkerSide:
         ev.record(torch.cuda.current_stream(self._memory.device))
         return ev, bytes(ev.ipc_handle())
 
-    def start_load_kv(self, meta: KvringMetadata) -> None:
+    def start_load_kv(self, meta: KvringMetadata, per_layer: bool = True) -> None:
         """Submits this step's retrieves, after the work the engine queued
         so far (a GPU cache's blocks may still be read by an earlier step);
         failures are reported at once. The forward waits for the loads of
-        this step: on a GPU its stream waits on the device, on a CPU this
-        hook waits (each bounded by the load's deadline)."""
+        this step, each bounded by the load's deadline: layer group by layer
+        group in `wait_for_layer_load` (unless `per_layer` is false: vLLM
+        replays the step as one CUDA graph, without per-layer hooks), else
+        before the forward (on a GPU its stream waits on the device, on a
+        CPU this hook waits)."""
         client, reg = self._link.client(), self._registration
         event, after = self.engine_event() if meta.loads and client is not None and reg is not None else (None, None)
         timeout = self._settings.load_timeout_s
+        groups = self._groups if per_layer else 1
         waiting: list[_Transfer] = []
         for op in meta.loads:
             invalid = op.block_ids[op.skip_tokens // self._block_size :]
             if op.lease_id is None or client is None or reg is None:
                 self._load_failed(op.req_id, invalid, op.sync)
                 continue
+            layered = op.sync and groups > 1
             try:
                 job = client.retrieve(
                     reg,
@@ -1100,6 +1138,7 @@ class _WorkerSide:
                     skip_tokens=op.skip_tokens,
                     timeout=timeout,
                     after=after,
+                    layer_groups=groups if layered else 1,
                 )
             except KvringError as e:
                 self._link.failed("retrieve", e)
@@ -1112,6 +1151,10 @@ class _WorkerSide:
                 self._loads[op.req_id] = tr
                 continue
             self._step_loads[op.req_id] = tr
+            if layered:
+                tr.groups = groups
+                self._layered.append(tr)
+                continue
             if event is None:
                 waiting.append(tr)
                 continue
@@ -1125,6 +1168,34 @@ class _WorkerSide:
                 tr.outcome = False
         for tr in waiting:
             tr.outcome = self._await(tr)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Before attention layer `layer_name` runs: the forward waits until
+        its layer group of each of this step's loads landed (a layer the
+        registration does not name waits for the whole load). On a GPU the
+        engine's stream waits on the device, on a CPU this call waits; both
+        end at the load's deadline at the latest."""
+        if not self._layered:
+            return
+        for tr in self._layered:
+            group = self._layer_group.get(layer_name, tr.groups - 1)
+            if group < tr.next_group or tr.outcome is not None:
+                continue
+            tr.next_group = group + 1
+            try:
+                if tr.event is not None:
+                    self._engine_stream().wait_layer_group(tr.job, group)
+                else:
+                    t0 = time.perf_counter()
+                    tr.job.wait_layer_group(group, timeout=max(0.0, tr.deadline - time.monotonic()))
+                    self.stats.count("load_wait_us", int((time.perf_counter() - t0) * 1e6))
+            except KvringError as e:
+                # Not waited for: the forward may read these blocks before
+                # they landed, so the load fails (given up: nothing of it
+                # lands afterwards) and vLLM recomputes the request.
+                logger.warning("kvring: the forward cannot wait for a load's layers (%s): it fails", e)
+                _give_up(tr.job)
+                tr.outcome = False
 
     def _await(self, tr: _Transfer) -> bool:
         t0 = time.perf_counter()
@@ -1211,6 +1282,22 @@ class _WorkerSide:
         others too, so a failure's blocks are never reported after its
         request appears in finished_recving, whatever order a vLLM version
         calls the two in."""
+        for tr in self._layered:
+            if tr.outcome is None and tr.next_group < tr.groups:
+                # The forward did not wait for every layer group (vLLM ran
+                # some layers without the per-layer hook): it may have read
+                # blocks before they landed. Recomputed; whole loads from
+                # now on.
+                logger.warning(
+                    "kvring: vLLM ran layers of a load without waiting for them (%d of %d layer groups "
+                    "waited for); the request is recomputed and loads are waited for whole from now on",
+                    tr.next_group,
+                    tr.groups,
+                )
+                self._groups = 1
+                _give_up(tr.job)
+                tr.outcome = False
+        self._layered.clear()
         for req_id, tr in self._step_loads.items():
             ok = tr.outcome if tr.outcome is not None else self._await(tr)
             _release(tr.job)
@@ -1272,6 +1359,7 @@ class _WorkerSide:
             if tr.outcome is None:
                 _give_up(tr.job)
                 tr.outcome = False
+        self._layered.clear()
         for transfers in self._stores.values():
             for tr in transfers:
                 if tr.outcome is None:
@@ -1426,11 +1514,12 @@ class KvringConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._connector_metadata
         if isinstance(meta, KvringMetadata):
-            self._worker.start_load_kv(meta)
+            # A step replayed as one full CUDA graph runs no per-layer hook.
+            mode = getattr(forward_context, "cudagraph_runtime_mode", None)
+            self._worker.start_load_kv(meta, per_layer=getattr(mode, "name", None) != "FULL")
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Whole-request loads, finished before the request is scheduled:
-        nothing to wait for per layer."""
+        self._worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         """Stores are whole chunks after the forward (`wait_for_save`)."""

@@ -412,7 +412,7 @@ impl PyClient {
 
     /// RETRIEVE: copies the lease's chunks from first_chunk into `blocks`,
     /// as a job.
-    #[pyo3(signature = (reg, lease_id, blocks, *, first_chunk = 0, skip_tokens = 0, timeout = None, after = None))]
+    #[pyo3(signature = (reg, lease_id, blocks, *, first_chunk = 0, skip_tokens = 0, timeout = None, after = None, layer_groups = 1))]
     #[allow(clippy::too_many_arguments)]
     fn retrieve(
         &self,
@@ -424,6 +424,7 @@ impl PyClient {
         skip_tokens: u32,
         timeout: Option<f64>,
         after: Option<Vec<u8>>,
+        layer_groups: u32,
     ) -> PyResult<PyJob> {
         let id = self::lease_id(py, &lease_id)?;
         let after = event(py, after)?;
@@ -433,7 +434,8 @@ impl PyClient {
             self.with_registration(reg, |c, r| {
                 let mut q = Retrieve::new(r, id, &blocks)
                     .first_chunk(first_chunk)
-                    .skip_tokens(skip_tokens);
+                    .skip_tokens(skip_tokens)
+                    .layer_groups(layer_groups);
                 if let Some(t) = timeout {
                     q = q.timeout(t);
                 }

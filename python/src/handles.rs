@@ -154,6 +154,39 @@ impl PyJob {
         }
     }
 
+    /// The layer groups its layers land in (1 unless a RETRIEVE asked for
+    /// more).
+    #[getter]
+    fn layer_groups(&self) -> PyResult<u32> {
+        Ok(self.get()?.layer_groups())
+    }
+
+    /// Waits (without the GIL) until layer group `group` of a RETRIEVE
+    /// landed, `timeout` seconds at most (None: until its own deadline);
+    /// a job that ends, passes its own deadline or loses its server first
+    /// is waited for as `wait` does (given up in the last two cases).
+    #[pyo3(signature = (group, timeout = None))]
+    fn wait_layer_group(&self, py: Python<'_>, group: u32, timeout: Option<f64>) -> PyResult<()> {
+        let job = self.get()?;
+        let deadline = match timeout {
+            Some(t) => Instant::now() + crate::client::seconds(py, "timeout", t)?,
+            None => Instant::now() + Duration::from_secs_f64(crate::client::MAX_SECONDS),
+        };
+        loop {
+            let slice = deadline.min(Instant::now() + WAIT_SLICE);
+            match py.detach(|| job.wait_layer_group(group, slice)) {
+                Ok(()) => return Ok(()),
+                Err(kvring::Error::Timeout(_)) if slice < deadline => py.check_signals()?,
+                Err(e) => return Err(to_py(e)),
+            }
+        }
+    }
+
+    /// Whether layer group `group` landed (or the job was released).
+    fn layer_group_landed(&self, group: u32) -> PyResult<bool> {
+        Ok(self.get()?.layer_group_landed(group))
+    }
+
     /// Gives it up: no copy of it starts afterwards; one under way is
     /// waited for (bounded).
     fn give_up(&self, py: Python<'_>) -> PyResult<()> {

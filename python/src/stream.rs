@@ -57,6 +57,14 @@ impl PyEngineStream {
         py.detach(|| self.with(|s| s.wait_job(&j)))
     }
 
+    /// Makes later work on the stream wait (on the device) until layer
+    /// group `group` of `job` (a RETRIEVE in layer groups) landed, with
+    /// every group before it; bounded as `wait_job` is.
+    fn wait_layer_group(&self, py: Python<'_>, job: &Bound<'_, PyJob>, group: u32) -> PyResult<()> {
+        let j = job.get().arc()?;
+        py.detach(|| self.with(|s| s.wait_layer_group(&j, group)))
+    }
+
     /// Waits (on the host, without the GIL) for everything queued.
     fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
         py.detach(|| self.with(|s| s.synchronize()))

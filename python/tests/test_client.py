@@ -94,6 +94,33 @@ def test_store_lookup_retrieve_round_trip(server):
             assert lease.hits == 0
 
 
+def test_a_retrieve_in_layer_groups_lands_each_group_for_its_layers(server):
+    with server.client() as c:
+        cache = HostCache()
+        with cache.register(c) as reg:
+            hashes = kvring.chunk_hashes(prompt(11, 2), CHUNK)
+            blocks = list(range(8))
+            rng = random.Random(11)
+            want = {(layer, b): rng.randbytes(cache.page) for layer in range(cache.layers) for b in blocks}
+            for (layer, b), data in want.items():
+                cache.fill(layer, b, data)
+            assert c.store(reg, hashes, blocks).wait(10).ok
+            fresh = list(range(16, 24))
+            with c.lookup(MODEL, 1, hashes) as lease:
+                with pytest.raises(kvring.KvringError, match="layer groups"):
+                    c.retrieve(reg, lease.id, fresh, layer_groups=cache.layers + 1)
+                cache.poison(0xEE)
+                with c.retrieve(reg, lease.id, fresh, layer_groups=cache.layers) as job:
+                    assert job.layer_groups == cache.layers
+                    for layer in range(cache.layers):
+                        # Group k of L groups over L layers is layer k.
+                        job.wait_layer_group(layer, timeout=10)
+                        assert job.layer_group_landed(layer)
+                        for b, f in zip(blocks, fresh):
+                            assert cache.block(layer, f) == want[layer, b], (layer, b, f)
+                    assert job.wait(10).ok
+
+
 def test_a_lease_frees_chunks_that_will_not_be_loaded_and_ends(server):
     with server.client() as c:
         cache = HostCache()

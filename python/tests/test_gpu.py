@@ -137,6 +137,38 @@ def test_a_torch_stream_waits_for_a_retrieve_through_its_job_word(cuda_server):
     c.close()
 
 
+def test_a_torch_stream_reads_each_layer_group_once_it_landed(cuda_server):
+    """A retrieve in two layer groups (one layer each) after a busy engine
+    event: the stream waits for group 0, reads layer 0, waits for group 1,
+    reads layer 1; it never runs ahead of either."""
+    c = cuda_server.client()
+    cache, page, reg, lease = cache_and_lease(c)
+    stream = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    handle, side = busy_event(0.5)
+    job = c.retrieve(reg, lease.id, [8, 9, 10, 11], after=handle, timeout=30, layer_groups=2)
+    assert job.layer_groups == 2
+    seen = []
+    with kvring.EngineStream(torch.cuda.current_device(), stream.cuda_stream) as es:
+        for layer in range(2):
+            es.wait_layer_group(job, layer)
+            base = layer * 64 * page
+            with torch.cuda.stream(stream):
+                seen.append(cache[base + 8 * page:base + 12 * page].clone())
+        with pytest.raises(kvring.KvringError, match="layer group 2"):
+            es.wait_layer_group(job, 2)
+        after = torch.cuda.Event()
+        after.record(stream)
+        assert not job.layer_group_landed(0), "landed before the engine's event"
+        assert not after.query(), "the stream ran ahead of the job"
+        stream.synchronize()
+    assert job.wait(10).ok
+    assert job.layer_group_landed(1)
+    assert all(bool((s == 0x11).all()) for s in seen)
+    side.synchronize()
+    c.close()
+
+
 def test_a_killed_server_never_holds_a_torch_stream(cuda_server):
     c = cuda_server.client()
     cache, page, reg, lease = cache_and_lease(c)

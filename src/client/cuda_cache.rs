@@ -325,6 +325,36 @@ impl EngineStream {
                 "only a STORE or RETRIEVE can be waited for on a stream".into(),
             ));
         };
+        self.wait_job_word(job, entry, crate::job_words::GO, g)
+    }
+
+    /// Makes later work on this stream wait (on the device) until layer
+    /// group `group` of `job` (a RETRIEVE in layer groups,
+    /// `Retrieve::layer_groups`) landed, with every group before it: the
+    /// server moves the job's `landed` word as each group's copies end, and
+    /// the client library moves it to the end whenever it releases the
+    /// job's `go` (a give-up at the deadline, a server that died or
+    /// stopped), so this wait is bounded as [`EngineStream::wait_job`]'s
+    /// is. The layers of group `k` are `LayerGroups::range(k)`.
+    pub fn wait_layer_group(&self, job: &super::Job, group: u32) -> crate::Result<()> {
+        let Some((entry, target)) = job.landed_target(group) else {
+            return Err(crate::Error::InvalidArgument(format!(
+                "layer group {group}: the job has {} (a RETRIEVE's, counted from 0)",
+                job.layer_groups()
+            )));
+        };
+        self.wait_job_word(job, entry, crate::job_words::LANDED, target)
+    }
+
+    /// Queues a wait for word `off` of the job's entry to reach `target`.
+    fn wait_job_word(
+        &self,
+        job: &super::Job,
+        entry: u32,
+        off: usize,
+        target: u32,
+    ) -> crate::Result<()> {
+        let (_, g) = job.word().expect("a job with job words");
         let link = job.link();
         let base = {
             let mut r = link
@@ -344,15 +374,16 @@ impl EngineStream {
             }
             r.as_ref().expect("registered").device_ptr()?
         };
-        let go = base + crate::job_words::Words::offset(entry, crate::job_words::GO) as u64;
+        let word = base + crate::job_words::Words::offset(entry, off) as u64;
         // Watched before the wait is queued: a wait nobody would release at
-        // the job's deadline is never queued.
+        // the job's deadline is never queued (a release moves `go` and
+        // `landed` to the job's end).
         link.words.watch(link, entry, g)?;
         let mut jobs = self.jobs.lock().unwrap_or_else(|e| e.into_inner());
         // SAFETY: the word stays mapped and registered while this stream
         // lives (its link is kept in `jobs`), and it is released on drop
         // before the stream drains.
-        unsafe { self.stream.wait_value(go, g) }?;
+        unsafe { self.stream.wait_value(word, target) }?;
         // Released jobs need no give-up on drop: only one entry per link
         // is kept for them (the waits they queued may not have run yet, so
         // each link's words stay mapped until the stream drains on drop).
@@ -364,7 +395,12 @@ impl EngineStream {
             }
             first || !l.words().released(*e, *g)
         });
-        jobs.push((link.clone(), entry, g));
+        if !jobs
+            .iter()
+            .any(|(l, e, gg)| Arc::ptr_eq(l, link) && *e == entry && *gg == g)
+        {
+            jobs.push((link.clone(), entry, g));
+        }
         Ok(())
     }
 

@@ -64,6 +64,8 @@ pub struct Job {
     detached: bool,
     /// A STORE's or RETRIEVE's entry and generation in the job words.
     word: Option<(u32, u32)>,
+    /// The layer groups of a RETRIEVE (1 for any other job).
+    groups: u32,
 }
 
 impl std::fmt::Debug for Job {
@@ -80,13 +82,69 @@ impl Job {
             releases,
             detached: false,
             word: None,
+            groups: 1,
         }
     }
 
-    /// A STORE or RETRIEVE, with its entry and generation in the job words.
-    pub(super) fn with_word(mut self, entry: u32, generation: u32) -> Job {
+    /// A STORE or RETRIEVE, with its entry and generation in the job words
+    /// and its layer groups.
+    pub(super) fn with_word(mut self, entry: u32, generation: u32, groups: u32) -> Job {
         self.word = Some((entry, generation));
+        self.groups = groups.max(1);
         self
+    }
+
+    /// The layer groups its layers land in (1 unless a RETRIEVE asked for
+    /// more: `Retrieve::layer_groups`).
+    pub fn layer_groups(&self) -> u32 {
+        self.groups
+    }
+
+    /// The value of its `landed` word once group `group` (and every group
+    /// before it) landed ([`crate::job_words`]); `None` for a job without
+    /// job words or a group past its last.
+    pub(crate) fn landed_target(&self, group: u32) -> Option<(u32, u32)> {
+        let (e, g) = self.word?;
+        (group < self.groups).then(|| (e, g.wrapping_sub(self.groups).wrapping_add(group + 1)))
+    }
+
+    /// Whether layer group `group` landed: its copies (and those of every
+    /// group before it) are over, or the job was given up or released.
+    /// Always true for a job that has no layer groups (not a STORE or
+    /// RETRIEVE).
+    pub fn layer_group_landed(&self, group: u32) -> bool {
+        self.landed_target(group.min(self.groups - 1))
+            .is_none_or(|(e, v)| self.link.words().landed_at(e, v))
+    }
+
+    /// Waits until layer group `group` landed (see
+    /// [`Job::layer_group_landed`]), polling its job word with a short
+    /// backoff. If the job ends first, or its own deadline passes, or its
+    /// server is gone, this is [`Job::wait`] (which gives the job up in the
+    /// last two cases, so no copy of it lands afterwards); at `deadline`
+    /// `Error::Timeout` with the job still running.
+    pub fn wait_layer_group(&self, group: u32, deadline: Instant) -> Result<()> {
+        let Some((e, g)) = self.word else {
+            return self.wait(deadline).map(drop);
+        };
+        let own = self.link.words.deadline(e, g);
+        let start = Instant::now();
+        let mut pause = Duration::from_micros(2);
+        loop {
+            if self.layer_group_landed(group) {
+                return Ok(());
+            }
+            let now = Instant::now();
+            let ended = !matches!(self.status(), Ok(JobStatus::Pending | JobStatus::Running));
+            if ended || own.is_some_and(|o| now >= o) {
+                return self.wait(deadline).map(drop);
+            }
+            if now >= deadline {
+                return Err(Error::Timeout(now - start));
+            }
+            std::thread::sleep(pause.min(deadline - now));
+            pause = (pause * 2).min(Duration::from_micros(100));
+        }
     }
 
     /// Its entry and generation in the job words (a STORE or RETRIEVE).

@@ -522,6 +522,7 @@ pub struct Retrieve<'a> {
     blocks: &'a [u32],
     first_chunk: u32,
     skip_tokens: u32,
+    layer_groups: u32,
     after: Option<IpcEventHandle>,
     timeout: Duration,
 }
@@ -538,9 +539,19 @@ impl<'a> Retrieve<'a> {
             blocks,
             first_chunk: 0,
             skip_tokens: 0,
+            layer_groups: 1,
             after: None,
             timeout: DEFAULT_JOB_TIMEOUT,
         }
+    }
+
+    /// Lands the layers in `n` groups ([`crate::kv::LayerGroups`], 1 to the
+    /// layer count; default 1), one after another: the engine reads a layer
+    /// once its group landed ([`Job::wait_layer_group`], or on a GPU
+    /// `EngineStream::wait_layer_group`) while later groups are copied.
+    pub fn layer_groups(mut self, n: u32) -> Self {
+        self.layer_groups = n;
+        self
     }
 
     /// How long the job may run before its client gives it up (as
@@ -801,7 +812,7 @@ impl Client {
             _reserved: 0,
             event: req.after.map_or([0; 64], IpcEventHandle::to_bytes),
         };
-        self.submit_copy_job(Opcode::Store, req.timeout, |word, generation| {
+        self.submit_copy_job(Opcode::Store, req.timeout, 1, |word, generation| {
             let h = StoreRequest {
                 word,
                 generation,
@@ -817,24 +828,26 @@ impl Client {
         })
     }
 
-    /// Submits a STORE or RETRIEVE with an entry of the job words (its
-    /// payload made by `build` for that entry and generation).
+    /// Submits a STORE or RETRIEVE (in `groups` layer groups) with an entry
+    /// of the job words (its payload made by `build` for that entry and
+    /// generation).
     fn submit_copy_job(
         &mut self,
         op: Opcode,
         timeout: Duration,
+        groups: u32,
         build: impl FnOnce(u32, u32) -> Vec<u8>,
     ) -> Result<Job> {
         // Refused before anything is sent, so no entry is taken for it.
         self.check_no_call_in_flight(op)?;
-        let (entry, g) = self.link.words.take(&self.link, timeout)?;
+        let (entry, g) = self.link.words.take(&self.link, timeout, groups)?;
         self.call_word = Some((entry, g));
         let r = self.submit_job(op, &build(entry, g));
         self.call_word = None;
         match r {
             Ok(job) => {
                 self.link.words.bind(entry, job.id());
-                Ok(job.with_word(entry, g))
+                Ok(job.with_word(entry, g, groups))
             }
             // Refused, or never sent: nothing of it ran.
             Err(
@@ -866,6 +879,13 @@ impl Client {
                 req.blocks.len()
             )));
         }
+        let layers = req.reg.layout.geometry().layers;
+        if crate::kv::LayerGroups::new(layers, req.layer_groups).is_none() {
+            return Err(Error::InvalidArgument(format!(
+                "{} layer groups: need 1 to {layers} (the layer count)",
+                req.layer_groups
+            )));
+        }
         let mut flags = KvFlags::empty();
         flags.set(KvFlags::EVENT, req.after.is_some());
         let h = RetrieveRequest {
@@ -877,10 +897,11 @@ impl Client {
             flags: flags.bits(),
             word: 0,
             generation: 0,
-            _reserved: 0,
+            layer_groups: req.layer_groups,
             event: req.after.map_or([0; 64], IpcEventHandle::to_bytes),
         };
-        self.submit_copy_job(Opcode::Retrieve, req.timeout, |word, generation| {
+        let groups = req.layer_groups;
+        self.submit_copy_job(Opcode::Retrieve, req.timeout, groups, |word, generation| {
             let h = RetrieveRequest {
                 word,
                 generation,

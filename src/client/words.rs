@@ -141,10 +141,12 @@ impl WordTable {
     }
 
     /// An entry and a generation for a new job that gives up `timeout`
-    /// after now. Entries are reused oldest first, and only once their
-    /// last job ended on the server, was released and has no copy under
-    /// way.
-    pub fn take(&self, link: &Link, timeout: Duration) -> Result<(u32, u32)> {
+    /// after now, in `groups` layer groups (1: any job but a RETRIEVE in
+    /// layer groups): the job takes that many generations, and is named by
+    /// the last ([`crate::job_words`]). Entries are reused oldest first,
+    /// and only once their last job ended on the server, was released and
+    /// has no copy under way.
+    pub fn take(&self, link: &Link, timeout: Duration, groups: u32) -> Result<(u32, u32)> {
         if self.lock().free.is_empty() {
             settle(self, link);
         }
@@ -155,9 +157,10 @@ impl WordTable {
                  wait for one to end"
             )));
         };
-        let g = st.next_generation;
+        let groups = groups.max(1);
+        let g = st.next_generation.wrapping_add(groups - 1);
         st.next_generation = g.wrapping_add(1);
-        link.words().reset(entry, g);
+        link.words().reset(entry, g, groups);
         let now = Instant::now();
         st.busy.insert(
             entry,

@@ -1,6 +1,7 @@
 //! What engines and the server agree on about KV caches: what a cache holds
 //! ([`geometry`]), where it lives in the engine's memory ([`layout`], with
-//! named [`preset`]s), how a chunk moves as runs ([`plan`]), keys
+//! named [`preset`]s), how a chunk moves as runs ([`plan`]), the
+//! [`layer_groups`] a retrieve may land in, keys
 //! ([`hash`]), and deterministic test contents ([`pattern`]).
 //!
 //! A stored **chunk object** is independent of the memory layout: `[layer]
@@ -9,6 +10,7 @@
 
 pub mod geometry;
 pub mod hash;
+pub mod layer_groups;
 pub mod layout;
 mod overlap;
 pub mod pattern;
@@ -17,6 +19,7 @@ pub mod preset;
 
 pub use geometry::{Dtype, GeometryError, GeometryFlags, KvGeometry, KvShape};
 pub use hash::{chunk_hashes, engine_key, model_id, salt_id, ChunkHash};
+pub use layer_groups::LayerGroups;
 pub use layout::{KvLayout, LayerPlacement, LayoutError, Part};
 pub use plan::CopyPlan;
 pub use preset::LayoutPreset;

@@ -55,8 +55,9 @@ bitflags::bitflags! {
 
 shm_struct! {
     /// RETRIEVE: `n_chunks * blocks_per_chunk` block ids (u32) follow. Chunks
-    /// `first_chunk ..` of the lookup `lease` are copied into them; the first
-    /// `skip_tokens` tokens (a multiple of the block size) are left alone.
+    /// `first_chunk ..` of the lookup `lease` are copied into them, layer
+    /// group after layer group; the first `skip_tokens` tokens (a multiple
+    /// of the block size) are left alone.
     #[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
     pub struct RetrieveRequest {
         [0] pub lease: JobId,
@@ -70,7 +71,10 @@ shm_struct! {
         [36] pub word: u32,
         /// The job's generation in that entry ([`crate::job_words`]).
         [40] pub generation: u32,
-        [44] pub _reserved: u32,
+        /// The layer groups the chunks land in, one after another
+        /// ([`crate::kv::LayerGroups`]; 0 counts as 1): the server moves the
+        /// job's `landed` word as each group lands.
+        [44] pub layer_groups: u32,
         /// With `KvFlags::EVENT`: the CUDA IPC event the engine recorded
         /// after it stopped using the blocks; the server's copies come
         /// after it (polled from the host).

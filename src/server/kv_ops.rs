@@ -11,7 +11,7 @@ use super::tier::{Fetch, TierLink, WriteMode};
 use super::transfer::{BackendKind, Copier, Dir, EngineEvent, JobRun, JobWord, Task};
 use super::Shared;
 use crate::jobs::{JobId, JobKind, JobResult, NewJob};
-use crate::kv::ChunkHash;
+use crate::kv::{ChunkHash, LayerGroups};
 use crate::liveness::monotonic_ns;
 use crate::proto::kv::{
     split_header, u32s, ClearReply, ConfigReply, EndSessionRequest, FreeLocksRequest,
@@ -583,6 +583,7 @@ pub fn store(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
         return id_reply(id);
     }
     let objs = plan.write.iter().map(|p| p.obj).collect();
+    let layers = inst.layout.geometry().layers;
     let job = JobRun::new(
         id,
         who.slot,
@@ -591,7 +592,7 @@ pub fn store(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
         objs,
         value,
         aux,
-        plan.write.len() as u32,
+        (plan.write.len() as u32, 1),
         event.map(|h| EngineEvent::new(h, kv.engine_event_timeout)),
         word,
     );
@@ -603,6 +604,8 @@ pub fn store(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
             pool_off: p.off,
             blocks: blocks[p.chunk as usize].clone(),
             skip_blocks: 0,
+            layers: 0..layers,
+            group: 0,
         })
         .collect();
     kv.copier.submit(shared.seg.mapping.lanes(), who.slot, tasks);
@@ -634,6 +637,8 @@ pub fn retrieve(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
     if h.n_chunks == 0 {
         return Err(Status::InvalidArgument);
     }
+    let groups = LayerGroups::new(inst.layout.geometry().layers, h.layer_groups.max(1))
+        .ok_or(Status::InvalidArgument)?;
     let rank = inst.rank;
     let check = |m: &LeaseMeta| {
         m.model_id == inst.model_id
@@ -659,8 +664,6 @@ pub fn retrieve(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
             return Err(e);
         }
     };
-    let mut skip_blocks = h.skip_tokens / bt;
-    let mut tasks = Vec::with_capacity(objs.len());
     let job = JobRun::new(
         id,
         who.slot,
@@ -669,19 +672,27 @@ pub fn retrieve(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
         objs.iter().map(|o| o.0).collect(),
         u64::from(h.n_chunks),
         0,
-        objs.len() as u32,
+        (objs.len() as u32, groups.len()),
         event.map(|h| EngineEvent::new(h, kv.engine_event_timeout)),
         word,
     );
-    for (i, &(_, off)) in objs.iter().enumerate() {
-        let skip = skip_blocks.min(bpc);
-        skip_blocks -= skip;
-        tasks.push(Task {
-            job: job.clone(),
-            pool_off: off,
-            blocks: blocks[i].clone(),
-            skip_blocks: skip,
-        });
+    // Group after group, each over every chunk: the workers take tasks in
+    // this order, so the first layers land first.
+    let mut tasks = Vec::with_capacity(objs.len() * groups.len() as usize);
+    for (k, layers) in groups.iter().enumerate() {
+        let mut skip_blocks = h.skip_tokens / bt;
+        for (i, &(_, off)) in objs.iter().enumerate() {
+            let skip = skip_blocks.min(bpc);
+            skip_blocks -= skip;
+            tasks.push(Task {
+                job: job.clone(),
+                pool_off: off,
+                blocks: blocks[i].clone(),
+                skip_blocks: skip,
+                layers: layers.clone(),
+                group: k as u32,
+            });
+        }
     }
     kv.copier.submit(shared.seg.mapping.lanes(), who.slot, tasks);
     id_reply(id)

@@ -15,12 +15,14 @@ pub enum Dir {
 }
 
 /// One chunk to copy: `blocks` of the engine's cache <-> the object at
-/// `object`. Blocks before `skip_blocks` are left alone.
+/// `object`, layers `layers` of it (all of them but for a RETRIEVE in layer
+/// groups). Blocks before `skip_blocks` are left alone.
 pub struct ChunkCopy<'a> {
     pub inst: &'a Registration,
     pub chunk_tokens: u32,
     pub blocks: &'a [u32],
     pub skip_blocks: u32,
+    pub layers: std::ops::Range<u32>,
     pub object: *mut u8,
     pub dir: Dir,
     /// Where the copy reports itself in its job's words.

@@ -112,7 +112,6 @@ pub(super) fn host_copy(c: &ChunkCopy<'_>, runs: &mut RunBuffers) -> Result<u64,
 fn copy_runs(c: &ChunkCopy<'_>, runs: &mut RunBuffers) -> Result<u64, CopyError> {
     let inst = c.inst;
     let (l, plan) = (&inst.layout, &inst.plan);
-    let g = l.geometry();
     let pieces = &mut runs.parts;
     let mut moved = 0u64;
     let flush = |pieces: &mut [Vec<(*mut u8, *const u8)>; 2]| {
@@ -130,7 +129,7 @@ fn copy_runs(c: &ChunkCopy<'_>, runs: &mut RunBuffers) -> Result<u64, CopyError>
             p.clear();
         }
     };
-    for layer in 0..g.layers {
+    for layer in c.layers.clone() {
         let base = inst.host[l.layers()[layer as usize].alloc as usize].ptr();
         for (j, &block) in c.blocks.iter().enumerate().skip(c.skip_blocks as usize) {
             plan.for_each_run(l, c.chunk_tokens, layer, block, j as u32, |part, eng, obj, n| {
@@ -174,7 +173,7 @@ fn copy_peer_runs(
     locals.clear();
     remotes.clear();
     let mut moved = 0u64;
-    for layer in 0..l.geometry().layers {
+    for layer in c.layers.clone() {
         let (base, _) = peer.window(l.layers()[layer as usize].alloc as usize);
         for (j, &block) in c.blocks.iter().enumerate().skip(c.skip_blocks as usize) {
             plan.for_each_run(l, c.chunk_tokens, layer, block, j as u32, |_, eng, obj, n| {

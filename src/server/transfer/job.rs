@@ -6,7 +6,8 @@ use crate::jobs::JobId;
 use crate::job_words::Words;
 use crate::server::registry::Registration;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::ops::Range;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// The inference engine's CUDA IPC event a job's copies come after. The
@@ -111,6 +112,8 @@ pub struct JobRun {
     /// Its entry in the client's job words.
     pub word: JobWord,
     pub(super) remaining: AtomicU32,
+    /// Its layer groups, as they land.
+    pub(super) groups: Landing,
     pub(super) started: AtomicBool,
     pub(super) failed: AtomicBool,
     /// Failed because its engine event did not complete in time.
@@ -123,6 +126,8 @@ pub struct JobRun {
 }
 
 impl JobRun {
+    /// A job of `chunks` chunks, each copied as one task per layer group
+    /// (`groups`: 1 unless a RETRIEVE asked for more).
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         id: JobId,
@@ -132,7 +137,7 @@ impl JobRun {
         objs: Vec<u32>,
         value: u64,
         aux: u64,
-        tasks: u32,
+        (chunks, groups): (u32, u32),
         event: Option<EngineEvent>,
         word: JobWord,
     ) -> Arc<JobRun> {
@@ -146,7 +151,8 @@ impl JobRun {
             value,
             aux,
             event,
-            remaining: AtomicU32::new(tasks),
+            remaining: AtomicU32::new(chunks * groups.max(1)),
+            groups: Landing::new(chunks, groups),
             started: AtomicBool::new(false),
             failed: AtomicBool::new(false),
             event_timed_out: AtomicBool::new(false),
@@ -154,13 +160,108 @@ impl JobRun {
             bytes: AtomicU64::new(0),
         })
     }
+
+    /// A task of layer group `group` settled (its copy is over, or never
+    /// ran): once every chunk of that group and of each group before it
+    /// settled, the job's `landed` word says so, and streams waiting for
+    /// those groups go on. Not while a copy of the job may still run on
+    /// the device (its client gives it up). With one group, the job's end
+    /// (`JobWord::release`) is its landing.
+    pub(super) fn group_settled(&self, group: u32) {
+        if let Some(landed) = self.groups.settled(group, &self.wedged) {
+            let w = &self.word;
+            let value = w.generation.wrapping_sub(self.groups.len()).wrapping_add(landed);
+            w.words().land(w.entry, value);
+        }
+    }
 }
 
-/// One chunk of a job.
+/// A job's layer groups as their tasks settle: how many of each are left,
+/// and how many groups (counted from the first) landed.
+pub(super) struct Landing {
+    left: Box<[AtomicU32]>,
+    landed: Mutex<u32>,
+}
+
+impl Landing {
+    /// `groups` groups (at least 1) of `chunks` tasks each.
+    pub fn new(chunks: u32, groups: u32) -> Landing {
+        Landing {
+            left: (0..groups.max(1)).map(|_| AtomicU32::new(chunks)).collect(),
+            landed: Mutex::new(0),
+        }
+    }
+
+    pub fn len(&self) -> u32 {
+        self.left.len() as u32
+    }
+
+    /// A task of `group` settled: `Some(n)` when that made the first `n`
+    /// groups land (more than before), unless `wedged` (a copy of the job
+    /// may still run; read once the group's tasks are all seen). `None`
+    /// with a single group: the job's end lands it.
+    pub fn settled(&self, group: u32, wedged: &AtomicBool) -> Option<u32> {
+        if self.left.len() == 1 {
+            return None;
+        }
+        // AcqRel: each task's Release publishes what it stored before
+        // (`wedged`); the last of the group acquires them all (the
+        // decrements form one release sequence).
+        if self.left[group as usize].fetch_sub(1, Ordering::AcqRel) != 1 {
+            return None;
+        }
+        let mut landed = self.landed.lock().unwrap_or_else(|e| e.into_inner());
+        let before = *landed;
+        // Acquire: a zero read is the end of that group's release sequence,
+        // so its tasks' `wedged` stores are visible below.
+        while (*landed as usize) < self.left.len()
+            && self.left[*landed as usize].load(Ordering::Acquire) == 0
+        {
+            *landed += 1;
+        }
+        // Relaxed: ordered by the Acquire loads above.
+        if *landed == before || wedged.load(Ordering::Relaxed) {
+            return None;
+        }
+        Some(*landed)
+    }
+}
+
+/// One chunk of a job, or the layers of one of its layer groups.
 pub struct Task {
     pub job: Arc<JobRun>,
     /// Pool offset of the object.
     pub pool_off: u64,
     pub blocks: Vec<u32>,
     pub skip_blocks: u32,
+    /// The layers it copies, and their layer group.
+    pub layers: Range<u32>,
+    pub group: u32,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn groups_land_in_order_whatever_order_their_tasks_settle_in() {
+        let ok = AtomicBool::new(false);
+        let l = Landing::new(2, 3);
+        // Group 1 completes first: nothing lands until group 0 does.
+        assert_eq!(l.settled(1, &ok), None);
+        assert_eq!(l.settled(1, &ok), None);
+        assert_eq!(l.settled(0, &ok), None);
+        assert_eq!(l.settled(0, &ok), Some(2));
+        assert_eq!(l.settled(2, &ok), None);
+        assert_eq!(l.settled(2, &ok), Some(3));
+        // A job with one group lands at its end only.
+        let one = Landing::new(2, 1);
+        assert_eq!(one.settled(0, &ok), None);
+        assert_eq!(one.settled(0, &ok), None);
+        // A copy that may still run holds every later landing back.
+        let wedged = AtomicBool::new(true);
+        let l = Landing::new(1, 2);
+        assert_eq!(l.settled(0, &wedged), None);
+        assert_eq!(l.settled(1, &wedged), None);
+    }
 }

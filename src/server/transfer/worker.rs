@@ -12,8 +12,10 @@ use crate::server::tier::WriteMode;
 use crate::server::Shared;
 use std::sync::atomic::Ordering;
 
-/// Accounts one chunk of `job`; the last one ends it.
-fn chunk_done(shared: &Shared, job: &JobRun, outcome: ChunkOutcome) {
+/// Accounts one task of its job (a chunk, or one layer group of it): the
+/// last of a layer group lands the group, the last of all ends the job.
+fn chunk_done(shared: &Shared, task: &Task, outcome: ChunkOutcome) {
+    let job = &*task.job;
     // `failed`, `event_timed_out` and `bytes` are Relaxed: the AcqRel
     // decrement of `remaining` below orders every chunk's updates before
     // the last one's `finish`, which reads them.
@@ -41,6 +43,7 @@ fn chunk_done(shared: &Shared, job: &JobRun, outcome: ChunkOutcome) {
             job.failed.store(true, Ordering::Relaxed);
         }
     }
+    job.group_settled(task.group);
     // AcqRel: each worker's Release publishes its chunk's counters above;
     // the last one's Acquire sees every worker's, so `finish` reads them all.
     if job.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
@@ -243,7 +246,7 @@ impl<'a> Worker<'a> {
             // Relaxed: a hint only, as in `admit`: a job that ended copies
             // nothing more; `finish` settles it through `remaining`.
             if t.job.failed.load(Ordering::Relaxed) || !self.shared.jobs.is_live(t.job.id) {
-                chunk_done(self.shared, &t.job, ChunkOutcome::Skipped);
+                chunk_done(self.shared, &t, ChunkOutcome::Skipped);
                 continue;
             }
             let key = Arc::as_ptr(&t.job);
@@ -261,13 +264,13 @@ impl<'a> Worker<'a> {
                         }
                         EventState::NotYet => self.held.push_back(t),
                         EventState::TimedOut => {
-                            chunk_done(self.shared, &t.job, ChunkOutcome::EventTimeout)
+                            chunk_done(self.shared, &t, ChunkOutcome::EventTimeout)
                         }
                     }
                 }
                 // The job fails; its other held tasks are skipped at the
                 // next scan (`failed` is set).
-                Err(e) => chunk_done(self.shared, &t.job, ChunkOutcome::Failed(e)),
+                Err(e) => chunk_done(self.shared, &t, ChunkOutcome::Failed(e)),
             }
         }
         self.event_poll = if moved {
@@ -317,7 +320,7 @@ impl<'a> Worker<'a> {
             || !self.shared.jobs.is_live(job.id)
             || job.word.cancelled()
         {
-            chunk_done(self.shared, job, ChunkOutcome::Skipped);
+            chunk_done(self.shared, &task, ChunkOutcome::Skipped);
             return None;
         }
         match event_state(self.executor.as_mut(), &task, Instant::now()) {
@@ -335,11 +338,11 @@ impl<'a> Worker<'a> {
                 None
             }
             Ok(EventState::TimedOut) => {
-                chunk_done(self.shared, job, ChunkOutcome::EventTimeout);
+                chunk_done(self.shared, &task, ChunkOutcome::EventTimeout);
                 None
             }
             Err(e) => {
-                chunk_done(self.shared, job, ChunkOutcome::Failed(e));
+                chunk_done(self.shared, &task, ChunkOutcome::Failed(e));
                 None
             }
         }
@@ -370,6 +373,7 @@ impl<'a> Worker<'a> {
             chunk_tokens: self.shared.kv.chunk_tokens,
             blocks: &task.blocks,
             skip_blocks: task.skip_blocks,
+            layers: task.layers.clone(),
             object: self.shared.kv.pool.at(task.pool_off),
             dir: job.dir,
         };
@@ -415,10 +419,10 @@ fn settle(shared: &Shared, task: Task, r: Result<u64, CopyError>, wedged: &mut V
             // Relaxed: published to `finish` by `chunk_done`'s AcqRel
             // decrement, as the other counters.
             task.job.wedged.store(true, Ordering::Relaxed);
-            chunk_done(shared, &task.job, ChunkOutcome::Failed(e));
+            chunk_done(shared, &task, ChunkOutcome::Failed(e));
             wedged.push(task);
         }
-        r => chunk_done(shared, &task.job, r.into()),
+        r => chunk_done(shared, &task, r.into()),
     }
 }
 

@@ -143,27 +143,29 @@ impl DeviceQueue {
         k: usize,
         c: &ChunkCopy<'_>,
         table: &DeviceTable,
-        obj_bytes: u64,
+        span: &LayerSpan,
         zero_copy_ctas: u32,
         words: u64,
         gated: &mut bool,
     ) -> Result<(), CopyError> {
-        let inst = c.inst;
         let n = c.blocks.len();
         let slot = &self.slots[k];
         let stream = &self.streams[usize::from(c.dir == Dir::FromPool)];
         let kernels = &self.device.kernels;
         let staging = slot.staging.as_ref().map_or(0, |s| s.ptr());
-        let (layers, ids) = (table.layers.ptr(), slot.ids_dev.ptr());
+        let obj_bytes = span.bytes;
+        let src_object = span.object;
+        let layers = table.layers.ptr() + span.table_offset;
+        let ids = slot.ids_dev.ptr();
         let object = if zero_copy_ctas > 0 {
-            c.object as u64
+            src_object as u64
         } else {
             staging
         };
         let vec = table.align.min(crate::kv::plan::align_of(object));
         let mut args = KvCopyArgs::new(
-            &inst.plan,
-            inst.layout.geometry().layers,
+            &c.inst.plan,
+            span.layers,
             n as u32,
             c.skip_blocks,
             c.dir == Dir::FromPool,
@@ -223,12 +225,12 @@ impl DeviceQueue {
                 unsafe { stream.write_value(done, c.word.seq) }?;
                 // SAFETY: `staging` holds `obj_bytes` device bytes, the
                 // pinned pool object as many host bytes.
-                unsafe { stream.copy_dtoh_async(c.object, staging, obj_bytes as usize) }?;
+                unsafe { stream.copy_dtoh_async(src_object, staging, obj_bytes as usize) }?;
             }
             Dir::FromPool => {
                 // SAFETY: the pinned pool object holds `obj_bytes` host
                 // bytes, `staging` as many device bytes.
-                unsafe { stream.copy_htod_async(staging, c.object, obj_bytes as usize) }?;
+                unsafe { stream.copy_htod_async(staging, src_object, obj_bytes as usize) }?;
                 // SAFETY: as for the zero-copy launch, with the slot's
                 // `staging` (`obj_bytes` of device memory) as the object.
                 unsafe { kernels.launch(stream, layers, ids, staging, args, 0) }?;
@@ -238,6 +240,33 @@ impl DeviceQueue {
         }
         slot.event.record(stream)?;
         Ok(())
+    }
+}
+
+/// The part of a chunk object one copy moves: the layers `c.layers` (the
+/// object is `[layer][token][head][K then V]`, so they are one run of it)
+/// and where their entries start in the registration's layer table.
+struct LayerSpan {
+    object: *mut u8,
+    bytes: u64,
+    layers: u32,
+    table_offset: u64,
+}
+
+impl LayerSpan {
+    fn of(c: &ChunkCopy<'_>, obj_bytes: u64) -> LayerSpan {
+        let all = u64::from(c.inst.layout.geometry().layers);
+        let per_layer = obj_bytes / all;
+        let (first, layers) = (u64::from(c.layers.start), c.layers.len() as u64);
+        debug_assert!(first + layers <= all && per_layer * all == obj_bytes);
+        LayerSpan {
+            // SAFETY: inside the object (`first + layers <= all`: the task's
+            // layers are a layer group of the registration's layers).
+            object: unsafe { c.object.add((first * per_layer) as usize) },
+            bytes: layers * per_layer,
+            layers: layers as u32,
+            table_offset: first * std::mem::size_of::<crate::gpu::kernels::LayerEntry>() as u64,
+        }
     }
 }
 
@@ -317,12 +346,13 @@ impl CopyExecutor for CudaExecutor {
         };
         let obj_bytes = c.inst.layout.object_bytes(c.chunk_tokens);
         self.backend.pinned_pool_offset(c.object, obj_bytes)?;
+        let span = LayerSpan::of(c, obj_bytes);
         let words = c.word.job.memory.words_device_ptr(&table.device.ctx)?;
         let zero_copy_ctas = self.backend.zero_copy_ctas;
         let queue = self.device_queue(&table.device)?;
-        let k = queue.stage(c, obj_bytes, zero_copy_ctas > 0)?;
+        let k = queue.stage(c, span.bytes, zero_copy_ctas > 0)?;
         let mut gated = false;
-        let r = queue.enqueue_copy(k, c, table, obj_bytes, zero_copy_ctas, words, &mut gated);
+        let r = queue.enqueue_copy(k, c, table, &span, zero_copy_ctas, words, &mut gated);
         if let Err(e) = r {
             // Part of the copy may be queued: the slot is used again only
             // once an event recorded after it completes (never, if that
@@ -341,7 +371,7 @@ impl CopyExecutor for CudaExecutor {
         let n = c.blocks.len() as u64;
         let g = c.inst.layout.geometry();
         let moved =
-            u64::from(g.layers) * (n - u64::from(c.skip_blocks).min(n)) * g.page_bytes();
+            u64::from(span.layers) * (n - u64::from(c.skip_blocks).min(n)) * g.page_bytes();
         queue.slots[k].state = SlotState::Busy {
             token,
             moved,
