@@ -559,6 +559,7 @@ _STAT_KEYS = (
     "load_chunks",
     "load_failures",
     "load_wait_us",
+    "load_layer_waits",
     "store_chunks",
     "store_failures",
 )
@@ -571,7 +572,8 @@ class KvringStats(KVConnectorStats):
     workers, summed over them (every rank counts its own shard), and the
     time workers' hooks waited for loads of the step's forward
     (`load_wait_us`: on a GPU, what was left of the copies once the forward
-    was queued)."""
+    was queued), and the layer-group waits the forward made
+    (`load_layer_waits`)."""
 
     def __post_init__(self) -> None:
         for key in _STAT_KEYS:
@@ -1182,6 +1184,7 @@ class _WorkerSide:
             if group < tr.next_group or tr.outcome is not None:
                 continue
             tr.next_group = group + 1
+            self.stats.count("load_layer_waits")
             try:
                 if tr.event is not None:
                     self._engine_stream().wait_layer_group(tr.job, group)

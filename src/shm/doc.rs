@@ -30,7 +30,8 @@ pub fn field_tables() -> Vec<(&'static str, Vec<FieldRow>)> {
             vec![
                 ("go", w::GO, 4),
                 ("cancel", w::CANCEL, 4),
-                ("_reserved", w::CANCEL + 4, w::ENTERED - w::CANCEL - 4),
+                ("landed", w::LANDED, 4),
+                ("_reserved", w::LANDED + 4, w::ENTERED - w::LANDED - 4),
                 ("entered[32]", w::ENTERED, words),
                 ("done[32]", w::DONE, words),
                 ("(padding)", w::DONE + words, w::ENTRY_BYTES - w::DONE - words),

@@ -307,6 +307,10 @@ def test_fresh_engine_gets_hits_from_kvring(reloaded):
     cs = connector_stats(r)
     assert cs.get("lookup_hit_tokens") == total and cs.get("load_chunks") == hit_chunks, cs
     assert cs.get("load_failures") == 0 and cs.get("store_failures") == 0, cs
+    # Each load landed in two layer groups (the default 4, at most one per
+    # layer of the 2-layer model), each waited for at its first layer.
+    loads = sum(1 for v in expected.values() if v)
+    assert cs.get("load_layer_waits") == 2 * loads, cs
 
 
 def test_fresh_engine_outputs_identical_to_baseline(reloaded, baseline):
