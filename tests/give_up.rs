@@ -172,6 +172,63 @@ fn a_job_given_up_while_the_server_is_stopped_never_lands_afterwards() {
     assert!(tested, "every store ended before the server stopped");
 }
 
+/// A retrieve in layer groups whose server stops under it: a wait for its
+/// last group ends at the job's own deadline (the job given up), and the
+/// give-up lands every group, so a stream waiting on any of them goes on.
+#[test]
+fn a_wait_for_a_layer_group_of_a_stopped_server_ends_at_the_deadline() {
+    let s = Fixture::new("give-up-groups", Duration::from_secs(120), &ARGS);
+    let l = kv_layout(LayoutPreset::Lbnhc, 2, CHUNKS * BLOCKS_PER_CHUNK, 1024);
+    let layers = l.geometry().layers;
+    let mut e = Engine::new(&s, l, 1, 0);
+    let blocks: Vec<u32> = (0..CHUNKS * BLOCKS_PER_CHUNK).collect();
+    let hashes = prompt_hashes(43, CHUNKS as usize);
+    let job = e.c.store(Store::new(&e.inst, &hashes, &blocks)).unwrap();
+    assert!(matches!(job.wait(far()).unwrap(), JobStatus::Done(_)));
+    let mut tested = false;
+    for attempt in 0..8 {
+        let lease =
+            e.c.lookup(Lookup::new(model_id(MODEL), 1, &hashes))
+                .unwrap();
+        let job =
+            e.c.retrieve(
+                Retrieve::new(&e.inst, &lease, &blocks)
+                    .layer_groups(layers)
+                    .timeout(TIMEOUT),
+            )
+            .unwrap();
+        s.srv.pause();
+        let stopped = Instant::now();
+        let last_landed_before = job.layer_group_landed(layers - 1);
+        let r = job.wait_layer_group(layers - 1, far());
+        let waited = stopped.elapsed();
+        s.srv.signal(libc::SIGCONT);
+        if last_landed_before || r.is_ok() {
+            eprintln!("attempt {attempt}: the last group landed before the stop ({r:?})");
+            ended(&job);
+            continue;
+        }
+        eprintln!("attempt {attempt}: the wait for the last group returned {r:?} {waited:?} after the stop");
+        assert!(
+            matches!(r, Err(Error::Timeout(_) | Error::CopiesInFlight(_))),
+            "{r:?}"
+        );
+        // A copy under way when the server stopped is waited for up to the
+        // give-up's bound (5 s) before the words are released anyway.
+        let bound = match r {
+            Err(Error::CopiesInFlight(_)) => TIMEOUT + Duration::from_secs(7),
+            _ => TIMEOUT + Duration::from_secs(2),
+        };
+        assert!(waited < bound, "{waited:?}");
+        assert!((0..layers).all(|k| job.layer_group_landed(k)));
+        assert!(job.released());
+        assert_eq!(ended(&job), JobStatus::Failed(FailReason::Cancelled));
+        tested = true;
+        break;
+    }
+    assert!(tested, "every retrieve landed before the server stopped");
+}
+
 /// A server that shuts down with jobs queued releases every one of them
 /// (a stream ordered after any would otherwise wait forever): the jobs
 /// whose tasks it dropped are released when their last task goes.
