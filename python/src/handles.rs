@@ -77,6 +77,29 @@ impl PyJobStatus {
 /// thread takes the GIL to see Ctrl-C.
 const WAIT_SLICE: Duration = Duration::from_millis(100);
 
+/// Runs `wait(slice)` without the GIL until it answers or `timeout`
+/// seconds pass (None: far enough that the job's own deadline comes
+/// first), taking the GIL between slices to see Ctrl-C.
+fn sliced_wait<T: Send>(
+    py: Python<'_>,
+    timeout: Option<f64>,
+    wait: impl Fn(Instant) -> kvring::Result<T> + Sync,
+) -> PyResult<T> {
+    let deadline = Instant::now()
+        + match timeout {
+            Some(t) => crate::client::seconds(py, "timeout", t)?,
+            None => Duration::from_secs_f64(crate::client::MAX_SECONDS),
+        };
+    loop {
+        let slice = deadline.min(Instant::now() + WAIT_SLICE);
+        match py.detach(|| wait(slice)) {
+            Ok(v) => return Ok(v),
+            Err(kvring::Error::Timeout(_)) if slice < deadline => py.check_signals()?,
+            Err(e) => return Err(to_py(e)),
+        }
+    }
+}
+
 /// A job (STORE, RETRIEVE, ...). The `Arc` is cloned out for each use, so a
 /// thread blocked in `wait` never holds a lock another thread needs.
 #[pyclass(name = "Job", module = "kvring", frozen)]
@@ -139,19 +162,7 @@ impl PyJob {
     #[pyo3(signature = (timeout = None))]
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<PyJobStatus> {
         let job = self.get()?;
-        let deadline = match timeout {
-            Some(t) => Instant::now() + crate::client::seconds(py, "timeout", t)?,
-            // Far enough that the job's own deadline comes first.
-            None => Instant::now() + Duration::from_secs_f64(crate::client::MAX_SECONDS),
-        };
-        loop {
-            let slice = deadline.min(Instant::now() + WAIT_SLICE);
-            match py.detach(|| job.wait(slice)) {
-                Ok(st) => return Ok(st.into()),
-                Err(kvring::Error::Timeout(_)) if slice < deadline => py.check_signals()?,
-                Err(e) => return Err(to_py(e)),
-            }
-        }
+        Ok(sliced_wait(py, timeout, |slice| job.wait(slice))?.into())
     }
 
     /// The layer groups its layers land in (1 unless a RETRIEVE asked for
@@ -168,18 +179,7 @@ impl PyJob {
     #[pyo3(signature = (group, timeout = None))]
     fn wait_layer_group(&self, py: Python<'_>, group: u32, timeout: Option<f64>) -> PyResult<()> {
         let job = self.get()?;
-        let deadline = match timeout {
-            Some(t) => Instant::now() + crate::client::seconds(py, "timeout", t)?,
-            None => Instant::now() + Duration::from_secs_f64(crate::client::MAX_SECONDS),
-        };
-        loop {
-            let slice = deadline.min(Instant::now() + WAIT_SLICE);
-            match py.detach(|| job.wait_layer_group(group, slice)) {
-                Ok(()) => return Ok(()),
-                Err(kvring::Error::Timeout(_)) if slice < deadline => py.check_signals()?,
-                Err(e) => return Err(to_py(e)),
-            }
-        }
+        sliced_wait(py, timeout, |slice| job.wait_layer_group(group, slice))
     }
 
     /// Whether layer group `group` landed (or the job was released).
