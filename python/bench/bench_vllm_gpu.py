@@ -214,8 +214,18 @@ def batch(llm, prompts, sp) -> dict:
     t0 = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
     wall = time.perf_counter() - t0
-    ttfts = sorted(request_times(o).get("first_token_latency", float("nan")) for o in outs)
+    times = [request_times(o) for o in outs]
+    ttfts = sorted(t.get("first_token_latency", float("nan")) for t in times)
     gen = sum(len(o.outputs[0].token_ids) for o in outs)
+    # Where a slower run lost its time: the first token of every request
+    # (the prefills, and the stores they start) against the decode steps
+    # after it (the per-step cost of a connector).
+    firsts = [t["first_token_ts"] for t in times if "first_token_ts" in t]
+    starts = [t["scheduled_ts"] for t in times if "scheduled_ts" in t]
+    lasts = [t["last_token_ts"] for t in times if "last_token_ts" in t]
+    itl = sorted((t["last_token_ts"] - t["first_token_ts"]) / (len(o.outputs[0].token_ids) - 1)
+                 for o, t in zip(outs, times)
+                 if "last_token_ts" in t and "first_token_ts" in t and len(o.outputs[0].token_ids) > 1)
     return {
         "requests": len(outs),
         "wall_s": wall,
@@ -223,6 +233,9 @@ def batch(llm, prompts, sp) -> dict:
         "output_tokens_per_s": gen / wall,
         "ttft_p50_s": statistics.median(ttfts),
         "ttft_p99_s": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+        "prefill_phase_s": max(firsts) - min(starts) if firsts and starts else None,
+        "decode_phase_s": max(lasts) - max(firsts) if firsts and lasts else None,
+        "itl_p50_s": statistics.median(itl) if itl else None,
         "hit_requests": sum(1 for o in outs if (o.num_cached_tokens or 0) > 0),
         "cached_tokens": sum(o.num_cached_tokens or 0 for o in outs),
         "first_tokens": [o.outputs[0].token_ids[0] for o in outs],
@@ -312,6 +325,9 @@ def build_llm(args, model_dir: str, server: Server | None):
               disable_log_stats=False, kv_transfer_config=kv)
     if args.device == "cuda":
         kw["gpu_memory_utilization"] = args.gpu_util
+    for item in args.engine:
+        k, _, v = item.partition("=")
+        kw[k] = json.loads(v) if v[:1] in "0123456789tf[{\"-" else v
     t0 = time.perf_counter()
     llm = LLM(**kw)
     start = time.perf_counter() - t0
@@ -457,7 +473,7 @@ def summarize(results: list[dict]) -> dict:
     kv_bytes_per_token = 2 * 32 * 8 * 128 * 2  # K and V, 32 layers, 8 heads of 128, bf16
     out: dict = {}
     for mode in sorted({r["mode"] for r in results}):
-        rs = {r["config"] + ("-b" if r.get("warm_only") else ""): r for r in results if r["mode"] == mode}
+        rs = {label(r): r for r in results if r["mode"] == mode}
         ceiling = med([r["ceiling_h2d"]["gb_per_s"] for r in rs.values() if r.get("ceiling_h2d")])
         none = rs.get("none", {})
         suffix = med([x["ttft_s"] for x in none.get("suffix", [])])
@@ -505,10 +521,19 @@ def summarize(results: list[dict]) -> dict:
         for test in ("nohit", "shared", "burst"):
             m[test] = {cfg: {k: v for k, v in r[test].items() if k != "first_tokens"}
                        for cfg, r in rs.items() if test in r}
-        if "kvring" in rs and "faults" in rs["kvring"]:
-            m["faults"] = rs["kvring"]["faults"]
+        m["faults"] = {cfg: r["faults"] for cfg, r in rs.items() if "faults" in r}
         out[mode] = m
     return out
+
+
+def label(r: dict) -> str:
+    """A run's name in the tables: its configuration, its `--extra` and
+    `--engine` settings (`kvring[kvring.layer_groups=1]`), `-b` for a
+    second engine."""
+    name = r["config"]
+    if r.get("extra") or r.get("engine"):
+        name += "[" + ",".join(r.get("extra", []) + r.get("engine", [])) + "]"
+    return name + ("-b" if r.get("warm_only") else "")
 
 
 def lp_of(logprobs: list, token: int) -> float:
@@ -550,6 +575,8 @@ def main(argv=None) -> None:
     r.add_argument("--runtime-dir")
     r.add_argument("--warm-only", action="store_true",
                    help="ttft: no cold run (engine B on prompts engine A stored)")
+    r.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
+                   help="a vllm.LLM argument (JSON value or string), e.g. async_scheduling=false")
     r.add_argument("--extra", action="append", default=[], metavar="KEY=VALUE",
                    help="more kvring.* connector settings")
     r.add_argument("--out", required=True)
@@ -565,6 +592,7 @@ def main(argv=None) -> None:
     res = run(args)
     res["warm_only"] = args.warm_only
     res["extra"] = args.extra
+    res["engine"] = args.engine
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1, default=str)
     print(f"wrote {args.out}", flush=True)

@@ -13,8 +13,8 @@ none runs, default true), `kvring.pool_bytes` and `kvring.chunk_tokens` (for
 an autostarted server; a running server must have that chunk size),
 `kvring.timeout_s` (deadline of a store, default 60),
 `kvring.load_timeout_s` (deadline of a retrieve, default 5: what a load
-may hold the forward waiting for it), `kvring.async_load` (default false:
-see below), `kvring.layer_groups` (default 4: a load lands in that many
+may hold the forward waiting for it), `kvring.async_load` (default: as
+vLLM schedules, see below), `kvring.layer_groups` (default 4: a load lands in that many
 groups of layers, see below), `kvring.min_load_tokens` (a hit shorter than
 this is recomputed, default 0),
 `kvring.lookup_submit_s` (how long the scheduler waits for the server to
@@ -45,8 +45,8 @@ How vLLM's hooks map to kvring:
   `get_block_ids_with_load_errors` report them from their job status in
   shared memory.
 
-A load runs in the step that schedules its request (the default): the
-forward of that step waits for it, on a GPU on the device (the engine's
+Where vLLM schedules synchronously, a load runs in the step that schedules
+its request: the forward of that step waits for it, on a GPU on the device (the engine's
 stream waits on the job's words, which the client library itself releases
 at the load's deadline or when the server dies or stops, so the forward is
 never held longer than `load_timeout_s`), on a CPU on the host. The server
@@ -58,10 +58,13 @@ for the whole load before its forward instead; a load whose layers were
 not all waited for is reported failed (recomputed) and layer groups are
 turned off. A
 load that failed is reported in the same step and vLLM recomputes those
-tokens, discarding the step's output for the request. With
-`kvring.async_load` the request instead waits in vLLM's queue until its
-load is reported finished (a scheduler round trip later), and the other
-requests of the batch never wait for it.
+tokens, discarding the step's output for the request. Where vLLM schedules
+asynchronously (its default on GPUs) the request instead waits in vLLM's
+queue until its load is reported finished (a scheduler round trip later),
+and the other requests of the batch never wait for it: vLLM has queued a
+request's next step before it learns that a load in this one failed, and
+that next step's token would reach the user (`KvringSettings.load_mode`).
+`kvring.async_load=true` asks for this everywhere.
 
 A failed or timed-out retrieve is reported as a load error, which vLLM
 recomputes (the scheduler connector sets `kv_load_failure_policy` to
@@ -83,7 +86,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -151,7 +154,9 @@ class KvringSettings:
     chunk_tokens: int | None = None
     timeout_s: float = 60.0
     load_timeout_s: float = 5.0
-    async_load: bool = False
+    async_load: bool | None = None
+    """None: asynchronous exactly when vLLM schedules asynchronously
+    (`load_mode`)."""
     layer_groups: int = 4
     min_load_tokens: int = 0
     lookup_submit_s: float = 0.25
@@ -182,6 +187,7 @@ class KvringSettings:
         chunk = extra.get("kvring.chunk_tokens")
         pool = extra.get("kvring.pool_bytes")
         runtime_dir = extra.get("kvring.runtime_dir")
+        async_load = extra.get("kvring.async_load")
         settings = cls(
             name=str(extra.get("kvring.name", cls.name)),
             autostart=_as_bool("kvring.autostart", extra.get("kvring.autostart", cls.autostart)),
@@ -189,7 +195,7 @@ class KvringSettings:
             chunk_tokens=None if chunk is None else int(chunk),
             timeout_s=float(extra.get("kvring.timeout_s", cls.timeout_s)),
             load_timeout_s=float(extra.get("kvring.load_timeout_s", cls.load_timeout_s)),
-            async_load=_as_bool("kvring.async_load", extra.get("kvring.async_load", cls.async_load)),
+            async_load=None if async_load is None else _as_bool("kvring.async_load", async_load),
             layer_groups=int(extra.get("kvring.layer_groups", cls.layer_groups)),
             min_load_tokens=int(extra.get("kvring.min_load_tokens", cls.min_load_tokens)),
             lookup_submit_s=float(extra.get("kvring.lookup_submit_s", cls.lookup_submit_s)),
@@ -206,6 +212,25 @@ class KvringSettings:
             if not getattr(settings, key) > 0:
                 raise KvringError(f"kvring.{key} must be positive, not {getattr(settings, key)}")
         return settings
+
+    def load_mode(self, async_scheduling: bool) -> KvringSettings:
+        """The settings with `async_load` decided for an engine that
+        schedules asynchronously or not. With asynchronous scheduling vLLM
+        queues a request's next step before it learns how this one went:
+        a load that fails in its own step would have that next step's
+        token, sampled from KV that never landed, given to the user (vLLM
+        discards only the failed step's). So loads are asynchronous there
+        (a failed one is known before the request runs), and a load in the
+        step is refused as a setting."""
+        if self.async_load is None:
+            return replace(self, async_load=async_scheduling)
+        if not self.async_load and async_scheduling:
+            raise KvringError(
+                "kvring.async_load=false needs vLLM's synchronous scheduling (async_scheduling=False, "
+                "--no-async-scheduling): with asynchronous scheduling a load that fails in its own step "
+                "would give the user a token computed without its KV; leave kvring.async_load unset"
+            )
+        return self
 
 
 def _as_bool(key: str, value: Any) -> bool:
@@ -1445,6 +1470,7 @@ class KvringConnector(KVConnectorBase_V1):
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         settings = KvringSettings.from_extra_config(self._kv_transfer_config.kv_connector_extra_config or {})
+        settings = settings.load_mode(bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)))
         model_id, identity = engine_model_id(vllm_config)
         self._scheduler: _SchedulerSide | None = None
         self._worker: _WorkerSide | None = None

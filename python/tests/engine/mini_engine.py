@@ -141,11 +141,17 @@ class KVTransferConfig:
 
 
 @dataclass
+class SchedulerConfig:
+    async_scheduling: bool = False
+
+
+@dataclass
 class VllmConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
     parallel_config: ParallelConfig
     kv_transfer_config: KVTransferConfig
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
 
 
 class RequestStatus(enum.Enum):

@@ -13,11 +13,25 @@ from kvring import KvringError  # noqa: E402
 from kvring.vllm import KvringSettings  # noqa: E402
 
 
-def test_defaults_load_in_the_step_with_a_bounded_wait():
+def test_defaults_load_as_vllm_schedules_with_a_bounded_wait():
     s = KvringSettings.from_extra_config({})
-    assert s.async_load is False
+    assert s.async_load is None
+    assert s.load_mode(async_scheduling=False).async_load is False
+    assert s.load_mode(async_scheduling=True).async_load is True
     assert s.load_timeout_s == 5.0 and s.timeout_s == 60.0
     assert s.min_load_tokens == 0
+
+
+def test_a_load_in_the_step_is_refused_with_asynchronous_scheduling():
+    """vLLM queues a request's next step before it learns that a load in
+    this one failed: that step's token would reach the user."""
+    s = KvringSettings.from_extra_config({"kvring.async_load": "false"})
+    assert s.load_mode(async_scheduling=False).async_load is False
+    with pytest.raises(KvringError, match="synchronous scheduling"):
+        s.load_mode(async_scheduling=True)
+    s = KvringSettings.from_extra_config({"kvring.async_load": True})
+    assert s.load_mode(async_scheduling=False).async_load is True
+    assert s.load_mode(async_scheduling=True).async_load is True
 
 
 def test_command_line_strings_are_parsed():
