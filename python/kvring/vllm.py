@@ -71,6 +71,11 @@ recomputes (the scheduler connector sets `kv_load_failure_policy` to
 "recompute"); a lost server turns lookups into misses and loads into
 failures at once, and is reconnected at most every second.
 
+Hybrid models (vLLM's hybrid KV cache manager, `SupportsHMA`): each KV
+cache group's chunks are objects of their own, stored and loaded with the
+group's blocks; a sliding-window group loads only its window
+(`kvring.vllm_cache_groups`, docs/vllm.md).
+
 vLLM's scheduler and workers are separate (spawned) processes that import
 this module by name; each has its own kvring client.
 """
@@ -94,11 +99,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 import kvring
 from kvring import Client, Job, KvringError, Lease, NoServer, PendingLookup, Registration
+from kvring.vllm_cache_groups import CacheGroup, aliasing_error, cache_groups, load_span, slot_layers, storable_chunks
 from kvring.tensors import (
     KvCacheMemory,
     KvCacheUnsupported,
@@ -106,6 +113,14 @@ from kvring.tensors import (
     describe_kv_caches,
     describe_opaque_blocks,
     register_kv_cache_memory,
+)
+
+try:  # vLLM 0.32 and later: a failed load reported per request.
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+except ImportError:
+    KVConnectorTransferResults = None
+_REPORTS_FAILED_LOADS = KVConnectorTransferResults is not None and "failed_recving" in getattr(
+    KVConnectorTransferResults, "__dataclass_fields__", {}
 )
 
 try:  # vLLM 0.32 and later attribute external hits to a cache tier.
@@ -213,7 +228,7 @@ class KvringSettings:
                 raise KvringError(f"kvring.{key} must be positive, not {getattr(settings, key)}")
         return settings
 
-    def load_mode(self, async_scheduling: bool) -> KvringSettings:
+    def load_mode(self, async_scheduling: bool, cache_groups: int = 1) -> KvringSettings:
         """The settings with `async_load` decided for an engine that
         schedules asynchronously or not. With asynchronous scheduling vLLM
         queues a request's next step before it learns how this one went:
@@ -221,9 +236,17 @@ class KvringSettings:
         token, sampled from KV that never landed, given to the user (vLLM
         discards only the failed step's). So loads are asynchronous there
         (a failed one is known before the request runs), and a load in the
-        step is refused as a setting."""
+        step is refused as a setting. So it is for a model of several KV
+        cache groups: vLLM can recompute a failed load of one only when the
+        request waited for it."""
         if self.async_load is None:
-            return replace(self, async_load=async_scheduling)
+            return replace(self, async_load=async_scheduling or cache_groups > 1)
+        if not self.async_load and cache_groups > 1:
+            raise KvringError(
+                f"kvring.async_load=false: this model has {cache_groups} KV cache groups, and vLLM can "
+                "recompute a failed load of such a model only when the request waited for it; "
+                "leave kvring.async_load unset"
+            )
         if not self.async_load and async_scheduling:
             raise KvringError(
                 "kvring.async_load=false needs vLLM's synchronous scheduling (async_scheduling=False, "
@@ -252,30 +275,35 @@ def engine_model_id(vllm_config: VllmConfig) -> tuple[int, str]:
     """The kvring model id of this engine's KV, and the text it hashes.
 
     Engines share stored chunks only when their KV bytes are interchangeable:
-    same weights, KV dtype, block size, per-rank heads, and the same block
-    interior. The interior is the attention kernel's own: on CPU the ISA
-    vLLM picks decides it (K is stored transposed by the "vec" kernel, AMX
-    packs differently), so the platform and ISA are part of the id.
+    same weights, KV dtype, per-rank heads, and the same object bytes. On a
+    GPU an object holds each token's K and V rows whatever the engine's
+    block size (`shm_layout.md`), so engines of different block sizes share
+    objects. On a CPU a block is copied whole, as the attention kernel lays
+    it out: the ISA vLLM picks decides its interior (K is stored transposed
+    by the "vec" kernel, AMX packs differently) and so does the block size,
+    so both are part of the id there.
 
     Computed from `vllm_config` alone, so the scheduler and every worker
     (separate processes) get the same id.
     """
+    from vllm.platforms import current_platform
+
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
     kv_dtype = cc.cache_dtype if cc.cache_dtype != "auto" else str(mc.dtype).removeprefix("torch.")
-    text = "|".join(
-        (
-            "vllm-kv/1",
-            f"model={mc.model}",
-            f"revision={mc.revision}",
-            f"quantization={mc.quantization}",
-            f"kv_dtype={kv_dtype}",
-            f"block={cc.block_size}",
-            f"kv_heads={mc.get_num_kv_heads(pc)}",
-            f"head_size={mc.get_head_size()}",
-            f"mla={mc.use_mla}",
-            f"platform={_platform_tag(vllm_config)}",
-        )
-    )
+    parts = [
+        "vllm-kv/2",
+        f"model={mc.model}",
+        f"revision={mc.revision}",
+        f"quantization={mc.quantization}",
+        f"kv_dtype={kv_dtype}",
+        f"kv_heads={mc.get_num_kv_heads(pc)}",
+        f"head_size={mc.get_head_size()}",
+        f"mla={mc.use_mla}",
+        f"platform={_platform_tag(vllm_config)}",
+    ]
+    if current_platform.is_cpu():
+        parts.append(f"block={cc.block_size}")
+    text = "|".join(parts)
     return kvring.model_id(text), text
 
 
@@ -325,15 +353,18 @@ def _world_size(vllm_config: VllmConfig) -> int:
     return pc.tensor_parallel_size * pc.pipeline_parallel_size
 
 
-def _request_salt(request: Request) -> int:
-    """The kvring salt of a request: its cache salt and LoRA adapter, both of
-    which change the KV of the same tokens."""
+def _request_salt(request: Request, group: CacheGroup) -> int:
+    """The kvring salt of a request's chunks in one KV cache group: its cache
+    salt and LoRA adapter, both of which change the KV of the same tokens,
+    and the group (`CacheGroup.key`; none for a model of one group)."""
     parts = []
     if getattr(request, "cache_salt", None):
         parts.append(f"salt={request.cache_salt}")
     lora = getattr(request, "lora_request", None)
     if lora is not None:
         parts.append(f"lora={getattr(lora, 'lora_path', None) or lora.lora_name}")
+    if group.key:
+        parts.append(f"cache_group={group.key}")
     return kvring.salt_id("|".join(parts) if parts else None)
 
 
@@ -539,9 +570,10 @@ def _check_block_size(block_size: int, chunk_tokens: int) -> None:
 
 @dataclass
 class LoadOp:
-    """Retrieve chunks `first_chunk ..` of a lease into `block_ids` (whole
-    chunks; the first `skip_tokens` tokens are vLLM's local prefix hit and
-    stay untouched). `lease_id` None: the scheduler already knows the load
+    """Retrieve chunks `first_chunk ..` of a lease into `block_ids` (one per
+    KV cache group of a request, all in the same step; whole
+    chunks; the first `skip_tokens` tokens are vLLM's local prefix hit, or
+    before a sliding window, and stay untouched). `lease_id` None: the scheduler already knows the load
     cannot happen; the worker reports it failed at once."""
 
     req_id: str
@@ -561,6 +593,9 @@ class StoreOp:
     hashes: list[bytes]
     block_ids: list[int]
     salt: int
+    windowed: bool = False
+    """Of a sliding-window group, which frees blocks before the request
+    ends: the next step's forward waits for it (`handle_preemptions`)."""
 
 
 @dataclass
@@ -638,17 +673,23 @@ class _Tracked:
     """What the scheduler connector knows of one request."""
 
     hashes: list[bytes]
-    salt: int
+    salts: list[int]
+    """The salt of its chunks' keys in each KV cache group."""
     looked_up: bool = False
-    # A lookup submitted and not answered yet, and when it was submitted.
-    pending: PendingLookup | None = None
+    # The lookups (one per KV cache group) submitted and not all answered
+    # yet, their answers so far, and when they were submitted.
+    pending: list[PendingLookup] | None = None
+    answers: dict[int, Lease] = field(default_factory=dict)
     pending_since: float = 0.0
-    lease: Lease | None = None
+    # One lease per KV cache group while they hold hits.
+    leases: list[Lease] = field(default_factory=list)
     lease_client: Client | None = None
     hit_chunks: int = 0
     local_tokens: int = 0
     admitted: bool = False
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)
+    """Per KV cache group: its block ids as vLLM announced them (positions a
+    sliding-window group freed keep their old id: never stored from)."""
     stored_chunks: int = 0
     stores_issued: bool = False
     load_blocks: frozenset[int] = frozenset()
@@ -658,13 +699,26 @@ class _Tracked:
 class _SchedulerSide:
     """The scheduler role: lookups, leases, and each step's load and store plan."""
 
-    def __init__(self, vllm_config: VllmConfig, settings: KvringSettings, model_id: int) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, settings: KvringSettings, model_id: int, groups: list[CacheGroup]
+    ) -> None:
         cfg = vllm_config.kv_transfer_config
         self._settings = settings
         self._model_id = model_id
+        self._groups = groups
         self._world_size = _world_size(vllm_config)
-        self._loads_enabled = cfg.is_kv_consumer
-        self._stores_enabled = cfg.is_kv_producer
+        self._loads_enabled = cfg.is_kv_consumer and bool(groups)
+        self._stores_enabled = cfg.is_kv_producer and bool(groups)
+        if len(groups) > 1 and not _REPORTS_FAILED_LOADS:
+            # A failed load of a model of several groups cannot be reported
+            # to this vLLM: it raises on block-level errors of such models
+            # and has no per-request failure report.
+            logger.warning(
+                "kvring: this vLLM cannot be told of a failed load of a model of %d KV cache groups: "
+                "kvring stores its KV but does not load it (vLLM 0.32 and later do)",
+                len(groups),
+            )
+            self._loads_enabled = False
         self._block_size = vllm_config.cache_config.block_size
         if settings.chunk_tokens is not None:  # refused before a server is started for it
             _check_block_size(self._block_size, settings.chunk_tokens)
@@ -709,8 +763,8 @@ class _SchedulerSide:
             t.admitted = False
             t.looked_up, t.hit_chunks = False, 0
         client = self._link.client()
-        if (t.lease is not None or t.pending is not None) and t.lease_client is not client:
-            t.lease, t.lease_client, t.pending = None, None, None
+        if (t.leases or t.pending is not None) and t.lease_client is not client:
+            t.leases, t.lease_client, t.pending, t.answers = [], None, None, {}
             t.looked_up, t.hit_chunks = False, 0
         if not t.looked_up:
             if client is None:
@@ -736,7 +790,7 @@ class _SchedulerSide:
         hashes = kvring.chunk_hashes(request.prompt_token_ids, self.chunk_tokens)
         if not hashes:
             return None
-        t = _Tracked(hashes=hashes, salt=_request_salt(request))
+        t = _Tracked(hashes=hashes, salts=[_request_salt(request, g) for g in self._groups])
         self._tracked[request.request_id] = t
         return t
 
@@ -744,18 +798,25 @@ class _SchedulerSide:
         """Submits the request's LOOKUP (the server must take it within
         `lookup_submit_s`); a failure is a miss."""
         self.stats.count("lookups")
+        pending: list[PendingLookup] = []
         try:
-            t.pending = client.submit_lookup(
-                self._model_id,
-                self._world_size,
-                t.hashes,
-                salt=t.salt,
-                timeout=self._settings.lookup_submit_s,
-            )
+            for salt in t.salts:
+                pending.append(
+                    client.submit_lookup(
+                        self._model_id,
+                        self._world_size,
+                        t.hashes,
+                        salt=salt,
+                        timeout=self._settings.lookup_submit_s,
+                    )
+                )
         except KvringError as e:
+            for p in pending:
+                p.cancel()
             self._link.failed("lookup", e)
             t.looked_up = True
             return
+        t.pending, t.answers = pending, {}
         t.pending_since = time.monotonic()
         t.lease_client = client
 
@@ -764,33 +825,47 @@ class _SchedulerSide:
         failed, or not answered within `lookup_wait_s`)."""
         assert t.pending is not None
         try:
-            lease = t.pending.poll()
+            for i, p in enumerate(t.pending):
+                if i not in t.answers:
+                    lease = p.poll()
+                    if lease is not None:
+                        t.answers[i] = lease
         except KvringError as e:
-            t.pending, t.lease_client, t.looked_up = None, None, True
+            self._forget_lookup(t)
             self._link.failed("lookup", e)
             return True
-        if lease is None:
+        if len(t.answers) < len(t.pending):
             if time.monotonic() - t.pending_since < self._settings.lookup_wait_s:
                 return False
-            # Given up: a miss (its lease is ended once it is answered).
-            t.pending.cancel()
-            t.pending, t.lease_client, t.looked_up = None, None, True
+            # Given up: a miss (the leases of lookups answered later are
+            # ended once they are).
+            self._forget_lookup(t)
             self.stats.count("lookups_given_up")
             return True
-        t.pending = None
-        self._answered(t, lease)
+        leases = [t.answers[i] for i in range(len(t.pending))]
+        t.pending, t.answers = None, {}
+        self._answered(t, leases)
         return True
 
-    def _answered(self, t: _Tracked, lease: Lease) -> None:
+    def _forget_lookup(self, t: _Tracked) -> None:
+        """A miss: the lookups not answered are cancelled; the leases of
+        those answered are dropped (their ends queued)."""
+        for i, p in enumerate(t.pending or ()):
+            if i not in t.answers:
+                p.cancel()
+        t.pending, t.answers, t.lease_client, t.looked_up = None, {}, None, True
+
+    def _answered(self, t: _Tracked, leases: list[Lease]) -> None:
+        """A hit is the chunks every KV cache group has."""
         t.looked_up = True
-        t.hit_chunks = lease.hits
+        t.hit_chunks = min(lease.hits for lease in leases)
         # Chunks present for every rank need no store.
-        t.stored_chunks = max(t.stored_chunks, lease.hits)
-        if lease.hits:
-            t.lease = lease
+        t.stored_chunks = max(t.stored_chunks, t.hit_chunks)
+        if t.hit_chunks:
+            t.leases = leases
         else:
             t.lease_client = None
-        # A lease without hits holds nothing: dropping it queues its end
+        # A lease dropped holds nothing more: dropping it queues its end
         # with the client's next call.
 
     # -- allocation
@@ -802,7 +877,7 @@ class _SchedulerSide:
         t = self._tracked.get(request.request_id)
         if t is None:
             return
-        t.block_ids = list(blocks.get_block_ids()[0])
+        t.block_ids = [list(ids) for ids in blocks.get_block_ids()]
         self._fresh_blocks.add(request.request_id)
         if t.admitted:
             return  # The second call, once an asynchronous load is done.
@@ -810,49 +885,63 @@ class _SchedulerSide:
         if num_external_tokens <= 0:
             self._end_lease(t)
             return
-        c, bpc = self.chunk_tokens, self._blocks_per_chunk
+        c = self.chunk_tokens
         start = t.local_tokens
         end = start + num_external_tokens
-        first, last = start // c, end // c
-        op = LoadOp(
-            req_id=request.request_id,
-            lease_id=None,
-            first_chunk=first,
-            skip_tokens=start - first * c,
-            block_ids=t.block_ids[first * bpc : last * bpc],
-            sync=not self._settings.async_load,
-        )
         client = self._link.client()
-        if end % c == 0 and t.lease is not None and t.lease_client is client:
-            op.lease_id = t.lease.id
-            self._release_unloaded(client, t, first, last)
+        usable = end % c == 0 and len(t.leases) == len(self._groups) and t.lease_client is client
+        ops: list[LoadOp] = []
+        for g, lease in zip(self._groups, t.leases if usable else [None] * len(self._groups), strict=True):
+            # From the first block the group holds: a sliding-window group
+            # holds only its window's blocks before the first token to compute.
+            span = load_span(t.block_ids[g.index], start, end, self._block_size, c)
+            if span is None:
+                if g.window is not None:
+                    continue  # nothing of this window to load
+                lease = None
+                span = (start // c, start % c, [])
+            first, skip, ids = span
+            ops.append(
+                LoadOp(
+                    req_id=request.request_id,
+                    lease_id=None if lease is None else lease.id,
+                    first_chunk=first,
+                    skip_tokens=skip,
+                    block_ids=ids,
+                    sync=not self._settings.async_load,
+                )
+            )
+            if lease is not None:
+                self._release_unloaded(client, lease, first, end // c)
         self.stats.count("lookup_hit_tokens", num_external_tokens)
-        t.load_blocks = frozenset(op.block_ids[op.skip_tokens // self._block_size :])
+        t.load_blocks = frozenset(b for op in ops for b in op.block_ids[op.skip_tokens // self._block_size :])
         # Until finished_recving (asynchronous), or (in the step's forward)
         # until the request ends: its blocks are its own till then, so an
         # invalid one can only come from this load.
         self._loading.add(request.request_id)
-        self._pending_loads.append(op)
+        self._pending_loads.extend(ops)
 
-    def _release_unloaded(self, client: Client, t: _Tracked, first: int, last: int) -> None:
+    def _release_unloaded(self, client: Client, lease: Lease, first: int, last: int) -> None:
         """Frees the lease's holds outside chunks first..last-1 now rather
         than at the request's end."""
         try:
             if first > 0:
-                client.release_lease_chunks(t.lease.id, 0, first)
-            if t.hit_chunks > last:
-                client.release_lease_chunks(t.lease.id, last, t.hit_chunks - last)
+                client.release_lease_chunks(lease.id, 0, first)
+            if lease.hits > last:
+                client.release_lease_chunks(lease.id, last, lease.hits - last)
         except KvringError as e:
             self._link.failed("release_lease_chunks", e)
 
     def _end_lease(self, t: _Tracked) -> None:
-        """END_SESSION: frees whatever the lease still holds."""
-        lease, t.lease = t.lease, None
-        if lease is not None and t.lease_client is self._link.current:
-            try:
-                lease.end()
-            except KvringError as e:
-                self._link.failed("end_lease", e)
+        """END_SESSION: frees whatever the leases still hold."""
+        leases, t.leases = t.leases, []
+        if t.lease_client is self._link.current:
+            for lease in leases:
+                try:
+                    lease.end()
+                except KvringError as e:
+                    self._link.failed("end_lease", e)
+                    break
         t.lease_client = None
 
     # -- each step
@@ -874,9 +963,9 @@ class _SchedulerSide:
         for new in scheduler_output.scheduled_new_reqs:
             t = self._tracked.get(new.req_id)
             if t is not None:
-                t.block_ids = list(new.block_ids[0])
+                t.block_ids = [list(ids) for ids in new.block_ids]
                 if store:
-                    self._plan_store(meta, new.req_id, t, new.num_computed_tokens + scheduled[new.req_id])
+                    self._plan_store(meta, new.req_id, t, new.num_computed_tokens, scheduled[new.req_id])
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             t = self._tracked.get(req_id)
@@ -886,27 +975,38 @@ class _SchedulerSide:
             # A request allocated through update_state_after_alloc this step
             # (resumed) has its whole block list already.
             if new_block_ids is not None and req_id not in self._fresh_blocks:
-                t.block_ids.extend(new_block_ids[0])
+                for ids, more in zip(t.block_ids, new_block_ids, strict=True):
+                    ids.extend(more)
             if store:
-                self._plan_store(meta, req_id, t, cached.num_computed_tokens[i] + scheduled[req_id])
+                self._plan_store(meta, req_id, t, cached.num_computed_tokens[i], scheduled[req_id])
         self._fresh_blocks.clear()
         return meta
 
-    def _plan_store(self, meta: KvringMetadata, req_id: str, t: _Tracked, computed: int) -> None:
-        complete = min(computed // self.chunk_tokens, len(t.hashes))
-        if complete <= t.stored_chunks:
+    def _plan_store(self, meta: KvringMetadata, req_id: str, t: _Tracked, before: int, scheduled: int) -> None:
+        """Stores the chunks this step completes (it computes `scheduled`
+        tokens after `before`), in every KV cache group; where a
+        sliding-window group no longer holds a chunk's first blocks (a
+        chunked prefill that moved past its window), the request stores
+        nothing more (a hit needs its chunks in every group)."""
+        first = t.stored_chunks
+        complete = min((before + scheduled) // self.chunk_tokens, len(t.hashes))
+        if complete <= first:
             return
         bpc = self._blocks_per_chunk
-        meta.stores.append(
-            StoreOp(
-                req_id=req_id,
-                hashes=t.hashes[t.stored_chunks : complete],
-                block_ids=t.block_ids[t.stored_chunks * bpc : complete * bpc],
-                salt=t.salt,
-            )
-        )
-        t.stored_chunks = complete
-        t.stores_issued = True
+        n = min(storable_chunks(g, first, complete, before, self._block_size, self.chunk_tokens) for g in self._groups)
+        if n > 0:
+            for g in self._groups:
+                meta.stores.append(
+                    StoreOp(
+                        req_id=req_id,
+                        hashes=t.hashes[first : first + n],
+                        block_ids=t.block_ids[g.index][first * bpc : (first + n) * bpc],
+                        salt=t.salts[g.index],
+                        windowed=g.window is not None,
+                    )
+                )
+            t.stores_issued = True
+        t.stored_chunks = complete if n == complete - first else len(t.hashes)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Notes failed loads, so that the request's next lookup answers no
@@ -944,9 +1044,9 @@ class _SchedulerSide:
         if t is None:
             return False
         if t.pending is not None:
-            # Never answered: its lease is ended once it is.
-            t.pending.cancel()
-            t.pending = None
+            # Not all answered: the leases of the others are ended once
+            # they are.
+            self._forget_lookup(t)
         self._end_lease(t)
         return t.stores_issued
 
@@ -1006,12 +1106,15 @@ class _Transfer:
 class _WorkerSide:
     """The worker role: the KV cache registration and the jobs of each step."""
 
-    def __init__(self, vllm_config: VllmConfig, settings: KvringSettings, model_id: int) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, settings: KvringSettings, model_id: int, groups: list[CacheGroup]
+    ) -> None:
         from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
         mc, pc = vllm_config.model_config, vllm_config.parallel_config
         self._settings = settings
         self._model_id = model_id
+        self._cache_groups = groups
         self._world_size = _world_size(vllm_config)
         self._rank = get_pp_group().rank_in_group * pc.tensor_parallel_size + get_tensor_model_parallel_rank()
         self._block_size = vllm_config.cache_config.block_size
@@ -1032,7 +1135,8 @@ class _WorkerSide:
         if settings.chunk_tokens is not None:  # refused before a server is started for it
             _check_block_size(self._block_size, settings.chunk_tokens)
         self.chunk_tokens: int | None = None
-        self._loads: dict[str, _Transfer] = {}
+        # Asynchronous loads by request: one per KV cache group.
+        self._loads: dict[str, list[_Transfer]] = {}
         # Loads in this step's forward, settled in get_block_ids_with_load_errors.
         self._step_loads: dict[str, _Transfer] = {}
         # Those of them the forward waits for layer group by layer group.
@@ -1050,7 +1154,11 @@ class _WorkerSide:
         self._store_reqs: set[str] = set()
         self._finished_with_stores: set[str] = set()
         self._recving: set[str] = set()
+        self._failed_recving: set[str] = set()
         self._failed_blocks: set[int] = set()
+        # Stores of sliding-window groups not known to have ended: the next
+        # step's forward waits for them (`handle_preemptions`).
+        self._fence: list[_Transfer] = []
         self.stats = KvringStats()
 
     def _on_connect(self, client: Client) -> None:
@@ -1067,7 +1175,24 @@ class _WorkerSide:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Registers the KV cache once: one kvring allocation per backing
-        storage, one placement per layer, sizes and strides from the tensors."""
+        storage, one placement per layer, sizes and strides from the tensors.
+        With several KV cache groups, their shared pages once: the layers of
+        the largest group (`kvring.vllm_cache_groups`)."""
+        if not self._cache_groups:
+            return  # not cached (said at start)
+        if len(self._cache_groups) > 1:
+            slots = slot_layers(self._cache_groups, list(kv_caches))
+            views = {
+                name: (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+                for name, t in kv_caches.items()
+                if isinstance(t, torch.Tensor)
+            }
+            error = aliasing_error(self._cache_groups, slots, views)
+            if error:
+                logger.warning("kvring: this model's KV is not cached: %s", error)
+                self._cache_groups = []
+                return
+            kv_caches = {name: kv_caches[name] for name in slots}
         first = next(iter(kv_caches.values()), None)
         memory = None
         if first is not None and first.device.type == "cpu" and not self._mla:
@@ -1175,7 +1300,7 @@ class _WorkerSide:
             chunks = len(op.block_ids) * self._block_size // self.chunk_tokens
             tr = _Transfer(job, time.monotonic() + timeout, chunks, invalid, event=event)
             if not op.sync:
-                self._loads[op.req_id] = tr
+                self._loads.setdefault(op.req_id, []).append(tr)
                 continue
             self._step_loads[op.req_id] = tr
             if layered:
@@ -1270,6 +1395,8 @@ class _WorkerSide:
             shared = _Transfer(job, time.monotonic() + self._settings.timeout_s, len(hashes), event=event)
             for op in group:
                 self._stores.setdefault(op.req_id, []).append(shared)
+            if any(op.windowed for op in group):
+                self._fence.append(shared)
 
     def handle_preemptions(self, meta: KvringMetadata) -> None:
         """Preempted requests' blocks are reused from this step on: their
@@ -1288,6 +1415,31 @@ class _WorkerSide:
                 except KvringError:
                     ok = False
                 tr.settle(ok, self.stats)
+        self._wait_fence()
+
+    def _wait_fence(self) -> None:
+        """Before this step's forward: the stores of sliding-window groups
+        issued in earlier steps end first, since vLLM frees the blocks that
+        leave a window while the request runs and may give them to this
+        step's tokens. On a GPU the engine's stream waits on the device, on
+        a CPU this hook waits; either way no longer than the store's
+        deadline (a store given up copies nothing more)."""
+        fence, self._fence = self._fence, []
+        for tr in fence:
+            if tr.outcome is not None or tr.job.released:
+                continue
+            if tr.event is not None:
+                try:
+                    self._engine_stream().wait_job(tr.job)
+                    continue
+                except KvringError as e:
+                    logger.warning("kvring: the engine's stream cannot wait for a store (%s): it is given up", e)
+                    _give_up(tr.job)
+                    continue
+            try:
+                tr.job.wait(timeout=max(0.0, tr.deadline - time.monotonic()))
+            except KvringError:
+                _give_up(tr.job)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Finished loads (failed ones too: vLLM must unpark them) and the
@@ -1301,6 +1453,13 @@ class _WorkerSide:
         self._store_reqs -= sending
         recving, self._recving = self._recving, set()
         return sending or None, recving or None
+
+    def take_failed_recving(self) -> set[str]:
+        """The requests of a model of several KV cache groups whose
+        (asynchronous) load failed since the last call: vLLM recomputes
+        them whole."""
+        failed, self._failed_recving = self._failed_recving, set()
+        return failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks of failed loads. The loads of this step's forward are
@@ -1340,17 +1499,20 @@ class _WorkerSide:
         return failed
 
     def _poll_loads(self, alive: bool) -> None:
-        for req_id, tr in list(self._loads.items()):
-            ok = _outcome(tr, alive)
-            if ok is None:
+        for req_id, transfers in list(self._loads.items()):
+            for tr in transfers:
+                if tr.outcome is None:
+                    tr.outcome = _outcome(tr, alive)
+            if any(tr.outcome is None for tr in transfers):
                 continue
             del self._loads[req_id]
-            _release(tr.job)
-            if ok:
-                self.stats.count("load_chunks", tr.chunks)
+            for tr in transfers:
+                _release(tr.job)
+            if all(tr.outcome for tr in transfers):
+                self.stats.count("load_chunks", sum(tr.chunks for tr in transfers))
                 self._recving.add(req_id)
             else:
-                self._load_failed(req_id, tr.block_ids)
+                self._load_failed(req_id, [b for tr in transfers for b in tr.block_ids])
 
     def _load_failed(self, req_id: str, block_ids: Iterable[int], sync: bool = False) -> None:
         """Reports a failed load: its blocks, and (an asynchronous one) its
@@ -1358,7 +1520,13 @@ class _WorkerSide:
         self.stats.count("load_failures")
         if not sync:
             self._recving.add(req_id)
-        self._failed_blocks.update(block_ids)
+        if len(self._cache_groups) > 1:
+            # vLLM refuses block-level errors for a model of several KV
+            # cache groups: the request is reported failed (asynchronous
+            # loads only, `KvringSettings.load_mode`) and recomputed whole.
+            self._failed_recving.add(req_id)
+        else:
+            self._failed_blocks.update(block_ids)
 
     def _poll_stores(self, alive: bool) -> None:
         for req_id, transfers in list(self._stores.items()):
@@ -1378,10 +1546,11 @@ class _WorkerSide:
     def _abandon_jobs(self) -> None:
         """Gives up every job still running (no copy of it lands afterwards)
         and counts it failed: loads are reported as load errors."""
-        for req_id, tr in list(self._loads.items()):
-            _give_up(tr.job)
-            _release(tr.job)
-            self._load_failed(req_id, tr.block_ids)
+        for req_id, transfers in list(self._loads.items()):
+            for tr in transfers:
+                _give_up(tr.job)
+                _release(tr.job)
+            self._load_failed(req_id, [b for tr in transfers for b in tr.block_ids])
         self._loads.clear()
         for tr in self._step_loads.values():
             if tr.outcome is None:
@@ -1458,9 +1627,11 @@ def _ensure_recompute_policy(cfg: KVTransferConfig) -> None:
         cfg.kv_load_failure_policy = "recompute"
 
 
-class KvringConnector(KVConnectorBase_V1):
+class KvringConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector backed by a node-local kvring server (see the module
-    docstring). One instance per role and process."""
+    docstring). One instance per role and process. It serves vLLM's hybrid
+    KV cache manager (`SupportsHMA`): the KV cache groups of
+    `kvring.vllm_cache_groups`."""
 
     if CacheHitSource is not None:
         _cache_hit_source = CacheHitSource.HOST
@@ -1470,16 +1641,21 @@ class KvringConnector(KVConnectorBase_V1):
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         settings = KvringSettings.from_extra_config(self._kv_transfer_config.kv_connector_extra_config or {})
-        settings = settings.load_mode(bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)))
+        groups, unsupported = cache_groups(kv_cache_config)
+        if unsupported:
+            logger.warning("kvring: this model's KV is not cached: %s", unsupported)
+        settings = settings.load_mode(
+            bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)), len(groups)
+        )
         model_id, identity = engine_model_id(vllm_config)
         self._scheduler: _SchedulerSide | None = None
         self._worker: _WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             _ensure_recompute_policy(self._kv_transfer_config)
-            self._scheduler = _SchedulerSide(vllm_config, settings, model_id)
+            self._scheduler = _SchedulerSide(vllm_config, settings, model_id, groups)
             chunk = self._scheduler.chunk_tokens
         else:
-            self._worker = _WorkerSide(vllm_config, settings, model_id)
+            self._worker = _WorkerSide(vllm_config, settings, model_id, groups)
             chunk = self._worker.chunk_tokens
         logger.info(
             "kvring: %s connector on server %r, %d-token chunks, model id %016x (%s)",
@@ -1520,6 +1696,13 @@ class KvringConnector(KVConnectorBase_V1):
         self._scheduler.update_connector_output(connector_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request), None
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """What vLLM calls instead of `request_finished` on a connector with
+        `SupportsHMA`, whether the model has one KV cache group or several."""
         return self._scheduler.request_finished(request), None
 
     def reset_cache(self) -> bool | None:
@@ -1564,6 +1747,16 @@ class KvringConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._worker.get_finished(finished_req_ids)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """vLLM 0.32+: `get_finished`, and the failed loads of a model of
+        several KV cache groups (each also among the finished ones)."""
+        sending, recving = self._worker.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()),
+            finished_recving=set(recving or ()),
+            failed_recving=self._worker.take_failed_recving(),
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors()

@@ -17,7 +17,8 @@ Processes and order follow vLLM 0.32/0.33 (`v1/core/sched/scheduler.py`,
   request is finished sending / receiving once every rank reported it;
   invalid blocks are the union) and fed to `update_connector_output`. A
   finished request's blocks wait for `finished_sending` when
-  `request_finished` returns True.
+  `request_finished_all_groups` (what vLLM calls on a connector with
+  `SupportsHMA`) returns True.
 - each worker process (vLLM's GPU worker, one per tensor-parallel rank with
   heads / TP heads of its own) holds a WORKER connector and a KV cache
   allocated as a vLLM version allocates it (`kv_layouts`). Each step:
@@ -382,7 +383,7 @@ class RequestTrace:
     finished: bool = False
     aborted: bool = False
     delayed_free: bool = False
-    """request_finished returned True (blocks kept until finished_sending)."""
+    """request_finished_all_groups returned True (blocks kept until finished_sending)."""
     output_token_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     """Its blocks when it finished."""
@@ -921,9 +922,9 @@ class _Scheduler:
                 self.waiting.remove(req)
                 req.status = RequestStatus.FINISHED_ABORTED
                 self.traces[rid].aborted = True
-                delay, _ = self.connector.request_finished(req, [])
+                delay, _ = self.connector.request_finished_all_groups(req, ([],))
                 if delay:
-                    raise EngineError(f"request_finished kept the blocks of {rid}, which has none")
+                    raise EngineError(f"request_finished_all_groups kept the blocks of {rid}, which has none")
                 self.lease_probes[rid] = (before, self._probe.stats()["leases"])
                 self.finished_req_ids.add(rid)
                 self.done.add(rid)
@@ -1169,7 +1170,7 @@ class _Scheduler:
         trace.finished = True
         trace.output_token_ids = list(req.output_token_ids)
         trace.block_ids = list(self.blocks[rid])
-        delay, _ = self.connector.request_finished(req, list(self.blocks[rid]))
+        delay, _ = self.connector.request_finished_all_groups(req, (list(self.blocks[rid]),))
         trace.delayed_free = bool(delay)
         self.finished_req_ids.add(rid)
         if delay:

@@ -10,7 +10,8 @@ import time and inside its functions), shaped as in vLLM 0.33/0.34:
 
 - `vllm.distributed.kv_transfer.kv_connector.v1.base`: `KVConnectorBase_V1`
   (the constructor, metadata binding and abstract methods of 0.34),
-  `KVConnectorMetadata`, `KVConnectorRole`;
+  `KVConnectorMetadata`, `KVConnectorRole`, `SupportsHMA`,
+  `KVConnectorTransferResults`;
 - `vllm.distributed.kv_transfer.kv_connector.v1.metrics`: `KVConnectorStats`;
 - `vllm.distributed.parallel_state`: `get_pp_group`,
   `get_tensor_model_parallel_rank`;
@@ -183,6 +184,24 @@ class KVConnectorStats:
         raise NotImplementedError
 
 
+class SupportsHMA(ABC):
+    """A connector that serves the hybrid KV cache manager: vLLM calls its
+    `request_finished_all_groups` instead of `request_finished`."""
+
+    @abstractmethod
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, Any]:
+        raise NotImplementedError
+
+
+@dataclass
+class KVConnectorTransferResults:
+    """vLLM 0.32+: a worker's finished transfers and failed receives."""
+
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    failed_recving: set[str] = field(default_factory=set)
+
+
 # ---------------------------------------------------------------- the rest
 
 
@@ -260,6 +279,8 @@ def _modules() -> dict[str, types.ModuleType]:
             KVConnectorBase_V1=KVConnectorBase_V1,
             KVConnectorMetadata=KVConnectorMetadata,
             KVConnectorRole=KVConnectorRole,
+            SupportsHMA=SupportsHMA,
+            KVConnectorTransferResults=KVConnectorTransferResults,
         ),
         f"{v1}.metrics": _module(f"{v1}.metrics", KVConnectorStats=KVConnectorStats),
         "vllm.v1": _module("vllm.v1"),

@@ -47,6 +47,10 @@ def _parse_args(argv):
                     help="KVTransferConfig.kv_load_failure_policy (default: vLLM's)")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--load-format", default="auto", help="dummy: vLLM's random weights (a config-only model)")
+    ap.add_argument("--max-num-batched-tokens", type=int,
+                    help="tokens a step computes at most (a long prompt's prefill is chunked)")
     ap.add_argument("--control-dir")
     ap.add_argument("--pause-after", type=int, action="append", default=[])
     ap.add_argument("--pause-timeout", type=float, default=120.0)
@@ -213,10 +217,13 @@ def main(argv=None) -> int:
         result["kv_transfer_config"] = ktc
         kw["kv_transfer_config"] = KVTransferConfig(**ktc)
 
+    if args.max_num_batched_tokens:
+        kw["max_num_batched_tokens"] = args.max_num_batched_tokens
     t1 = time.perf_counter()
     llm = LLM(
         model=args.model,
-        dtype="bfloat16",
+        dtype=args.dtype,
+        load_format=args.load_format,
         max_model_len=args.max_model_len,
         enforce_eager=True,
         # Off, so that only the connector can produce cached tokens.

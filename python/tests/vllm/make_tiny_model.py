@@ -3,7 +3,14 @@ running a real vLLM engine on a CPU in tests. Needs no network: the tokenizer
 is a byte-level BPE trained on a corpus generated here from a seeded RNG, so
 the same arguments give byte-identical files on any machine.
 
-    python make_tiny_model.py OUT_DIR [--seed 0]
+    python make_tiny_model.py OUT_DIR [--seed 0] [--family llama|gemma3]
+
+--family gemma3 makes a Gemma 3 text model instead: a sliding-window layer
+(a 64-token window) and a full-attention layer, which vLLM's hybrid KV
+cache manager keeps in two KV cache groups. --family nemotronh writes the
+config of a Nemotron-H model (a Mamba2 layer and an attention layer) and
+no weights: it is run with vLLM's dummy weights, in float32 (the CPU Mamba
+kernels need it).
 
 OUT_DIR is a cache: when OUT_DIR/.complete exists and records the same
 parameters, nothing is done. The files are written to a temporary sibling
@@ -29,8 +36,8 @@ VOCAB = 1024
 FORMAT = 1
 
 
-def params(seed: int) -> dict:
-    return {
+def params(seed: int, family: str = "llama") -> dict:
+    p = {
         "format": FORMAT,
         "seed": seed,
         "vocab": VOCAB,
@@ -41,6 +48,14 @@ def params(seed: int) -> dict:
         "num_key_value_heads": 2,
         "max_position_embeddings": 4096,
     }
+    if family == "gemma3":
+        p.update(family=family, head_dim=64, sliding_window=64,
+                 layer_types=["sliding_attention", "full_attention"])
+    elif family == "nemotronh":
+        p.update(family=family, head_dim=64, hybrid_override_pattern="M*", mamba_num_heads=8,
+                 mamba_head_dim=32, n_groups=1, ssm_state_size=16, conv_kernel=4, expand=2,
+                 chunk_size=64)
+    return p
 
 
 def _corpus(n_lines: int = 4000) -> list[str]:
@@ -85,6 +100,54 @@ def _write_model(out: str, p: dict) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(p["seed"])
+    if p.get("family") == "nemotronh":
+        from transformers import NemotronHConfig
+
+        cfg = NemotronHConfig(
+            vocab_size=p["vocab"],
+            hidden_size=p["hidden_size"],
+            intermediate_size=p["intermediate_size"],
+            num_hidden_layers=p["num_hidden_layers"],
+            hybrid_override_pattern=p["hybrid_override_pattern"],
+            num_attention_heads=p["num_attention_heads"],
+            num_key_value_heads=p["num_key_value_heads"],
+            head_dim=p["head_dim"],
+            mamba_num_heads=p["mamba_num_heads"],
+            mamba_head_dim=p["mamba_head_dim"],
+            n_groups=p["n_groups"],
+            ssm_state_size=p["ssm_state_size"],
+            conv_kernel=p["conv_kernel"],
+            expand=p["expand"],
+            chunk_size=p["chunk_size"],
+            max_position_embeddings=p["max_position_embeddings"],
+            bos_token_id=0,
+            eos_token_id=1,
+            pad_token_id=2,
+            tie_word_embeddings=False,
+        )
+        cfg.architectures = ["NemotronHForCausalLM"]
+        cfg.save_pretrained(out)
+        return
+    if p.get("family") == "gemma3":
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        cfg = Gemma3TextConfig(
+            vocab_size=p["vocab"],
+            hidden_size=p["hidden_size"],
+            intermediate_size=p["intermediate_size"],
+            num_hidden_layers=p["num_hidden_layers"],
+            num_attention_heads=p["num_attention_heads"],
+            num_key_value_heads=p["num_key_value_heads"],
+            head_dim=p["head_dim"],
+            sliding_window=p["sliding_window"],
+            layer_types=p["layer_types"],
+            max_position_embeddings=p["max_position_embeddings"],
+            bos_token_id=0,
+            eos_token_id=1,
+            pad_token_id=2,
+        )
+        Gemma3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+        return
     cfg = LlamaConfig(
         vocab_size=p["vocab"],
         hidden_size=p["hidden_size"],
@@ -102,10 +165,10 @@ def _write_model(out: str, p: dict) -> None:
     model.save_pretrained(out, safe_serialization=True)
 
 
-def make(out: str, seed: int = 0) -> str:
+def make(out: str, seed: int = 0, family: str = "llama") -> str:
     """Creates (or reuses) the model at `out`; returns `out`."""
     out = os.path.abspath(out)
-    p = params(seed)
+    p = params(seed, family)
     marker = os.path.join(out, ".complete")
     if os.path.exists(marker):
         with open(marker) as f:
@@ -139,8 +202,9 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--family", choices=["llama", "gemma3", "nemotronh"], default="llama")
     a = ap.parse_args(argv)
-    print(make(a.out, a.seed))
+    print(make(a.out, a.seed, a.family))
     return 0
 
 

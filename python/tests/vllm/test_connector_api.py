@@ -310,3 +310,38 @@ class KVConnectorBase_V1(ABC):
             pass
 
     assert signature_problems(base.hook, Ours.hook) == ["'b' is required, the base's 'b' has a default"]
+
+
+def _config(block_size: int):
+    """As much of a VllmConfig as the model id reads."""
+    from types import SimpleNamespace
+
+    import torch
+
+    mc = SimpleNamespace(model="m", revision=None, quantization=None, dtype=torch.bfloat16, use_mla=False,
+                         get_num_kv_heads=lambda pc: 2, get_head_size=lambda: 64)
+    return SimpleNamespace(model_config=mc, parallel_config=SimpleNamespace(),
+                           cache_config=SimpleNamespace(block_size=block_size, cache_dtype="auto"))
+
+
+def test_gpu_engines_of_different_block_sizes_share_a_model_id(monkeypatch):
+    """An object holds token rows on a GPU (any block size reads them); on a
+    CPU a block is copied whole, as the kernel lays it out for its size."""
+    require_kvring_vllm()
+    import vllm.platforms
+
+    from kvring.vllm import engine_model_id
+
+    cpu = [engine_model_id(_config(b))[0] for b in (16, 128)]
+    assert cpu[0] != cpu[1]
+
+    class Cuda:
+        device_type = "cuda"
+
+        @staticmethod
+        def is_cpu():
+            return False
+
+    monkeypatch.setattr(vllm.platforms, "current_platform", Cuda())
+    gpu = [engine_model_id(_config(b))[0] for b in (16, 32, 128)]
+    assert len(set(gpu)) == 1 and gpu[0] not in cpu

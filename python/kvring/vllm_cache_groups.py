@@ -1,0 +1,165 @@
+"""vLLM's KV cache groups, as kvring's connector caches them.
+
+vLLM's hybrid KV cache manager gives each kind of attention layer its own
+group: one block table per group, over one pool of blocks whose pages every
+group's layers share (block `b` belongs to one group at a time; layer `j` of
+each group views the same bytes). A sliding-window group keeps only the
+blocks of its window: those before it are freed during the prefill and read
+as the null block (id 0) in a request's block list.
+
+kvring caches a chunk of a model of several groups as one object per group:
+the group is part of the chunk's key (its salt), so the objects of two groups
+never meet, and each is copied with that group's block ids. kvring registers
+one set of layers, the "slots": the layers of the largest group, which every
+other group's layer `j` aliases (checked at registration). A group with
+fewer layers than there are slots copies the pages of its blocks in the
+other slots too: those pages belong to no layer while the group owns the
+block, so nothing reads what lands there.
+
+What is stored and loaded, per kind of group:
+
+- full attention: every chunk, and a hit loads every chunk;
+- sliding window: every chunk too (a later, longer prompt's window can end
+  at any chunk), and a hit loads only the blocks vLLM kept for the window
+  before the first token to compute; a chunk whose first blocks vLLM freed
+  before the step that completes it (a chunked prefill that moved past the
+  window) is not stored for any group, since its window part cannot be;
+- anything else (Mamba and other state, chunked local attention): not
+  cached; the connector says why and stays out of the way.
+
+Pure logic: this module imports neither torch nor vLLM's engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+NULL_BLOCK = 0
+"""The block id vLLM gives every position a group does not hold (its block
+pool's null block, created first)."""
+
+
+@dataclass(frozen=True)
+class CacheGroup:
+    """One KV cache group as kvring caches it."""
+
+    index: int
+    layers: tuple[str, ...]
+    window: int | None
+    """A sliding-window group's window in tokens; None: full attention."""
+    key: str
+    """What the group adds to its chunks' salt: "" for the only group of a
+    model (its keys are those of a model without groups), else its kind,
+    window and layers."""
+
+
+def cache_groups(kv_cache_config: Any) -> tuple[list[CacheGroup], str | None]:
+    """The groups of vLLM's `KVCacheConfig`, or the reason kvring cannot
+    cache this model (then no groups). None (no config: vLLM before the
+    hybrid manager, or a stand-in) is one full-attention group of every
+    layer, named by the engine's tensors later."""
+    if kv_cache_config is None:
+        return [CacheGroup(0, (), None, "")], None
+    specs = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
+    if not specs:
+        return [], "vLLM's KV cache configuration has no KV cache groups"
+    groups: list[CacheGroup] = []
+    for i, g in enumerate(specs):
+        kind, window = _kind(g.kv_cache_spec)
+        if kind is None:
+            return [], (
+                f"KV cache group {i} holds {type(g.kv_cache_spec).__name__} layers "
+                f"({', '.join(list(g.layer_names)[:3])}...): kvring caches attention KV "
+                "(full and sliding-window) only, not state"
+            )
+        layers = tuple(g.layer_names)
+        key = "" if len(specs) == 1 else f"{kind}:{window}:{','.join(layers)}"
+        groups.append(CacheGroup(i, layers, window, key))
+    return groups, None
+
+
+def _kind(spec: Any) -> tuple[str | None, int | None]:
+    """("full" or "sliding", window) of a group's spec; (None, None) for a
+    kind kvring does not cache. By class name, so that every vLLM version's
+    classes (and the worker's uniform-type wrapper) are understood."""
+    name = type(spec).__name__
+    if name == "UniformTypeKVCacheSpecs":
+        kinds = {_kind(s) for s in getattr(spec, "kv_cache_specs", {}).values()}
+        return kinds.pop() if len(kinds) == 1 else (None, None)
+    if name == "SlidingWindowSpec":
+        return "sliding", int(spec.sliding_window)
+    if name in ("FullAttentionSpec", "MLAAttentionSpec"):
+        # With the hybrid manager off, vLLM gives a sliding-window layer
+        # every block of the prompt (a full-attention spec that carries its
+        # window): cached as full attention.
+        if getattr(spec, "attention_chunk_size", None):
+            return None, None
+        return "full", None
+    return None, None
+
+
+def slot_layers(groups: Sequence[CacheGroup], names: Sequence[str]) -> list[str]:
+    """The layers kvring registers: for one group every layer the engine
+    gave (`names`, its order), else the largest group's, in vLLM's order."""
+    if len(groups) == 1:
+        return list(names)
+    largest = max(groups, key=lambda g: (len(g.layers), -g.index))
+    return list(largest.layers)
+
+
+def aliasing_error(groups: Sequence[CacheGroup], slots: Sequence[str], views: dict[str, tuple]) -> str | None:
+    """Why the groups' layers are not views of the slots (None: they are).
+    `views` maps a layer name to what identifies its view (address, shape,
+    strides, dtype): layer `j` of every group must view what slot `j` does,
+    as vLLM lays out the groups' shared pages."""
+    if len(groups) == 1:
+        return None
+    for g in groups:
+        for j, name in enumerate(g.layers):
+            if j >= len(slots) or name not in views or views[name] != views.get(slots[j]):
+                return (
+                    f"layer {name} (KV cache group {g.index}) is not a view of the memory of "
+                    f"{slots[j] if j < len(slots) else 'any slot'}: kvring expects the groups' layers "
+                    "to share pages as vLLM's hybrid manager lays them out"
+                )
+    return None
+
+
+def storable_chunks(group: CacheGroup, first: int, end: int, computed_before: int, block: int, chunk: int) -> int:
+    """How many of chunks `first..end-1`, completed by a step that started at
+    `computed_before` tokens, can be stored in this group in order: the
+    leading ones whose blocks it still holds. A sliding-window group has
+    freed the blocks wholly before the window of `computed_before` tokens
+    (vLLM frees on fewer, the tokens already processed, so never more);
+    full attention frees nothing."""
+    if group.window is None:
+        return max(0, end - first)
+    freed_blocks = max(0, computed_before - group.window + 1) // block
+    n = 0
+    for k in range(first, end):
+        if k * chunk // block < freed_blocks:
+            break
+        n += 1
+    return n
+
+
+def load_span(block_ids: Sequence[int], start: int, end: int, block: int, chunk: int) -> tuple[int, int, list[int]] | None:
+    """(first chunk, tokens to skip in it, its block ids) to load tokens
+    `start..end` into a group whose block list is `block_ids`: from the
+    first block the group holds (a sliding-window group's earlier positions
+    are the null block). None: no block to load, or a null block after a
+    held one (a layout this connector does not know: not loaded)."""
+    first_block = start // block
+    last_block = -(-end // block)
+    held = [i for i in range(first_block, last_block) if block_ids[i] != NULL_BLOCK]
+    if not held:
+        return None
+    if held != list(range(held[0], last_block)):
+        return None
+    begin = max(start, held[0] * block)
+    first_chunk = begin // chunk
+    per_chunk = chunk // block
+    ids = list(block_ids[first_chunk * per_chunk : -(-end // chunk) * per_chunk])
+    return first_chunk, begin - first_chunk * chunk, ids
