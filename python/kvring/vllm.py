@@ -896,10 +896,12 @@ class _SchedulerSide:
             # holds only its window's blocks before the first token to compute.
             span = load_span(t.block_ids[g.index], start, end, self._block_size, c)
             if span is None:
-                if g.window is not None:
-                    continue  # nothing of this window to load
+                # Blocks laid out as this connector does not expect (the
+                # group holds the block of the last token to load): the
+                # load fails and vLLM recomputes the request.
                 lease = None
-                span = (start // c, start % c, [])
+                bpc = self._blocks_per_chunk
+                span = (start // c, start % c, t.block_ids[g.index][start // c * bpc : -(-end // c) * bpc])
             first, skip, ids = span
             ops.append(
                 LoadOp(
@@ -975,6 +977,12 @@ class _SchedulerSide:
             # A request allocated through update_state_after_alloc this step
             # (resumed) has its whole block list already.
             if new_block_ids is not None and req_id not in self._fresh_blocks:
+                if len(t.block_ids) != len(new_block_ids):
+                    # Blocks of a request whose earlier ones this connector
+                    # never saw: their positions are unknown, so nothing of
+                    # it is stored.
+                    t.block_ids = [[] for _ in new_block_ids]
+                    t.stored_chunks = len(t.hashes)
                 for ids, more in zip(t.block_ids, new_block_ids, strict=True):
                     ids.extend(more)
             if store:
@@ -1383,8 +1391,12 @@ class _WorkerSide:
         for salt, group in by_salt.items():
             hashes = [h for op in group for h in op.hashes]
             blocks = [b for op in group for b in op.block_ids]
+            # The next forward waits for a sliding-window group's store
+            # (`_wait_fence`): it gets a load's deadline, not a store's.
+            windowed = any(op.windowed for op in group)
+            timeout = self._settings.load_timeout_s if windowed else self._settings.timeout_s
             try:
-                job = client.store(reg, hashes, blocks, timeout=self._settings.timeout_s, salt=salt, after=after)
+                job = client.store(reg, hashes, blocks, timeout=timeout, salt=salt, after=after)
             except KvringError as e:
                 self._link.failed("store", e)
                 self.stats.count("store_failures")
@@ -1392,10 +1404,10 @@ class _WorkerSide:
                 if client is None:
                     return
                 continue
-            shared = _Transfer(job, time.monotonic() + self._settings.timeout_s, len(hashes), event=event)
+            shared = _Transfer(job, time.monotonic() + timeout, len(hashes), event=event)
             for op in group:
                 self._stores.setdefault(op.req_id, []).append(shared)
-            if any(op.windowed for op in group):
+            if windowed:
                 self._fence.append(shared)
 
     def handle_preemptions(self, meta: KvringMetadata) -> None:
@@ -1423,7 +1435,8 @@ class _WorkerSide:
         leave a window while the request runs and may give them to this
         step's tokens. On a GPU the engine's stream waits on the device, on
         a CPU this hook waits; either way no longer than the store's
-        deadline (a store given up copies nothing more)."""
+        deadline, `kvring.load_timeout_s` (a store given up copies nothing
+        more)."""
         fence, self._fence = self._fence, []
         for tr in fence:
             if tr.outcome is not None or tr.job.released:
