@@ -82,15 +82,16 @@ def cache_groups(kv_cache_config: Any) -> tuple[list[CacheGroup], str | None]:
 
 def _kind(spec: Any) -> tuple[str | None, int | None]:
     """("full" or "sliding", window) of a group's spec; (None, None) for a
-    kind kvring does not cache. By class name, so that every vLLM version's
-    classes (and the worker's uniform-type wrapper) are understood."""
-    name = type(spec).__name__
-    if name == "UniformTypeKVCacheSpecs":
+    kind kvring does not cache. By the names of the spec's classes (its own
+    and its bases), so that every vLLM version's classes, their subclasses
+    and the worker's uniform-type wrapper are understood."""
+    names = {c.__name__ for c in type(spec).__mro__}
+    if "UniformTypeKVCacheSpecs" in names:
         kinds = {_kind(s) for s in getattr(spec, "kv_cache_specs", {}).values()}
         return kinds.pop() if len(kinds) == 1 else (None, None)
-    if name == "SlidingWindowSpec":
+    if "SlidingWindowSpec" in names:
         return "sliding", int(spec.sliding_window)
-    if name in ("FullAttentionSpec", "MLAAttentionSpec"):
+    if "FullAttentionSpec" in names:
         # With the hybrid manager off, vLLM gives a sliding-window layer
         # every block of the prompt (a full-attention spec that carries its
         # window): cached as full attention.

@@ -31,6 +31,12 @@ FULL = spec("FullAttentionSpec", sliding_window=None, attention_chunk_size=None)
 SLIDING = spec("SlidingWindowSpec", sliding_window=64)
 
 
+def test_a_subclass_of_a_known_spec_is_its_kind():
+    mla = type("MLAAttentionSpec", (type(FULL),), {})()
+    groups, why = cache_groups(config((mla, ["l0"]), (SLIDING, ["l1"])))
+    assert why is None and [g.window for g in groups] == [None, 64]
+
+
 def test_a_model_of_one_group_keeps_the_keys_of_a_model_without_groups():
     groups, why = cache_groups(config((FULL, ["l0", "l1"])))
     assert why is None and [g.key for g in groups] == [""]

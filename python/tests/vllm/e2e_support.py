@@ -77,6 +77,20 @@ def tail(path: str, n: int = 60) -> str:
         return f"<{path}: {e}>"
 
 
+def expected_cached(tokens, stored_prompts, chunk: int = 256) -> int:
+    """Tokens a connector can load: the leading full chunks found in the
+    server, leaving at least one prompt token to compute."""
+    best = 0
+    for p in stored_prompts:
+        n = 0
+        for x, y in zip(tokens, p, strict=False):
+            if x != y:
+                break
+            n += 1
+        best = max(best, n // chunk * chunk)
+    return min(best, (len(tokens) - 1) // chunk * chunk)
+
+
 def grep(path: str, *needles: str, limit: int = 40) -> list[str]:
     """Lines of a log holding any of `needles` (for evidence in messages)."""
     out = []

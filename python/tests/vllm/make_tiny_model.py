@@ -97,58 +97,10 @@ def _write_tokenizer(out: str) -> int:
 
 def _write_model(out: str, p: dict) -> None:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(p["seed"])
-    if p.get("family") == "nemotronh":
-        from transformers import NemotronHConfig
-
-        cfg = NemotronHConfig(
-            vocab_size=p["vocab"],
-            hidden_size=p["hidden_size"],
-            intermediate_size=p["intermediate_size"],
-            num_hidden_layers=p["num_hidden_layers"],
-            hybrid_override_pattern=p["hybrid_override_pattern"],
-            num_attention_heads=p["num_attention_heads"],
-            num_key_value_heads=p["num_key_value_heads"],
-            head_dim=p["head_dim"],
-            mamba_num_heads=p["mamba_num_heads"],
-            mamba_head_dim=p["mamba_head_dim"],
-            n_groups=p["n_groups"],
-            ssm_state_size=p["ssm_state_size"],
-            conv_kernel=p["conv_kernel"],
-            expand=p["expand"],
-            chunk_size=p["chunk_size"],
-            max_position_embeddings=p["max_position_embeddings"],
-            bos_token_id=0,
-            eos_token_id=1,
-            pad_token_id=2,
-            tie_word_embeddings=False,
-        )
-        cfg.architectures = ["NemotronHForCausalLM"]
-        cfg.save_pretrained(out)
-        return
-    if p.get("family") == "gemma3":
-        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-        cfg = Gemma3TextConfig(
-            vocab_size=p["vocab"],
-            hidden_size=p["hidden_size"],
-            intermediate_size=p["intermediate_size"],
-            num_hidden_layers=p["num_hidden_layers"],
-            num_attention_heads=p["num_attention_heads"],
-            num_key_value_heads=p["num_key_value_heads"],
-            head_dim=p["head_dim"],
-            sliding_window=p["sliding_window"],
-            layer_types=p["layer_types"],
-            max_position_embeddings=p["max_position_embeddings"],
-            bos_token_id=0,
-            eos_token_id=1,
-            pad_token_id=2,
-        )
-        Gemma3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
-        return
-    cfg = LlamaConfig(
+    # What every family's config takes from the parameters.
+    shared = dict(
         vocab_size=p["vocab"],
         hidden_size=p["hidden_size"],
         intermediate_size=p["intermediate_size"],
@@ -159,9 +111,30 @@ def _write_model(out: str, p: dict) -> None:
         bos_token_id=0,
         eos_token_id=1,
         pad_token_id=2,
-        tie_word_embeddings=False,
     )
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    family = p.get("family", "llama")
+    if family == "nemotronh":
+        from transformers import NemotronHConfig
+
+        cfg = NemotronHConfig(
+            **shared,
+            **{k: p[k] for k in ("head_dim", "hybrid_override_pattern", "mamba_num_heads", "mamba_head_dim",
+                                 "n_groups", "ssm_state_size", "conv_kernel", "expand", "chunk_size")},
+            tie_word_embeddings=False,
+        )
+        cfg.architectures = ["NemotronHForCausalLM"]
+        cfg.save_pretrained(out)
+        return
+    if family == "gemma3":
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        cfg = Gemma3TextConfig(**shared, head_dim=p["head_dim"], sliding_window=p["sliding_window"],
+                               layer_types=p["layer_types"])
+        Gemma3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+        return
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(**shared, tie_word_embeddings=False)).to(torch.bfloat16)
     model.save_pretrained(out, safe_serialization=True)
 
 

@@ -35,6 +35,7 @@ import time
 
 import pytest
 
+import e2e_support
 from e2e_support import grep, require_kvring_vllm, require_vllm
 
 require_vllm()
@@ -68,17 +69,7 @@ def chunk_keys(prompts) -> set:
 
 
 def expected_cached(tokens, stored_prompts) -> int:
-    """Tokens a connector can load: the leading full chunks found in the
-    server, leaving at least one prompt token to compute."""
-    best = 0
-    for p in stored_prompts:
-        n = 0
-        for x, y in zip(tokens, p, strict=False):
-            if x != y:
-                break
-            n += 1
-        best = max(best, n // CHUNK * CHUNK)
-    return min(best, (len(tokens) - 1) // CHUNK * CHUNK)
+    return e2e_support.expected_cached(tokens, stored_prompts, CHUNK)
 
 
 def by_name(result, phase):

@@ -30,7 +30,7 @@ import subprocess
 
 import pytest
 
-from e2e_support import CACHE_DIR, MAKE_MODEL, PY, grep, require_kvring_vllm, require_vllm
+from e2e_support import CACHE_DIR, MAKE_MODEL, PY, expected_cached, grep, require_kvring_vllm, require_vllm
 
 require_vllm()
 
@@ -58,17 +58,7 @@ PHASE_B = [{"name": k, "token_ids": v} for k, v in B.items()]
 
 
 def cached(tokens, stored) -> int:
-    """What a hit can load: the leading full chunks of a stored prompt,
-    leaving one token to compute."""
-    best = 0
-    for p in stored:
-        n = 0
-        for x, y in zip(tokens, p, strict=False):
-            if x != y:
-                break
-            n += 1
-        best = max(best, n // CHUNK * CHUNK)
-    return min(best, (len(tokens) - 1) // CHUNK * CHUNK)
+    return expected_cached(tokens, stored, CHUNK)
 
 
 def by_name(result, phase):
