@@ -303,6 +303,17 @@ class Server:
 # ---------------------------------------------------------------- one configuration
 
 
+def settings(items: list[str]) -> dict:
+    """KEY=VALUE arguments: the value as JSON where it reads as JSON (a
+    number, true/false, a list, an object, a string in quotes), else as
+    the string given."""
+    out = {}
+    for item in items:
+        k, _, v = item.partition("=")
+        out[k] = json.loads(v) if v[:1] in "0123456789tf[{\"-" else v
+    return out
+
+
 def build_llm(args, model_dir: str, server: Server | None):
     from vllm import LLM
     from vllm.config import KVTransferConfig
@@ -314,9 +325,7 @@ def build_llm(args, model_dir: str, server: Server | None):
     elif args.config == "kvring":
         extra = {"kvring.name": server.name, "kvring.runtime_dir": server.runtime_dir,
                  "kvring.autostart": False}
-        for item in args.extra:
-            k, _, v = item.partition("=")
-            extra[k] = json.loads(v) if v[:1] in "0123456789tf[{\"-" else v
+        extra.update(settings(args.extra))
         kv = KVTransferConfig(kv_connector="KvringConnector", kv_connector_module_path="kvring.vllm",
                               kv_role="kv_both", kv_connector_extra_config=extra)
     kw = dict(model=model_dir, tokenizer=model_dir, load_format="dummy", dtype="bfloat16",
@@ -325,9 +334,7 @@ def build_llm(args, model_dir: str, server: Server | None):
               disable_log_stats=False, kv_transfer_config=kv)
     if args.device == "cuda":
         kw["gpu_memory_utilization"] = args.gpu_util
-    for item in args.engine:
-        k, _, v = item.partition("=")
-        kw[k] = json.loads(v) if v[:1] in "0123456789tf[{\"-" else v
+    kw.update(settings(args.engine))
     t0 = time.perf_counter()
     llm = LLM(**kw)
     start = time.perf_counter() - t0

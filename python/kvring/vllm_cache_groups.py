@@ -130,20 +130,18 @@ def aliasing_error(groups: Sequence[CacheGroup], slots: Sequence[str], views: di
 
 def storable_chunks(group: CacheGroup, first: int, end: int, computed_before: int, block: int, chunk: int) -> int:
     """How many of chunks `first..end-1`, completed by a step that started at
-    `computed_before` tokens, can be stored in this group in order: the
-    leading ones whose blocks it still holds. A sliding-window group has
-    freed the blocks wholly before the window of `computed_before` tokens
-    (vLLM frees on fewer, the tokens already processed, so never more);
-    full attention frees nothing."""
+    `computed_before` tokens, can be stored in this group: all of them while
+    it still holds the first block of chunk `first` (what it frees is a
+    prefix of its blocks), else none. A sliding-window group has freed the
+    blocks wholly before the window of `computed_before` tokens (vLLM frees
+    on fewer, the tokens already processed, so never more); full attention
+    frees nothing."""
+    if end <= first:
+        return 0
     if group.window is None:
-        return max(0, end - first)
+        return end - first
     freed_blocks = max(0, computed_before - group.window + 1) // block
-    n = 0
-    for k in range(first, end):
-        if k * chunk // block < freed_blocks:
-            break
-        n += 1
-    return n
+    return end - first if first * chunk // block >= freed_blocks else 0
 
 
 def load_span(block_ids: Sequence[int], start: int, end: int, block: int, chunk: int) -> tuple[int, int, list[int]] | None:
@@ -151,7 +149,7 @@ def load_span(block_ids: Sequence[int], start: int, end: int, block: int, chunk:
     `start..end` into a group whose block list is `block_ids`: from the
     first block the group holds (a sliding-window group's earlier positions
     are the null block). None: no block to load, or a null block after a
-    held one (a layout this connector does not know: not loaded)."""
+    held one (a layout this connector does not know: the load fails)."""
     first_block = start // block
     last_block = -(-end // block)
     held = [i for i in range(first_block, last_block) if block_ids[i] != NULL_BLOCK]
