@@ -1,5 +1,5 @@
 """This is a stand-in for the part of vLLM's interface that kvring's
-connector (`kvring/vllm.py`) uses, installed only where vLLM cannot be
+connector (`kvring/vllm/`) uses, installed only where vLLM cannot be
 imported; the connector's conformance to real vLLM is tested against real
 vLLM in python/tests/vllm.
 

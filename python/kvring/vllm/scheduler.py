@@ -1,0 +1,468 @@
+"""The scheduler role: one lookup per request, the leases that hold its
+hit, and each step's plan of loads and stores for the workers. It never
+waits on the server: a lookup is submitted and polled, and a request whose
+answer is not in waits in vLLM's queue."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import kvring
+from kvring import Client, KvringError, Lease, PendingLookup
+from kvring.vllm.identity import request_salt, world_size
+from kvring.vllm.link import ServerLink, check_block_size, checked_chunk_tokens
+from kvring.vllm.log import logger, warn_throttled
+from kvring.vllm.metadata import KvringMetadata, LoadOp, StoreOp
+from kvring.vllm.settings import KvringSettings
+from kvring.vllm.stats import KvringStats
+from kvring.vllm.versions import REPORTS_FAILED_LOADS
+from kvring.vllm_cache_groups import CacheGroup, load_span, storable_chunks
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+
+class Phase(enum.Enum):
+    """Where a request stands with the scheduler connector::
+
+        NEW --submitted--> LOOKING_UP --answered or given up--> ANSWERED
+         ^  ^                   |                                  |
+         |  +--- the server's connection changed ------------------+
+         |                                                     allocated
+         |                                                         v
+         +------------- preempted, asked again --------------- ADMITTED
+                                                                   |
+                                                   its load failed v
+                                                              RECOMPUTED
+
+    NEW: nothing asked of the server yet (none connected: a miss, and the
+    request is admitted from here). LOOKING_UP: one lookup per KV cache
+    group submitted, not all answered (`pending`). ANSWERED: the hit is
+    known (`hit_chunks`, held by `leases`). ADMITTED: vLLM allocated the
+    request's blocks and its load, if any, is planned. RECOMPUTED: a load
+    failed and vLLM recomputes the request; it is not looked up again (the
+    same load would fail again).
+    """
+
+    NEW = enum.auto()
+    LOOKING_UP = enum.auto()
+    ANSWERED = enum.auto()
+    ADMITTED = enum.auto()
+    RECOMPUTED = enum.auto()
+
+
+@dataclass
+class _Tracked:
+    """What the scheduler connector knows of one request."""
+
+    hashes: list[bytes]
+    salts: list[int]
+    """The salt of its chunks' keys in each KV cache group."""
+    phase: Phase = Phase.NEW
+    # The lookups (one per KV cache group) submitted and not all answered
+    # yet, their answers so far, and when they were submitted.
+    pending: list[PendingLookup] | None = None
+    answers: dict[int, Lease] = field(default_factory=dict)
+    pending_since: float = 0.0
+    # One lease per KV cache group while they hold hits.
+    leases: list[Lease] = field(default_factory=list)
+    lease_client: Client | None = None
+    hit_chunks: int = 0
+    local_tokens: int = 0
+    block_ids: list[list[int]] = field(default_factory=list)
+    """Per KV cache group: its block ids as vLLM announced them (positions a
+    sliding-window group freed keep their old id: never stored from)."""
+    stored_chunks: int = 0
+    stores_issued: bool = False
+    load_blocks: frozenset[int] = frozenset()
+
+
+class SchedulerSide:
+    """The scheduler role: lookups, leases, and each step's load and store plan."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, settings: KvringSettings, model_id: int, groups: list[CacheGroup]
+    ) -> None:
+        cfg = vllm_config.kv_transfer_config
+        self._settings = settings
+        self._model_id = model_id
+        self._groups = groups
+        self._world_size = world_size(vllm_config)
+        self._loads_enabled = cfg.is_kv_consumer and bool(groups)
+        self._stores_enabled = cfg.is_kv_producer and bool(groups)
+        if len(groups) > 1 and not REPORTS_FAILED_LOADS:
+            # A failed load of a model of several groups cannot be reported
+            # to this vLLM: it raises on block-level errors of such models
+            # and has no per-request failure report.
+            logger.warning(
+                "kvring: this vLLM cannot be told of a failed load of a model of %d KV cache groups: "
+                "kvring stores its KV but does not load it (vLLM 0.32 and later do)",
+                len(groups),
+            )
+            self._loads_enabled = False
+        self._block_size = vllm_config.cache_config.block_size
+        if settings.chunk_tokens is not None:  # refused before a server is started for it
+            check_block_size(self._block_size, settings.chunk_tokens)
+        self.chunk_tokens: int | None = None
+        self._link = ServerLink(settings, cfg.engine_id, self._on_connect)
+        check_block_size(self._block_size, self.chunk_tokens)
+        self._blocks_per_chunk = self.chunk_tokens // self._block_size
+        self._tracked: dict[str, _Tracked] = {}
+        self._fresh_blocks: set[str] = set()
+        self._pending_loads: list[LoadOp] = []
+        # Requests whose load is planned and not reported finished yet.
+        self._loading: set[str] = set()
+        self.stats = KvringStats()
+
+    def _on_connect(self, client: Client) -> None:
+        self.chunk_tokens = checked_chunk_tokens(client, self._settings, self.chunk_tokens)
+
+    # -- lookup
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """The prompt's hit beyond vLLM's local `num_computed_tokens`, loaded
+        asynchronously; None while its lookup is not answered (vLLM asks
+        again at a later step). One LOOKUP per admission: vLLM asks again
+        while a request waits, and gets the same lease's answer. Whole chunks only,
+        and never the whole request (vLLM computes at least its last token)."""
+        t = self._tracked.get(request.request_id)
+        if t is None:
+            t = self._track(request)
+            if t is None:
+                return 0, False
+        if (
+            not self._loads_enabled
+            or t.phase is Phase.RECOMPUTED
+            or getattr(request, "skip_reading_prefix_cache", False)
+        ):
+            # After a failed load the request is recomputed: its old answer
+            # must not be replayed (the load would fail again, forever).
+            return 0, False
+        if t.phase is Phase.ADMITTED:
+            # Asked again after an allocation: preempted and re-admitted. The
+            # retrieve consumed or freed the old holds; look up afresh. Its
+            # old blocks are someone else's now.
+            self._end_lease(t)
+            self._loading.discard(request.request_id)
+            t.load_blocks = frozenset()
+            t.phase, t.hit_chunks = Phase.NEW, 0
+        client = self._link.client()
+        if (t.leases or t.pending is not None) and t.lease_client is not client:
+            t.leases, t.lease_client, t.pending, t.answers = [], None, None, {}
+            t.phase, t.hit_chunks = Phase.NEW, 0
+        if t.phase in (Phase.NEW, Phase.LOOKING_UP):
+            if client is None:
+                return 0, False
+            if t.phase is Phase.NEW:
+                self._submit_lookup(client, t)
+            if t.phase is Phase.LOOKING_UP and not self._poll_lookup(t):
+                # Not answered yet: the request waits, the scheduler goes on.
+                return None, False
+        usable = min(t.hit_chunks, (request.num_tokens - 1) // self.chunk_tokens)
+        t.local_tokens = num_computed_tokens
+        external = usable * self.chunk_tokens - num_computed_tokens
+        if external <= 0 or external < self._settings.min_load_tokens:
+            return 0, False
+        return external, self._settings.async_load
+
+    def _track(self, request: Request) -> _Tracked | None:
+        """State for a request kvring can serve: a token prompt (multimodal
+        placeholders and embeddings do not key their KV) of one full chunk
+        or more."""
+        if request.prompt_token_ids is None or getattr(request, "mm_features", None):
+            return None
+        hashes = kvring.chunk_hashes(request.prompt_token_ids, self.chunk_tokens)
+        if not hashes:
+            return None
+        t = _Tracked(hashes=hashes, salts=[request_salt(request, g) for g in self._groups])
+        self._tracked[request.request_id] = t
+        return t
+
+    def _submit_lookup(self, client: Client, t: _Tracked) -> None:
+        """Submits the request's LOOKUP (the server must take it within
+        `lookup_submit_s`); a failure is a miss."""
+        self.stats.count("lookups")
+        pending: list[PendingLookup] = []
+        try:
+            for salt in t.salts:
+                pending.append(
+                    client.submit_lookup(
+                        self._model_id,
+                        self._world_size,
+                        t.hashes,
+                        salt=salt,
+                        timeout=self._settings.lookup_submit_s,
+                    )
+                )
+        except KvringError as e:
+            for p in pending:
+                p.cancel()
+            self._link.failed("lookup", e)
+            t.phase = Phase.ANSWERED
+            return
+        t.pending, t.answers = pending, {}
+        t.pending_since = time.monotonic()
+        t.lease_client = client
+        t.phase = Phase.LOOKING_UP
+
+    def _poll_lookup(self, t: _Tracked) -> bool:
+        """Whether the pending lookup has an answer now (a lease, or a miss:
+        failed, or not answered within `lookup_wait_s`)."""
+        assert t.phase is Phase.LOOKING_UP and t.pending is not None
+        try:
+            for i, p in enumerate(t.pending):
+                if i not in t.answers:
+                    lease = p.poll()
+                    if lease is not None:
+                        t.answers[i] = lease
+        except KvringError as e:
+            self._forget_lookup(t)
+            self._link.failed("lookup", e)
+            return True
+        if len(t.answers) < len(t.pending):
+            if time.monotonic() - t.pending_since < self._settings.lookup_wait_s:
+                return False
+            # Given up: a miss (the leases of lookups answered later are
+            # ended once they are).
+            self._forget_lookup(t)
+            self.stats.count("lookups_given_up")
+            return True
+        leases = [t.answers[i] for i in range(len(t.pending))]
+        t.pending, t.answers = None, {}
+        self._answered(t, leases)
+        return True
+
+    def _forget_lookup(self, t: _Tracked) -> None:
+        """A miss: the lookups not answered are cancelled; the leases of
+        those answered are dropped (their ends queued)."""
+        for i, p in enumerate(t.pending or ()):
+            if i not in t.answers:
+                p.cancel()
+        t.pending, t.answers, t.lease_client = None, {}, None
+        t.phase = Phase.ANSWERED
+
+    def _answered(self, t: _Tracked, leases: list[Lease]) -> None:
+        """A hit is the chunks every KV cache group has."""
+        t.phase = Phase.ANSWERED
+        t.hit_chunks = min(lease.hits for lease in leases)
+        # Chunks present for every rank need no store.
+        t.stored_chunks = max(t.stored_chunks, t.hit_chunks)
+        if t.hit_chunks:
+            t.leases = leases
+        else:
+            t.lease_client = None
+        # A lease dropped holds nothing more: dropping it queues its end
+        # with the client's next call.
+
+    # -- allocation
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """Records the request's blocks; at admission also plans the load and
+        frees the holds on hit chunks that will not be loaded (vLLM has them
+        locally, or they would cover the whole prompt)."""
+        t = self._tracked.get(request.request_id)
+        if t is None:
+            return
+        t.block_ids = [list(ids) for ids in blocks.get_block_ids()]
+        self._fresh_blocks.add(request.request_id)
+        if t.phase in (Phase.ADMITTED, Phase.RECOMPUTED):
+            return  # The second call, once an asynchronous load is done.
+        t.phase = Phase.ADMITTED
+        if num_external_tokens <= 0:
+            self._end_lease(t)
+            return
+        c = self.chunk_tokens
+        start = t.local_tokens
+        end = start + num_external_tokens
+        client = self._link.client()
+        usable = end % c == 0 and len(t.leases) == len(self._groups) and t.lease_client is client
+        ops: list[LoadOp] = []
+        for g, lease in zip(self._groups, t.leases if usable else [None] * len(self._groups), strict=True):
+            # From the first block the group holds: a sliding-window group
+            # holds only its window's blocks before the first token to compute.
+            span = load_span(t.block_ids[g.index], start, end, self._block_size, c)
+            if span is None:
+                # Blocks laid out as this connector does not expect (the
+                # group holds the block of the last token to load): the
+                # load fails and vLLM recomputes the request.
+                lease = None
+                bpc = self._blocks_per_chunk
+                span = (start // c, start % c, t.block_ids[g.index][start // c * bpc : -(-end // c) * bpc])
+            first, skip, ids = span
+            ops.append(
+                LoadOp(
+                    req_id=request.request_id,
+                    lease_id=None if lease is None else lease.id,
+                    first_chunk=first,
+                    skip_tokens=skip,
+                    block_ids=ids,
+                    sync=not self._settings.async_load,
+                )
+            )
+            if lease is not None:
+                self._release_unloaded(client, lease, first, end // c)
+        self.stats.count("lookup_hit_tokens", num_external_tokens)
+        t.load_blocks = frozenset(b for op in ops for b in op.block_ids[op.skip_tokens // self._block_size :])
+        # Until finished_recving (asynchronous), or (in the step's forward)
+        # until the request ends: its blocks are its own till then, so an
+        # invalid one can only come from this load.
+        self._loading.add(request.request_id)
+        self._pending_loads.extend(ops)
+
+    def _release_unloaded(self, client: Client, lease: Lease, first: int, last: int) -> None:
+        """Frees the lease's holds outside chunks first..last-1 now rather
+        than at the request's end."""
+        try:
+            if first > 0:
+                client.release_lease_chunks(lease.id, 0, first)
+            if lease.hits > last:
+                client.release_lease_chunks(lease.id, last, lease.hits - last)
+        except KvringError as e:
+            self._link.failed("release_lease_chunks", e)
+
+    def _end_lease(self, t: _Tracked) -> None:
+        """END_SESSION: frees whatever the leases still hold."""
+        leases, t.leases = t.leases, []
+        if t.lease_client is self._link.current:
+            for lease in leases:
+                try:
+                    lease.end()
+                except KvringError as e:
+                    self._link.failed("end_lease", e)
+                    break
+        t.lease_client = None
+
+    # -- each step
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvringMetadata:
+        """This step's loads (planned at allocation) and the stores of prompt
+        chunks that this step's forward completes."""
+        meta = KvringMetadata(loads=self._pending_loads)
+        self._pending_loads = []
+        meta.preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        for req_id in meta.preempted:
+            # Its stores so far are waited for by the workers before the
+            # blocks are reused (handle_preemptions), not at its finish.
+            t = self._tracked.get(req_id)
+            if t is not None:
+                t.stores_issued = False
+        scheduled = scheduler_output.num_scheduled_tokens
+        store = self._stores_enabled and self._link.client() is not None
+        for new in scheduler_output.scheduled_new_reqs:
+            t = self._tracked.get(new.req_id)
+            if t is not None:
+                t.block_ids = [list(ids) for ids in new.block_ids]
+                if store:
+                    self._plan_store(meta, new.req_id, t, new.num_computed_tokens, scheduled[new.req_id])
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            t = self._tracked.get(req_id)
+            if t is None:
+                continue
+            new_block_ids = cached.new_block_ids[i]
+            # A request allocated through update_state_after_alloc this step
+            # (resumed) has its whole block list already.
+            if new_block_ids is not None and req_id not in self._fresh_blocks:
+                if len(t.block_ids) != len(new_block_ids):
+                    # Blocks of a request whose earlier ones this connector
+                    # never saw: their positions are unknown, so nothing of
+                    # it is stored.
+                    t.block_ids = [[] for _ in new_block_ids]
+                    t.stored_chunks = len(t.hashes)
+                for ids, more in zip(t.block_ids, new_block_ids, strict=True):
+                    ids.extend(more)
+            if store:
+                self._plan_store(meta, req_id, t, cached.num_computed_tokens[i], scheduled[req_id])
+        self._fresh_blocks.clear()
+        return meta
+
+    def _plan_store(self, meta: KvringMetadata, req_id: str, t: _Tracked, before: int, scheduled: int) -> None:
+        """Stores the chunks this step completes (it computes `scheduled`
+        tokens after `before`), in every KV cache group; where a
+        sliding-window group no longer holds a chunk's first blocks (a
+        chunked prefill that moved past its window), the request stores
+        nothing more (a hit needs its chunks in every group)."""
+        first = t.stored_chunks
+        complete = min((before + scheduled) // self.chunk_tokens, len(t.hashes))
+        if complete <= first:
+            return
+        bpc = self._blocks_per_chunk
+        n = min(storable_chunks(g, first, complete, before, self._block_size, self.chunk_tokens) for g in self._groups)
+        if n > 0:
+            for g in self._groups:
+                meta.stores.append(
+                    StoreOp(
+                        req_id=req_id,
+                        hashes=t.hashes[first : first + n],
+                        block_ids=t.block_ids[g.index][first * bpc : (first + n) * bpc],
+                        salt=t.salts[g.index],
+                        windowed=g.window is not None,
+                    )
+                )
+            t.stores_issued = True
+        t.stored_chunks = complete if n == complete - first else len(t.hashes)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Notes failed loads, so that the request's next lookup answers no
+        hit (vLLM resets a request whose load failed and asks again).
+
+        With several ranks, one rank's failed blocks may come back steps
+        before the load is finished on every rank (vLLM merges invalid
+        blocks as they come, finished loads once all ranks report them), so
+        every load still in flight is checked against every step's invalid
+        blocks, and forgotten only once it finished."""
+        invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
+        failed = set(getattr(connector_output, "failed_recving", None) or ())
+        if invalid or failed:
+            for req_id in list(self._loading):
+                t = self._tracked.get(req_id)
+                if t is None:
+                    self._loading.discard(req_id)
+                elif req_id in failed or not invalid.isdisjoint(t.load_blocks):
+                    if t.phase is not Phase.RECOMPUTED:
+                        warn_throttled("load", "kvring: a load failed (request %s); vLLM recomputes it", req_id)
+                    t.phase = Phase.RECOMPUTED
+        for req_id in connector_output.finished_recving or ():
+            self._loading.discard(req_id)
+            t = self._tracked.get(req_id)
+            if t is not None:
+                t.load_blocks = frozenset()
+
+    def request_finished(self, request: Request) -> bool:
+        """Ends the lease; True (keep the blocks) when stores were issued for
+        the request since its last preemption: the workers report them in
+        finished_sending once their jobs end. (The scheduler cannot see job
+        completion, so any issued store counts as in flight.)"""
+        t = self._tracked.pop(request.request_id, None)
+        self._loading.discard(request.request_id)
+        if t is None:
+            return False
+        if t.pending is not None:
+            # Not all answered: the leases of the others are ended once
+            # they are.
+            self._forget_lookup(t)
+        self._end_lease(t)
+        return t.stores_issued
+
+    def reset_cache(self) -> bool:
+        client = self._link.client()
+        if client is None:
+            return False
+        try:
+            client.clear()
+        except KvringError as e:
+            self._link.failed("clear", e)
+            return False
+        return True
+
+    def shutdown(self) -> None:
+        """Closing the connection ends every lease still held."""
+        self._tracked.clear()
+        self._link.close()

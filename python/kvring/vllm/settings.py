@@ -1,0 +1,119 @@
+"""The connector's settings: the `kvring.*` keys of vLLM's
+`kv_connector_extra_config`, read and checked in one place."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from kvring import KvringError
+
+
+@dataclass(frozen=True)
+class KvringSettings:
+    """The connector's `kvring.*` keys of `kv_connector_extra_config`."""
+
+    name: str = "default"
+    autostart: bool = True
+    pool_bytes: str | None = None
+    chunk_tokens: int | None = None
+    timeout_s: float = 60.0
+    load_timeout_s: float = 5.0
+    async_load: bool | None = None
+    """None: asynchronous exactly when vLLM schedules asynchronously
+    (`load_mode`)."""
+    layer_groups: int = 4
+    min_load_tokens: int = 0
+    lookup_submit_s: float = 0.25
+    lookup_wait_s: float = 3.0
+    runtime_dir: str | None = None
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any]) -> KvringSettings:
+        """Reads the settings; an unknown `kvring.` key is most likely a typo,
+        so it is refused rather than ignored."""
+        known = {
+            "kvring.name",
+            "kvring.autostart",
+            "kvring.pool_bytes",
+            "kvring.chunk_tokens",
+            "kvring.timeout_s",
+            "kvring.load_timeout_s",
+            "kvring.async_load",
+            "kvring.layer_groups",
+            "kvring.min_load_tokens",
+            "kvring.lookup_submit_s",
+            "kvring.lookup_wait_s",
+            "kvring.runtime_dir",
+        }
+        unknown = sorted(k for k in extra if k.startswith("kvring.") and k not in known)
+        if unknown:
+            raise KvringError(f"unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}")
+        chunk = extra.get("kvring.chunk_tokens")
+        pool = extra.get("kvring.pool_bytes")
+        runtime_dir = extra.get("kvring.runtime_dir")
+        async_load = extra.get("kvring.async_load")
+        settings = cls(
+            name=str(extra.get("kvring.name", cls.name)),
+            autostart=_as_bool("kvring.autostart", extra.get("kvring.autostart", cls.autostart)),
+            pool_bytes=None if pool is None else str(pool),
+            chunk_tokens=None if chunk is None else int(chunk),
+            timeout_s=float(extra.get("kvring.timeout_s", cls.timeout_s)),
+            load_timeout_s=float(extra.get("kvring.load_timeout_s", cls.load_timeout_s)),
+            async_load=None if async_load is None else _as_bool("kvring.async_load", async_load),
+            layer_groups=int(extra.get("kvring.layer_groups", cls.layer_groups)),
+            min_load_tokens=int(extra.get("kvring.min_load_tokens", cls.min_load_tokens)),
+            lookup_submit_s=float(extra.get("kvring.lookup_submit_s", cls.lookup_submit_s)),
+            lookup_wait_s=float(extra.get("kvring.lookup_wait_s", cls.lookup_wait_s)),
+            runtime_dir=None if runtime_dir is None else str(runtime_dir),
+        )
+        if settings.chunk_tokens is not None and settings.chunk_tokens <= 0:
+            raise KvringError(f"kvring.chunk_tokens must be positive, not {settings.chunk_tokens}")
+        if settings.layer_groups < 1:
+            raise KvringError(f"kvring.layer_groups must be at least 1, not {settings.layer_groups}")
+        if settings.min_load_tokens < 0:
+            raise KvringError(f"kvring.min_load_tokens must not be negative, not {settings.min_load_tokens}")
+        for key in ("timeout_s", "load_timeout_s", "lookup_submit_s", "lookup_wait_s"):
+            if not getattr(settings, key) > 0:
+                raise KvringError(f"kvring.{key} must be positive, not {getattr(settings, key)}")
+        return settings
+
+    def load_mode(self, async_scheduling: bool, cache_groups: int = 1) -> KvringSettings:
+        """The settings with `async_load` decided for an engine that
+        schedules asynchronously or not. With asynchronous scheduling vLLM
+        queues a request's next step before it learns how this one went:
+        a load that fails in its own step would have that next step's
+        token, sampled from KV that never landed, given to the user (vLLM
+        discards only the failed step's). So loads are asynchronous there
+        (a failed one is known before the request runs), and a load in the
+        step is refused as a setting. So it is for a model of several KV
+        cache groups: vLLM can recompute a failed load of one only when the
+        request waited for it."""
+        if self.async_load is None:
+            return replace(self, async_load=async_scheduling or cache_groups > 1)
+        if not self.async_load and cache_groups > 1:
+            raise KvringError(
+                f"kvring.async_load=false: this model has {cache_groups} KV cache groups, and vLLM can "
+                "recompute a failed load of such a model only when the request waited for it; "
+                "leave kvring.async_load unset"
+            )
+        if not self.async_load and async_scheduling:
+            raise KvringError(
+                "kvring.async_load=false needs vLLM's synchronous scheduling (async_scheduling=False, "
+                "--no-async-scheduling): with asynchronous scheduling a load that fails in its own step "
+                "would give the user a token computed without its KV; leave kvring.async_load unset"
+            )
+        return self
+
+
+def _as_bool(key: str, value: Any) -> bool:
+    """A JSON bool, or the strings a command line gives (`true`, `0`, ...)."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise KvringError(f"{key} must be true or false, not {value!r}")
