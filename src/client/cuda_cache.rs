@@ -8,7 +8,7 @@
 //! demo.
 #![cfg(feature = "cuda")]
 
-use super::kv::Memory;
+use super::registration::Memory;
 use crate::device::{DeviceUuid, IpcEventHandle};
 use crate::gpu::{Context, DeviceBuffer, Event, EventKind, ExportedVmm, HostRegistration, Stream};
 pub use crate::gpu::HostWord;

@@ -6,7 +6,7 @@
 //! ([`crate::gpu::export_range`]).
 #![cfg(feature = "cuda")]
 
-use super::kv::{KvSpec, Memory, Registration};
+use super::registration::{KvSpec, Memory, Registration};
 use super::Client;
 use crate::device::DeviceUuid;
 use crate::error::{Error, Result};

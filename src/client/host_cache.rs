@@ -8,7 +8,7 @@
 //! through raw pointers; the server copies blocks in and out while the
 //! engine's own code runs, exactly as it does with a GPU cache.
 
-use super::kv::Memory;
+use super::registration::Memory;
 use crate::error::{Error, Result};
 use crate::kv::pattern::{KvMemory, Run};
 use crate::kv::KvLayout;

@@ -38,6 +38,7 @@ mod jobs;
 mod kv;
 mod lease;
 mod reconnect;
+mod registration;
 mod words;
 
 pub use channel::{Completion, RawChannel};
@@ -45,8 +46,9 @@ pub use channel::{Completion, RawChannel};
 pub use cuda_memory::CudaMemory;
 pub use host_cache::HostKvCache;
 pub use jobs::{DelayJob, Job, ToRelease};
-pub use kv::{KvSpec, Memory, Registration, Retrieve, Store, DEFAULT_JOB_TIMEOUT};
+pub use kv::{Retrieve, Store, DEFAULT_JOB_TIMEOUT};
 pub use lease::{Lease, LeaseId, Lookup, LookupPoll, PendingLookup};
+pub use registration::{KvSpec, Memory, Registration};
 pub use words::{GaveUp, QUIESCE_BOUND};
 
 use crate::error::{Error, Result};

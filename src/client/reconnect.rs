@@ -7,7 +7,7 @@
 //! engine holds stay usable: one registered with an earlier server is sent
 //! as the id the current server gave the same registration.
 
-use super::kv::{KvSpec, Registration};
+use super::registration::{KvSpec, Registration};
 use super::{connect, Client, ClientOptions};
 use crate::error::{Error, Result};
 use crate::kv::KvLayout;
