@@ -465,7 +465,9 @@ impl ClientSegment {
 /// The server's segment: the read-write mapping, the locked description, and
 /// the description handed to clients.
 pub struct ServerSegment {
-    pub mapping: Mapping,
+    /// Shared with the board the cache service publishes its counters on,
+    /// which writes them for as long as it lives.
+    pub mapping: std::sync::Arc<Mapping>,
     /// Holds the liveness lock; never shared, never duplicated.
     _lock_fd: OwnedFd,
     /// A second description of the same object, sent to clients.
@@ -587,7 +589,7 @@ impl ServerSegment {
             nix::sys::mman::shm_open(shm_name, OFlag::O_RDONLY | OFlag::O_CLOEXEC, Mode::empty())
                 .map_err(nix_err("reopen segment for clients"))?;
         Ok(ServerSegment {
-            mapping,
+            mapping: std::sync::Arc::new(mapping),
             _lock_fd: OwnedFd::from(file),
             share_fd,
             shm_name: shm_name.into(),

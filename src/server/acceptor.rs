@@ -233,9 +233,9 @@ impl<'a> Acceptor<'a> {
         // Its engine instances and leases end too (copies still running
         // keep their instance's mappings until they finish).
         let kv = &self.shared.kv;
-        kv.change_registry(self.shared, slot, |r| r.client_gone(slot));
+        kv.change_registry(slot, |r| r.client_gone(slot));
         kv.copier.backend.client_gone(slot);
-        kv.with_cache(self.shared, |c| {
+        kv.with_cache(|c| {
             c.drop_leases(Some(slot), std::time::Instant::now())
         });
         // The session's memory goes (closed and unmapped with its last
@@ -330,7 +330,7 @@ impl<'a> Acceptor<'a> {
                     reply(conn, Status::Malformed, 0, "registration message too short");
                     return true;
                 };
-                let r = kv.change_registry(self.shared, slot, |reg| {
+                let r = kv.change_registry(slot, |reg| {
                     reg.register(
                         slot,
                         session,
@@ -353,7 +353,7 @@ impl<'a> Acceptor<'a> {
                     return true;
                 }
                 let u: UnregisterKv = bytemuck::pod_read_unaligned(msg);
-                let gone = kv.change_registry(self.shared, slot, |reg| {
+                let gone = kv.change_registry(slot, |reg| {
                     reg.unregister(slot, session, u.instance)
                 });
                 if gone {
@@ -464,7 +464,7 @@ impl<'a> Acceptor<'a> {
         }
         // Leases past their TTL end.
         let kv = &self.shared.kv;
-        kv.with_cache(self.shared, |c| {
+        kv.with_cache(|c| {
             c.drop_leases(None, std::time::Instant::now())
         });
         // Lookups whose wait for a chunk being written is over.
@@ -515,7 +515,7 @@ pub(super) fn run(shared: &Shared, listener: Listener, bell: DoorbellReceiver, t
             .store(shared.kv.pool_ready_bytes(), Ordering::Relaxed);
         // The second tier's state and counters change on its own thread.
         if shared.kv.tier.is_some() {
-            super::kv_ops::publish(shared, &shared.kv.stats());
+            shared.kv.publish();
         }
         a.poll_once(&listener, &bell, tick);
         bell.drain();

@@ -20,7 +20,7 @@ use crate::proto::kv::{
 use crate::proto::Status;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 /// The cache server's KV state.
@@ -57,6 +57,9 @@ pub struct KvState {
     /// Lookups waiting for a chunk being written (taken after the cache's
     /// lock, never before it).
     parked: Mutex<Vec<Parked>>,
+    /// Where the counters are published for observers: set once the
+    /// segment exists, before any thread of the server starts.
+    board: OnceLock<super::board::Board>,
 }
 
 /// A lookup that stopped at a chunk being written: answered once that
@@ -80,6 +83,9 @@ impl KvState {
             .unwrap_or(self.pool.len())
     }
 
+    /// The cache service over a new pool (made before the segment, so that
+    /// a pool that cannot be had fails the start before anything is
+    /// published; [`Self::attach_board`] then names where to publish).
     pub fn new(cfg: &super::KvConfig, max_clients: u32) -> crate::Result<KvState> {
         use super::BackendChoice;
         let pool = PoolMemory::new(cfg.pool_bytes, cfg.prefault).map_err(crate::error::io(
@@ -136,6 +142,7 @@ impl KvState {
             None => (None, None),
         };
         let kv = KvState {
+            board: OnceLock::new(),
             backend_note,
             chunk_tokens: cfg.chunk_tokens,
             lease_ttl: cfg.lease_ttl,
@@ -199,7 +206,6 @@ impl KvState {
     /// that sees its registration done sees them too.
     pub fn change_registry<T>(
         &self,
-        shared: &Shared,
         slot: u32,
         f: impl FnOnce(&mut Registry) -> T,
     ) -> T {
@@ -207,20 +213,17 @@ impl KvState {
         let r = f(&mut reg);
         // Observers only: Relaxed (here and for the total, which the cache
         // counters carry).
-        shared
-            .seg
-            .mapping
-            .server_client(slot)
-            .kv_instances
-            .store(reg.count_of(slot) as u32, Ordering::Relaxed);
+        if let Some(b) = self.board.get() {
+            b.set_instances(slot, reg.count_of(slot) as u32);
+        }
         self.instances.store(reg.len() as u64, Ordering::Relaxed);
         drop(reg);
-        self.with_cache(shared, |_| ());
+        self.with_cache(|_| ());
         r
     }
 
     /// Runs `f` on the cache, then publishes its counters in the header.
-    pub fn with_cache<T>(&self, shared: &Shared, f: impl FnOnce(&mut Cache) -> T) -> T {
+    pub fn with_cache<T>(&self, f: impl FnOnce(&mut Cache) -> T) -> T {
         let mut c = self.cache();
         let r = f(&mut c);
         if let Some(t) = self.tier.as_ref().filter(|_| c.tier_work()) {
@@ -230,7 +233,7 @@ impl KvState {
         let pending = c.tier_pending();
         drop(c);
         self.fill(&mut stats, pending);
-        publish(shared, &stats);
+        self.publish_read(&stats);
         r
     }
 
@@ -246,6 +249,26 @@ impl KvState {
         }
     }
 
+    /// Publishes on `board` from now on.
+    pub(super) fn attach_board(&self, board: super::board::Board) {
+        if self.board.set(board).is_err() {
+            unreachable!("the board is attached once, at the start");
+        }
+    }
+
+    /// Publishes the cache's counters now (for those that change off the
+    /// cache's lock: the tier's).
+    pub fn publish(&self) {
+        self.publish_read(&self.stats());
+    }
+
+    /// Publishes `stats`, the counters of a cache just read.
+    pub(super) fn publish_read(&self, stats: &StatsReply) {
+        if let Some(b) = self.board.get() {
+            b.publish(stats);
+        }
+    }
+
     /// The cache's counters now.
     pub fn stats(&self) -> StatsReply {
         let c = self.cache();
@@ -253,15 +276,6 @@ impl KvState {
         drop(c);
         self.fill(&mut s, pending);
         s
-    }
-}
-
-/// Copies the counters into the segment header for observers.
-pub fn publish(shared: &Shared, stats: &StatsReply) {
-    let words: [u64; crate::shm::CACHE_STATS_WORDS] = bytemuck::cast(*stats);
-    for (a, w) in shared.seg.mapping.header().cache_stats.iter().zip(words) {
-        // Observers only: Relaxed.
-        a.store(w, Ordering::Relaxed);
     }
 }
 
@@ -358,7 +372,7 @@ pub fn lookup(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
 fn resolve(shared: &Shared, f: Box<Fetch>, deadline: Instant) {
     let id = f.id;
     let mut waiting = Some(f);
-    let l1 = shared.kv.with_cache(shared, |c| {
+    let l1 = shared.kv.with_cache(|c| {
         let f = waiting.as_ref().expect("set above");
         let l1 = c.ready_prefix(&f.meta, f.group, &f.hashes).len();
         if l1 < f.hashes.len()
@@ -405,7 +419,7 @@ pub(super) fn wake_lookups(shared: &Shared) {
         return;
     }
     let now = Instant::now();
-    let due: Vec<Parked> = shared.kv.with_cache(shared, |c| {
+    let due: Vec<Parked> = shared.kv.with_cache(|c| {
         let mut parked = shared.kv.parked();
         let (due, wait) = std::mem::take(&mut *parked).into_iter().partition(|p| {
             now >= p.deadline || !c.in_flight(&p.f.meta, p.f.group, p.f.hashes[p.at])
@@ -423,7 +437,7 @@ pub(super) fn wake_lookups(shared: &Shared) {
 /// longest prefix stored for every rank, counts it, and finishes its job.
 pub(super) fn end_lookup(shared: &Shared, f: &Fetch, l2_hits: u32) {
     let n = f.hashes.len() as u32;
-    let hits = shared.kv.with_cache(shared, |c| {
+    let hits = shared.kv.with_cache(|c| {
         let hits = c.lookup(
             f.id,
             f.owner,
@@ -456,7 +470,7 @@ pub(super) fn end_lookup(shared: &Shared, f: &Fetch, l2_hits: u32) {
         // nobody will use or free the lease.
         let _ = shared
             .kv
-            .with_cache(shared, |c| c.end_session(f.id, &f.meta.engine));
+            .with_cache(|c| c.end_session(f.id, &f.meta.engine));
     }
 }
 
@@ -566,7 +580,7 @@ pub fn store(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
         })
         .collect();
     let len = inst.layout.object_bytes(kv.chunk_tokens);
-    let plan = kv.with_cache(shared, |c| c.plan_store(&keys, len));
+    let plan = kv.with_cache(|c| c.plan_store(&keys, len));
     let value = u64::from(plan.present) + plan.write.len() as u64;
     let aux = u64::from(plan.no_space);
     if plan.write.is_empty() {
@@ -645,7 +659,7 @@ pub fn retrieve(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
             && m.world_size == inst.world_size
             && m.fingerprint == inst.fingerprint
     };
-    let held = kv.with_cache(shared, |c| {
+    let held = kv.with_cache(|c| {
         c.take_for_retrieve(h.lease, &who.engine, check, rank, h.first_chunk, h.n_chunks)
     });
     let objs = match held {
@@ -660,7 +674,7 @@ pub fn retrieve(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
             // Give the holds back to nobody: the lease no longer has them,
             // so they end here.
             let ids: Vec<u32> = objs.iter().map(|o| o.0).collect();
-            kv.with_cache(shared, |c| c.finish_retrieve(&ids, false, 0));
+            kv.with_cache(|c| c.finish_retrieve(&ids, false, 0));
             return Err(e);
         }
     };
@@ -714,7 +728,7 @@ pub fn free_lookup_locks(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
     }
     shared
         .kv
-        .with_cache(shared, |c| {
+        .with_cache(|c| {
             c.free_locks(h.lease, &who.engine, h.first_chunk, h.n_chunks)
         })
         .map(|()| Vec::new())
@@ -728,7 +742,7 @@ pub fn end_session(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
     }
     shared
         .kv
-        .with_cache(shared, |c| c.end_session(h.lease, &who.engine))
+        .with_cache(|c| c.end_session(h.lease, &who.engine))
         .map(|()| Vec::new())
         .map_err(lease_status)
 }
@@ -737,7 +751,7 @@ pub fn clear(shared: &Shared, req: &[u8]) -> Outcome {
     if !req.is_empty() {
         return Err(Status::BadLength);
     }
-    let (objects, bytes) = shared.kv.with_cache(shared, |c| c.clear());
+    let (objects, bytes) = shared.kv.with_cache(|c| c.clear());
     Ok(bytemuck::bytes_of(&ClearReply { objects, bytes }).to_vec())
 }
 

@@ -17,6 +17,7 @@
 //! (`kvring-pin`).
 
 mod acceptor;
+mod board;
 mod cache;
 mod capacity;
 mod delay;
@@ -573,43 +574,14 @@ pub fn start(cfg: ServerConfig) -> Result<ServerHandle> {
     // Everything that can be checked is checked before the file system is
     // touched; what a failed start created, it removes.
     let paths = ServerPaths::in_dir(&cfg.name, &cfg.runtime_dir)?;
-    cfg.geometry
-        .validate()
-        .map_err(|e| Error::Config(e.to_string()))?;
-    cfg.kv
-        .validate()
-        .map_err(|e| Error::Config(e.to_string()))?;
-    if !cfg.allow_oversize {
-        let off = cfg.geometry.offsets();
-        // Each client's memory is a memfd: memory, not /dev/shm space.
-        let clients = u64::from(cfg.geometry.max_clients) * off.client_memory_bytes;
-        capacity::check(off.segment_bytes, cfg.kv.pool_bytes.saturating_add(clients))?;
-    }
+    check(&cfg)?;
     let mut undo = StartUndo::default();
-    if !paths.dir.exists() {
-        undo.dir = Some(paths.dir.clone());
-    }
-    ensure_runtime_dir(&paths.dir)?;
-    if !paths.lock.exists() {
-        undo.lock = Some(paths.lock.clone());
-    }
-    let lock = crate::liveness::open_lock_file(&paths.lock)
-        .map_err(crate::error::io(format!("open {}", paths.lock.display())))?;
-    if !crate::liveness::try_lock(std::os::fd::AsFd::as_fd(&lock))
-        .map_err(crate::error::io("lock the start-up lock"))?
-    {
-        let pid = crate::segment::ReadOnlySegment::open(&cfg.name)
-            .map(|s| s.mapping.info().server_pid)
-            .unwrap_or(0);
-        return Err(Error::AlreadyRunning {
-            name: cfg.name.clone(),
-            pid,
-        });
-    }
+    let lock = take_startup_lock(&cfg.name, &paths, &mut undo)?;
     raise_open_file_limit();
     let kv = kv_ops::KvState::new(&cfg.kv, cfg.geometry.max_clients)?;
     let seg = ServerSegment::create(&paths.shm_name, cfg.geometry)?;
     undo.shm = Some(paths.shm_name.clone());
+    kv.attach_board(board::Board::new(seg.mapping.clone()));
     let slots = seg.mapping.job_slots();
     // SAFETY: the slots lie in the segment's mapping, which `Shared` owns
     // next to the table and drops after it; this table is their only writer.
@@ -624,27 +596,8 @@ pub fn start(cfg: ServerConfig) -> Result<ServerHandle> {
     let listener = crate::bootstrap::Listener::bind(&paths.socket)
         .map_err(crate::error::io(format!("bind {}", paths.socket.display())))?;
     undo.socket = Some(paths.socket.clone());
-    // Bound before any thread starts: a required address that is taken
-    // fails the start, which then undoes what it made.
-    let http_listener = match &cfg.http {
-        None => None,
-        Some(h) => match http::HttpServer::bind(h) {
-            Ok(l) => Some(l),
-            Err(e) if h.required => {
-                return Err(Error::Config(format!(
-                    "the HTTP endpoint cannot listen on {}: {e} (--http off runs without it)",
-                    h.addr
-                )))
-            }
-            Err(e) => {
-                tracing::warn!(
-                    "no HTTP endpoint: {} cannot be bound ({e}); pass --http ADDR for another",
-                    h.addr
-                );
-                None
-            }
-        },
-    };
+    // (Bound before any thread starts.)
+    let http_listener = bind_http(cfg.http.as_ref())?;
     let (ring_bell, ring_bell_rx) = Doorbell::pair()?;
     let (acceptor_bell, acceptor_bell_rx) = Doorbell::pair()?;
     let doorbells = crate::doorbell::Doorbells::new(ring_bell_rx, cfg.geometry.max_clients)?;
@@ -674,6 +627,114 @@ pub fn start(cfg: ServerConfig) -> Result<ServerHandle> {
         .store(shared.kv.pool_ready_bytes(), Ordering::Relaxed);
     h.server_state
         .store(ServerState::Running as u32, Ordering::Relaxed);
+    let (threads, workers) = spawn_threads(&shared, &cfg, doorbells, listener, acceptor_bell_rx)?;
+    shared.kv.publish();
+    let http = match (http_listener, &cfg.http) {
+        (Some(l), Some(h)) => Some(http::HttpServer::start(
+            l,
+            &paths.shm_name,
+            &paths.admin_token,
+            h,
+            shared.clone(),
+        )?),
+        _ => None,
+    };
+    let l2 = start_tier(&shared)?;
+    undo.done();
+    Ok(ServerHandle {
+        shared,
+        threads,
+        workers,
+        http,
+        l2,
+        paths,
+        _lock: lock,
+    })
+}
+
+/// Checks what can be checked before the file system is touched: the
+/// geometry, the cache's settings, and (unless allowed) that the segment
+/// and the pool fit the machine.
+fn check(cfg: &ServerConfig) -> Result<()> {
+    cfg.geometry
+        .validate()
+        .map_err(|e| Error::Config(e.to_string()))?;
+    cfg.kv
+        .validate()
+        .map_err(|e| Error::Config(e.to_string()))?;
+    if !cfg.allow_oversize {
+        let off = cfg.geometry.offsets();
+        // Each client's memory is a memfd: memory, not /dev/shm space.
+        let clients = u64::from(cfg.geometry.max_clients) * off.client_memory_bytes;
+        capacity::check(off.segment_bytes, cfg.kv.pool_bytes.saturating_add(clients))?;
+    }
+    Ok(())
+}
+
+/// Takes the start-up lock of `name` (creating the runtime directory and
+/// the lock file, which `undo` removes if the start fails): refused while
+/// another server of this name runs.
+fn take_startup_lock(name: &str, paths: &ServerPaths, undo: &mut StartUndo) -> Result<File> {
+    if !paths.dir.exists() {
+        undo.dir = Some(paths.dir.clone());
+    }
+    ensure_runtime_dir(&paths.dir)?;
+    if !paths.lock.exists() {
+        undo.lock = Some(paths.lock.clone());
+    }
+    let lock = crate::liveness::open_lock_file(&paths.lock)
+        .map_err(crate::error::io(format!("open {}", paths.lock.display())))?;
+    if !crate::liveness::try_lock(std::os::fd::AsFd::as_fd(&lock))
+        .map_err(crate::error::io("lock the start-up lock"))?
+    {
+        let pid = crate::segment::ReadOnlySegment::open(name)
+            .map(|s| s.mapping.info().server_pid)
+            .unwrap_or(0);
+        return Err(Error::AlreadyRunning {
+            name: name.to_string(),
+            pid,
+        });
+    }
+    Ok(lock)
+}
+
+/// Binds the HTTP endpoint's address before any thread starts: a required
+/// address that is taken fails the start (which then undoes what it made);
+/// otherwise the server runs without the endpoint, saying why.
+fn bind_http(http: Option<&http::HttpConfig>) -> Result<Option<std::net::TcpListener>> {
+    Ok(match http {
+        None => None,
+        Some(h) => match http::HttpServer::bind(h) {
+            Ok(l) => Some(l),
+            Err(e) if h.required => {
+                return Err(Error::Config(format!(
+                    "the HTTP endpoint cannot listen on {}: {e} (--http off runs without it)",
+                    h.addr
+                )))
+            }
+            Err(e) => {
+                tracing::warn!(
+                    "no HTTP endpoint: {} cannot be bound ({e}); pass --http ADDR for another",
+                    h.addr
+                );
+                None
+            }
+        },
+    })
+}
+
+/// Threads of the server, joined at its stop.
+type Threads = Vec<JoinHandle<()>>;
+
+/// Starts the ring loop, the acceptor and `copy_threads` copy workers per
+/// lane (device): the threads, and the workers.
+fn spawn_threads(
+    shared: &Arc<Shared>,
+    cfg: &ServerConfig,
+    doorbells: crate::doorbell::Doorbells,
+    listener: crate::bootstrap::Listener,
+    acceptor_bell_rx: crate::doorbell::DoorbellReceiver,
+) -> Result<(Threads, Threads)> {
     let mut threads = Vec::new();
     {
         let shared = shared.clone();
@@ -708,39 +769,24 @@ pub fn start(cfg: ServerConfig) -> Result<ServerHandle> {
             );
         }
     }
-    kv_ops::publish(&shared, &shared.kv.stats());
-    let http = match (http_listener, &cfg.http) {
-        (Some(l), Some(h)) => Some(http::HttpServer::start(
-            l,
-            &paths.shm_name,
-            &paths.admin_token,
-            h,
-            shared.clone(),
-        )?),
-        _ => None,
-    };
+    Ok((threads, workers))
+}
+
+/// Starts the tier below the pool, if the server has one: its thread and
+/// its owner.
+fn start_tier(shared: &Arc<Shared>) -> Result<Option<(tier::owner::TierOwner, l2::L2Thread)>> {
     let start = shared
         .kv
         .tier_start
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .take();
-    let l2 = match start {
+    Ok(match start {
         Some((l2, inbox)) => {
             let pool: Arc<dyn tier::PoolView> = Arc::new(tier::owner::Pool(shared.clone()));
             let thread = l2::L2Thread::start(l2, pool, inbox.finished.clone())?;
             Some((tier::owner::TierOwner::start(shared.clone(), inbox)?, thread))
         }
         None => None,
-    };
-    undo.done();
-    Ok(ServerHandle {
-        shared,
-        threads,
-        workers,
-        http,
-        l2,
-        paths,
-        _lock: lock,
     })
 }

@@ -239,9 +239,9 @@ impl Endpoint {
                     }
                 };
                 if call == Call::Unpin {
-                    return Response::json(200, &sh.kv.with_cache(sh, |c| c.unpin(&pins)));
+                    return Response::json(200, &sh.kv.with_cache(|c| c.unpin(&pins)));
                 }
-                let got = sh.kv.with_cache(sh, |c| {
+                let got = sh.kv.with_cache(|c| {
                     c.pin(&pins)
                         .map_err(|r| PinRefused::new(r.to_string(), &c.pin_count(0), &c.pin_limits().0))
                 });
@@ -257,7 +257,7 @@ impl Endpoint {
                         return Response::text(400, &format!("GET /pins: {e}\n{PINS_QUERY}\n"))
                     }
                 };
-                let page = sh.kv.with_cache(sh, |c| {
+                let page = sh.kv.with_cache(|c| {
                     let (page, more) = c.pins_page(after.as_ref(), limit);
                     let (limits, over_bound) = c.pin_limits();
                     PinsPage::new(&page, more, &c.pin_count(0), &limits, over_bound)
@@ -265,7 +265,7 @@ impl Endpoint {
                 Response::json(200, &page)
             }
             Call::Clear => {
-                let (objects, bytes) = sh.kv.with_cache(sh, |c| c.clear());
+                let (objects, bytes) = sh.kv.with_cache(|c| c.clear());
                 Response::json(200, &Dropped { objects, bytes })
             }
             Call::Evict => {
@@ -279,7 +279,7 @@ impl Endpoint {
                         "POST /evict?bytes=N (N: bytes, K/M/G/KiB/MiB/GiB suffixes)\n",
                     );
                 };
-                let (objects, bytes) = sh.kv.with_cache(sh, |c| c.evict_bytes(n));
+                let (objects, bytes) = sh.kv.with_cache(|c| c.evict_bytes(n));
                 Response::json(200, &Dropped { objects, bytes })
             }
             Call::Metrics | Call::Healthz | Call::Readyz | Call::Status => {

@@ -98,7 +98,7 @@ fn run(shared: &Shared, rx: Receiver<Msg>) {
 /// Applies finished work to the cache.
 fn apply(shared: &Shared, done: TierDone) {
     match done {
-        TierDone::Written { then, ok } => shared.kv.with_cache(shared, |c| match &then {
+        TierDone::Written { then, ok } => shared.kv.with_cache(|c| match &then {
             AfterWrite::Release(id) => c.l2_written(*id, ok),
             AfterWrite::Free(d) => c.free_drained(d),
         }),
@@ -108,7 +108,7 @@ fn apply(shared: &Shared, done: TierDone) {
             keep,
             drop,
         } => {
-            shared.kv.with_cache(shared, |c| {
+            shared.kv.with_cache(|c| {
                 c.finish_objects(&keep, true, true);
                 c.finish_objects(&drop, false, false);
             });
@@ -174,7 +174,7 @@ fn feed(shared: &Shared) {
     let pending = c.tier_pending();
     drop(c);
     shared.kv.fill(&mut stats, pending);
-    crate::server::kv_ops::publish(shared, &stats);
+    shared.kv.publish_read(&stats);
 }
 
 /// The pool, as the tier sees it.
@@ -198,7 +198,7 @@ impl PoolView for Pool {
         let plan = self
             .0
             .kv
-            .with_cache(&self.0, |c| c.plan_objects(&[key], len));
+            .with_cache(|c| c.plan_objects(&[key], len));
         match plan.write.first() {
             Some(p) => Placement::Room {
                 obj: p.obj,

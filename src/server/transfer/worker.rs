@@ -479,7 +479,7 @@ fn finish(shared: &Shared, job: &JobRun) {
     // failed, or the job ended early) its objects are dropped.
     let published = match job.dir {
         Dir::ToPool => {
-            shared.kv.with_cache(shared, |c| {
+            shared.kv.with_cache(|c| {
                 c.finish_store(&job.objs, ok, bytes);
                 // Write-through: each new object goes to the second tier
                 // (its owner hands it over), held (readable, not evicted)
@@ -496,7 +496,7 @@ fn finish(shared: &Shared, job: &JobRun) {
             let published = outcome();
             shared
                 .kv
-                .with_cache(shared, |c| c.finish_retrieve(&job.objs, ok, bytes));
+                .with_cache(|c| c.finish_retrieve(&job.objs, ok, bytes));
             published
         }
     };
