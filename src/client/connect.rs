@@ -134,20 +134,22 @@ impl Link {
 }
 
 /// Connects with retry, shakes hands and attaches the rings.
-pub(super) fn connect(paths: &ServerPaths, opts: &ClientOptions) -> Result<Client> {
+/// Connects to the server's socket by `deadline`, waiting (with backoff)
+/// while it is not there or refuses: a server not started yet, or one
+/// starting.
+fn dial(paths: &ServerPaths, deadline: Instant) -> Result<Conn> {
     // A runtime directory that does not exist yet is a server not started
     // yet (one may be starting): waited for like its socket. One that
     // exists is checked before its socket is trusted.
     let mut dir_checked = false;
-    let deadline = Instant::now() + opts.connect_timeout;
     let mut backoff = Duration::from_millis(1);
-    let conn = loop {
+    loop {
         if !dir_checked && paths.dir.exists() {
             crate::rundir::check_runtime_dir(&paths.dir)?;
             dir_checked = true;
         }
         match Conn::connect(&paths.socket) {
-            Ok(c) if dir_checked => break c,
+            Ok(c) if dir_checked => return Ok(c),
             // The directory appeared between the check and the connect.
             Ok(_) => continue,
             Err(e) => {
@@ -166,7 +168,16 @@ pub(super) fn connect(paths: &ServerPaths, opts: &ClientOptions) -> Result<Clien
                 backoff = (backoff * 2).min(Duration::from_millis(100));
             }
         }
-    };
+    }
+}
+
+/// Says hello (with the engine's key) and reads the welcome: the slot,
+/// session and epoch, and the descriptors it carries.
+fn handshake(
+    conn: &Conn,
+    opts: &ClientOptions,
+    deadline: Instant,
+) -> Result<(Welcome, Vec<std::os::fd::OwnedFd>)> {
     let hello = Hello::new(
         opts.engine
             .as_deref()
@@ -206,6 +217,13 @@ pub(super) fn connect(paths: &ServerPaths, opts: &ClientOptions) -> Result<Clien
             None => Error::UnknownStatus(w.status),
         });
     }
+    Ok((w, fds))
+}
+
+pub(super) fn connect(paths: &ServerPaths, opts: &ClientOptions) -> Result<Client> {
+    let deadline = Instant::now() + opts.connect_timeout;
+    let conn = dial(paths, deadline)?;
+    let (w, fds) = handshake(&conn, opts, deadline)?;
     // The segment (read-only), this session's memory, its doorbell.
     let Ok([segment, memory, doorbell]) = <[_; 3]>::try_from(fds) else {
         return Err(Error::Protocol(
