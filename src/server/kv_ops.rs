@@ -6,8 +6,8 @@
 use super::cache::{Cache, LeaseError, LeaseMeta, ObjectKey};
 use super::pool::PoolMemory;
 use super::registry::{Registration, Registry};
-use super::tier::owner::Inbox;
-use super::tier::{Fetch, TierLink, WriteMode};
+use super::tier::link::{Inbox, TierLink};
+use super::tier::{Fetch, WriteMode};
 use super::transfer::{BackendKind, Copier, Dir, EngineEvent, JobRun, JobWord, Task};
 use super::Shared;
 use crate::jobs::{JobId, JobKind, JobResult, NewJob};

@@ -27,7 +27,8 @@ mod key;
 pub mod value;
 
 use super::cache::{Cache, ObjectKey};
-use super::tier::{Fetch, Finished, Placement, PoolView, Tier, TierDone, TierOp};
+use super::tier::link::Finished;
+use super::tier::{Fetch, Placement, PoolView, Tier, TierDone, TierOp};
 pub use super::tier::WriteMode;
 use crate::proto::kv::{StatsReply, TierState};
 use conn::Conn;

@@ -14,6 +14,7 @@
 //! objects stored under write-through) it keeps until the owner takes it;
 //! the threads that touch the cache only wake the owner ([`TierLink::kick`]).
 
+pub(crate) mod link;
 pub(crate) mod owner;
 
 use super::cache::{Drained, LeaseMeta, ObjectKey};
@@ -21,9 +22,6 @@ use super::registry::Group;
 use crate::jobs::JobId;
 use crate::kv::ChunkHash;
 use crate::proto::kv::{StatsReply, TierState};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc;
-use std::sync::Arc;
 
 /// When objects go to a tier.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -132,76 +130,4 @@ pub(crate) trait PoolView: Send + Sync {
     unsafe fn bytes_mut(&self, off: u64, len: u64) -> &mut [u8];
     /// Room for object `key` of `len` bytes.
     fn place(&self, key: ObjectKey, len: u64) -> Placement;
-}
-
-/// The tier's finished work, on its way to the owner.
-#[derive(Clone)]
-pub(crate) struct Finished(mpsc::Sender<owner::Msg>);
-
-impl Finished {
-    /// Hands `done` to the owner (dropped if the owner has stopped: the
-    /// server is shutting down and fails every job still running).
-    pub fn send(&self, done: TierDone) {
-        let _ = self.0.send(owner::Msg::Done(done));
-    }
-}
-
-/// The request path's side of the tier: its state, and the owner's inbox.
-pub(crate) struct TierLink {
-    pub tier: Arc<dyn Tier>,
-    pub mode: WriteMode,
-    inbox: mpsc::Sender<owner::Msg>,
-    /// A kick is in the owner's inbox, not yet taken.
-    kicked: AtomicBool,
-}
-
-impl TierLink {
-    /// A link to `tier` and its owner's inbox (its other end, for
-    /// [`owner::TierOwner::start`]).
-    pub fn new(tier: Arc<dyn Tier>, mode: WriteMode) -> (TierLink, owner::Inbox) {
-        let (tx, rx) = mpsc::channel();
-        let link = TierLink {
-            tier,
-            mode,
-            inbox: tx.clone(),
-            kicked: AtomicBool::new(false),
-        };
-        (link, owner::Inbox { rx, finished: Finished(tx) })
-    }
-
-    pub fn up(&self) -> bool {
-        self.tier.state() == TierState::Up
-    }
-
-    /// Wakes the owner to take what the cache recorded for the tier; one
-    /// wake-up for any number of kicks before the owner takes them.
-    pub fn kick(&self) {
-        // AcqRel on success pairs with the owner's `swap(false, AcqRel)` in
-        // `owner::run`: a kick after the owner took the last one sends a new
-        // message; one before it is covered by the take that follows.
-        if self
-            .kicked
-            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Relaxed)
-            .is_ok()
-        {
-            let _ = self.inbox.send(owner::Msg::Kick);
-        }
-    }
-
-    /// Hands lookup `f` to the owner for the tier; `Err(f)` if the owner
-    /// has stopped.
-    pub fn fetch(&self, f: Box<Fetch>) -> Result<(), Box<Fetch>> {
-        self.inbox
-            .send(owner::Msg::Fetch(f))
-            .map_err(|e| match e.0 {
-                owner::Msg::Fetch(f) => f,
-                _ => unreachable!("a fetch was sent"),
-            })
-    }
-
-    /// Marks the kick taken (the owner, before it takes the cache's work).
-    fn take_kick(&self) {
-        // AcqRel: pairs with `kick`'s compare_exchange (see there).
-        self.kicked.swap(false, Ordering::AcqRel);
-    }
 }

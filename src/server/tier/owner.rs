@@ -3,7 +3,8 @@
 //! it finished: ranges given back, holds dropped, objects read made
 //! readable (or dropped), lookups answered.
 
-use super::{AfterWrite, Fetch, Finished, Placement, PoolView, TierDone, TierOp};
+use super::link::{Inbox, Msg};
+use super::{AfterWrite, Placement, PoolView, TierDone, TierOp};
 use crate::server::cache::ObjectKey;
 use crate::server::kv_ops::{end_lookup, wake_lookups};
 use crate::server::Shared;
@@ -11,24 +12,6 @@ use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
 use std::time::Duration;
-
-/// What the owner's inbox carries.
-pub(crate) enum Msg {
-    /// Work the tier finished.
-    Done(TierDone),
-    /// A lookup for the tier.
-    Fetch(Box<Fetch>),
-    /// The cache recorded objects for the tier.
-    Kick,
-    /// Stop.
-    Stop,
-}
-
-/// The owner's end of its inbox, and the tier's way into it.
-pub(crate) struct Inbox {
-    pub(super) rx: Receiver<Msg>,
-    pub finished: Finished,
-}
 
 /// The owner's thread: stopped and joined by [`TierOwner::stop`].
 pub(crate) struct TierOwner {
