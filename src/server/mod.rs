@@ -27,6 +27,7 @@ pub mod l2;
 mod tier;
 mod model_rows;
 mod peer_memory;
+mod refusal;
 mod pool;
 pub(crate) mod registry;
 mod ring_loop;

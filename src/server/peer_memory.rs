@@ -15,7 +15,7 @@
 //! the revocation waits for copies under way and no copy starts after it,
 //! so the engine may free the memory once its unregister is answered.
 
-use super::registry::Refusal;
+use super::refusal::Refusal;
 use crate::liveness::PidFd;
 use crate::proto::kv::KvAllocation;
 use std::sync::RwLock;

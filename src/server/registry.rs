@@ -13,6 +13,7 @@
 //! [`DeviceOpener`], and what it opens is kept here opaque.
 
 use super::peer_memory::PeerMemory;
+use super::refusal::Refusal;
 use crate::kv::{CopyPlan, KvLayout};
 use crate::liveness::PidFd;
 use crate::proto::kv::{KvAllocation, MemKind, MemoryPiece, RegisterKv, RegisterTables};
@@ -137,28 +138,6 @@ pub struct Registry {
     next_id: u32,
     instances: HashMap<u32, Arc<Registration>>,
     groups: HashMap<(u64, u32), Group>,
-}
-
-/// Why a registration was refused: the status and the text of the reply.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{reason} ({status:?})")]
-pub struct Refusal {
-    pub status: crate::proto::Status,
-    pub reason: String,
-}
-
-impl Refusal {
-    pub fn new(status: crate::proto::Status, reason: impl Into<String>) -> Refusal {
-        Refusal {
-            status,
-            reason: reason.into(),
-        }
-    }
-
-    /// A registration that names something impossible (`InvalidArgument`).
-    pub fn invalid(reason: impl Into<String>) -> Refusal {
-        Refusal::new(crate::proto::Status::InvalidArgument, reason)
-    }
 }
 
 fn bad(text: impl Into<String>) -> Refusal {

@@ -1,18 +1,9 @@
 //! What the lanes and workers need from a copy backend: the [`Backend`]
 //! (one per server) and the [`CopyExecutor`] it gives each worker.
 
-use super::job::JobWord;
+use super::job::{Dir, JobWord};
 use crate::server::registry::{DeviceOpener, Registration};
 use std::time::Duration;
-
-/// Which way a copy goes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Dir {
-    /// Engine cache -> pool object (STORE).
-    ToPool,
-    /// Pool object -> engine cache (RETRIEVE).
-    FromPool,
-}
 
 /// One chunk to copy: `blocks` of the engine's cache <-> the object at
 /// `object`, layers `layers` of it (all of them but for a RETRIEVE in layer

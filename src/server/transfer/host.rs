@@ -3,12 +3,14 @@
 //! or by cross-memory attach for memory in the engine's address space
 //! ([`PeerMemory`]).
 
-use super::backend::{Backend, BackendKind, ChunkCopy, CopyError, CopyExecutor, Dir};
+use super::job::Dir;
+use super::backend::{Backend, BackendKind, ChunkCopy, CopyError, CopyExecutor};
 use super::nt_copy;
 use crate::kv::KvLayout;
 use crate::proto::kv::{KvAllocation, MemoryPiece, RegisterKv};
 use crate::server::peer_memory::{PeerMemory, Way};
-use crate::server::registry::{DeviceMemory, DeviceOpener, Refusal};
+use crate::server::refusal::Refusal;
+use crate::server::registry::{DeviceMemory, DeviceOpener};
 use std::os::fd::OwnedFd;
 
 /// The host backend.

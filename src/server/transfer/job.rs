@@ -1,6 +1,5 @@
 //! A STORE or RETRIEVE job as the copy workers see it, and its chunks.
 
-use super::backend::Dir;
 use crate::client_memory::OwnedClientMemory;
 use crate::jobs::JobId;
 use crate::job_words::Words;
@@ -9,6 +8,15 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+/// Which way a copy goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dir {
+    /// Engine cache -> pool object (STORE).
+    ToPool,
+    /// Pool object -> engine cache (RETRIEVE).
+    FromPool,
+}
 
 /// The inference engine's CUDA IPC event a job's copies come after. The
 /// workers poll it from the host (`CopyExecutor::engine_event_ready`) and

@@ -32,9 +32,9 @@ mod lanes;
 mod nt_copy;
 mod worker;
 
-pub use backend::{Backend, BackendKind, CudaUnavailable, Dir};
+pub use backend::{Backend, BackendKind, CudaUnavailable};
 pub use host::HostBackend;
-pub use job::{EngineEvent, JobRun, JobWord, Task};
+pub use job::{Dir, EngineEvent, JobRun, JobWord, Task};
 pub use lanes::Copier;
 pub use worker::run;
 

@@ -1,6 +1,7 @@
 //! The copy worker loop, and how a job's chunks add up to its end.
 
-use super::backend::{ChunkCopy, ChunkOutcome, CopyError, CopyExecutor, CopyWord, Dir};
+use super::job::Dir;
+use super::backend::{ChunkCopy, ChunkOutcome, CopyError, CopyExecutor, CopyWord};
 use super::job::{JobRun, Task};
 use super::lanes::Pop;
 use std::collections::{HashMap, VecDeque};

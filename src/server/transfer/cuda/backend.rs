@@ -12,7 +12,8 @@ use crate::kv::plan::align_of;
 use crate::kv::KvLayout;
 use crate::proto::kv::{KvAllocation, MemKind, MemoryPiece, RegisterKv};
 use crate::server::pool::PoolMemory;
-use crate::server::registry::{DeviceMemory, DeviceOpener, Refusal};
+use crate::server::refusal::Refusal;
+use crate::server::registry::{DeviceMemory, DeviceOpener};
 use crate::server::transfer::backend::{
     Backend, BackendKind, CopyError, CopyExecutor, CudaUnavailable,
 };
