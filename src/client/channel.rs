@@ -548,3 +548,12 @@ impl Client {
 fn frame_len(h: &FrameHeader) -> usize {
     HEADER_BYTES + (h.len as usize).div_ceil(8) * 8
 }
+
+/// A request's bytes: its header, then each part in order.
+pub(super) fn payload(header: &impl bytemuck::Pod, parts: &[&[u8]]) -> Vec<u8> {
+    let mut v = bytemuck::bytes_of(header).to_vec();
+    for p in parts {
+        v.extend_from_slice(p);
+    }
+    v
+}

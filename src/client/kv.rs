@@ -6,6 +6,7 @@
 
 use crate::device::IpcEventHandle;
 use super::lease::LeaseId;
+use super::channel::payload;
 use super::{Client, Job};
 use super::registration::Registration;
 use crate::error::{Error, Result};
@@ -16,15 +17,6 @@ use crate::proto::kv::{
 };
 use crate::proto::Opcode;
 use std::time::Duration;
-
-/// A request's bytes: its header, then each part in order.
-pub(super) fn payload(header: &impl bytemuck::Pod, parts: &[&[u8]]) -> Vec<u8> {
-    let mut v = bytemuck::bytes_of(header).to_vec();
-    for p in parts {
-        v.extend_from_slice(p);
-    }
-    v
-}
 
 /// A STORE request: copy the blocks of each chunk (`blocks.len()` is
 /// `hashes.len() * blocks_per_chunk`) into the pool. The job's result value

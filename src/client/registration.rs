@@ -4,7 +4,7 @@
 
 use crate::device::DeviceUuid;
 use super::{reconnect::Saved, Client, Release, Releases};
-use super::kv::payload;
+use super::channel::payload;
 use crate::error::{Error, Result};
 use crate::kv::KvLayout;
 use crate::proto::kv::{
