@@ -140,6 +140,83 @@ pub struct Registry {
     groups: HashMap<(u64, u32), Group>,
 }
 
+/// Checks a REGISTER's header before its tables are read: its memory
+/// kind, rank and world, model id, geometry (which bounds the layer
+/// table), and the counts of allocations and pieces.
+fn check_request(req: &RegisterKv, chunk_tokens: u32) -> Result<MemKind, Refusal> {
+    let kind = MemKind::decode(req.mem_kind)
+        .map_err(|_| bad(format!("unknown memory kind {}", req.mem_kind)))?;
+    if req.world_size == 0 || req.world_size > MAX_WORLD_SIZE || req.rank >= req.world_size {
+        return Err(bad(format!(
+            "rank {} of world size {}: need rank < world size <= {MAX_WORLD_SIZE}",
+            req.rank, req.world_size
+        )));
+    }
+    if req.model_id == 0 {
+        return Err(bad("model id 0 is reserved"));
+    }
+    req.geometry
+        .validate(chunk_tokens)
+        .map_err(|e| bad(e.to_string()))?;
+    if req.n_allocs as usize > crate::kv::layout::MAX_ALLOCATIONS
+        || req.n_pieces as usize > crate::proto::kv::MAX_PIECES
+    {
+        return Err(bad(format!(
+            "{} allocations of {} pieces: at most {} and {}",
+            req.n_allocs,
+            req.n_pieces,
+            crate::kv::layout::MAX_ALLOCATIONS,
+            crate::proto::kv::MAX_PIECES
+        )));
+    }
+    Ok(kind)
+}
+
+/// Host mappings, an engine process's memory, or device memory: what
+/// [`open_memory`] opened.
+type OpenedMemory = (Vec<MappedAllocation>, Option<PeerMemory>, Option<DeviceMemory>);
+
+/// The registered memory, opened as its kind says: mappings of the host
+/// descriptors sent, the engine process's own memory (cross-memory
+/// attach), or the device memory the backend opens.
+#[allow(clippy::too_many_arguments)]
+fn open_memory(
+    kind: MemKind,
+    slot: u32,
+    peer: Option<(u32, &PidFd)>,
+    req: &RegisterKv,
+    layout: &KvLayout,
+    t: &RegisterTables,
+    fds: &[OwnedFd],
+    backend: &(impl DeviceOpener + ?Sized),
+) -> Result<OpenedMemory, Refusal> {
+    Ok(if kind == MemKind::ProcessVm {
+        let (pid, pidfd) = peer.ok_or_else(|| {
+            bad("the registering process is not known (its pidfd could not be opened)")
+        })?;
+        let pidfd = pidfd
+            .try_clone()
+            .map_err(|e| bad(format!("pidfd of process {pid}: {e}")))?;
+        (Vec::new(), Some(PeerMemory::open(pid, pidfd, &t.allocs)?), None)
+    } else if kind == MemKind::HostFd {
+        let mut maps = Vec::with_capacity(t.allocs.len());
+        for (i, a) in t.allocs.iter().enumerate() {
+            let p = &t.pieces[a.first_piece as usize];
+            let fd = &fds[p.first_fd as usize];
+            let at = p.fd_offset + a.offset;
+            maps.push(
+                map_region(fd, at, a.bytes).map_err(|r| {
+                    Refusal::new(r.status, format!("allocation {i}: {}", r.reason))
+                })?,
+            );
+        }
+        (maps, None, None)
+    } else {
+        let d = backend.open_device(slot, req, layout, &t.allocs, &t.pieces, fds)?;
+        (Vec::new(), None, Some(d))
+    })
+}
+
 fn bad(text: impl Into<String>) -> Refusal {
     Refusal::invalid(text)
 }
@@ -281,33 +358,7 @@ impl Registry {
         fds: &[OwnedFd],
         backend: &(impl DeviceOpener + ?Sized),
     ) -> Result<Arc<Registration>, Refusal> {
-        let kind = MemKind::decode(req.mem_kind)
-            .map_err(|_| bad(format!("unknown memory kind {}", req.mem_kind)))?;
-        if req.world_size == 0 || req.world_size > MAX_WORLD_SIZE || req.rank >= req.world_size {
-            return Err(bad(format!(
-                "rank {} of world size {}: need rank < world size <= {MAX_WORLD_SIZE}",
-                req.rank, req.world_size
-            )));
-        }
-        if req.model_id == 0 {
-            return Err(bad("model id 0 is reserved"));
-        }
-        // The geometry bounds the layer table's length: checked before the
-        // tables are read.
-        req.geometry
-            .validate(chunk_tokens)
-            .map_err(|e| bad(e.to_string()))?;
-        if req.n_allocs as usize > crate::kv::layout::MAX_ALLOCATIONS
-            || req.n_pieces as usize > crate::proto::kv::MAX_PIECES
-        {
-            return Err(bad(format!(
-                "{} allocations of {} pieces: at most {} and {}",
-                req.n_allocs,
-                req.n_pieces,
-                crate::kv::layout::MAX_ALLOCATIONS,
-                crate::proto::kv::MAX_PIECES
-            )));
-        }
+        let kind = check_request(req, chunk_tokens)?;
         let t = RegisterTables::decode(req, tables).ok_or_else(|| {
             Refusal::new(
                 crate::proto::Status::Malformed,
@@ -338,33 +389,7 @@ impl Registry {
                 "memory in the engine's address space takes no descriptors",
             ));
         }
-        let mut process = None;
-        let (host, dev) = if kind == MemKind::ProcessVm {
-            let (pid, pidfd) = peer.ok_or_else(|| {
-                bad("the registering process is not known (its pidfd could not be opened)")
-            })?;
-            let pidfd = pidfd
-                .try_clone()
-                .map_err(|e| bad(format!("pidfd of process {pid}: {e}")))?;
-            process = Some(PeerMemory::open(pid, pidfd, &t.allocs)?);
-            (Vec::new(), None)
-        } else if kind == MemKind::HostFd {
-            let mut maps = Vec::with_capacity(t.allocs.len());
-            for (i, a) in t.allocs.iter().enumerate() {
-                let p = &t.pieces[a.first_piece as usize];
-                let fd = &fds[p.first_fd as usize];
-                let at = p.fd_offset + a.offset;
-                maps.push(
-                    map_region(fd, at, a.bytes).map_err(|r| {
-                        Refusal::new(r.status, format!("allocation {i}: {}", r.reason))
-                    })?,
-                );
-            }
-            (maps, None)
-        } else {
-            let d = backend.open_device(slot, req, &layout, &t.allocs, &t.pieces, fds)?;
-            (Vec::new(), Some(d))
-        };
+        let (host, process, dev) = open_memory(kind, slot, peer, req, &layout, &t, fds, backend)?;
         self.next_id = self.next_id.wrapping_add(1).max(1);
         while self.instances.contains_key(&self.next_id) {
             self.next_id = self.next_id.wrapping_add(1).max(1);
