@@ -233,18 +233,7 @@ fn serve(
             break;
         }
         if FrameFlags::from_bits_retain(h.flags).contains(FrameFlags::MORE) {
-            // A piece of a request larger than one frame: gather it, answer
-            // nothing until the last piece.
-            let h = c.req.pop(buf)?.expect("peeked frame");
-            let piece = &bytemuck::cast_slice::<u64, u8>(buf)[..h.len as usize];
-            if c.pending.is_empty() {
-                c.pending_op = h.opcode;
-            }
-            if c.pending_op != h.opcode || c.pending.len() + piece.len() > max_request {
-                c.pending_bad = true;
-            } else {
-                c.pending.extend_from_slice(piece);
-            }
+            gather(c, buf, max_request)?;
             served += 1;
             continue;
         }
@@ -296,15 +285,7 @@ fn serve(
             c.pending = whole;
         }
         if let Some(o) = op {
-            let st = shared.seg.mapping.op_stats().of(o);
-            // Counters for observers only: Relaxed.
-            st.count.fetch_add(1, Ordering::Relaxed);
-            if status != Status::Ok {
-                st.errors.fetch_add(1, Ordering::Relaxed);
-            }
-            if timed {
-                st.record(monotonic_ns().saturating_sub(t0));
-            }
+            count(shared, o, status, timed.then_some(t0));
         }
         posted += 1;
         if status == Status::Ok {
@@ -314,26 +295,68 @@ fn serve(
         }
     }
     if served + rejected > 0 {
-        let sb = shared.seg.mapping.server_client(c.slot);
-        // Counters for observers only; Relaxed, single writer. Counted
-        // before the completions are published (the completion ring's
-        // Release store), so a client that has read a completion finds its
-        // request counted.
-        sb.requests_served
-            .fetch_add(served as u64, Ordering::Relaxed);
-        sb.requests_rejected
-            .fetch_add(rejected as u64, Ordering::Relaxed);
-        sb.completions_posted
-            .fetch_add(posted as u64, Ordering::Relaxed);
-        c.req.release();
-        if c.cq.publish() {
-            wait::notify(Parking {
-                sleeping: &c.memory.memory().block().client_sleeping,
-                doorbell: c.doorbell,
-            });
-        }
+        finish_batch(shared, c, served, rejected, posted);
     }
     Ok(served + rejected)
+}
+
+/// Takes a piece of a request larger than one frame (flag `MORE`) into
+/// the client's pending request: nothing is answered until the last piece.
+/// A piece of another operation, or one past `max_request` bytes in all,
+/// marks the request bad (refused at its last piece).
+#[inline]
+fn gather(c: &mut RingClient<'_>, buf: &mut [u64], max_request: usize) -> Result<(), RingError> {
+    let h = c.req.pop(buf)?.expect("peeked frame");
+    let piece = &bytemuck::cast_slice::<u64, u8>(buf)[..h.len as usize];
+    if c.pending.is_empty() {
+        c.pending_op = h.opcode;
+    }
+    if c.pending_op != h.opcode || c.pending.len() + piece.len() > max_request {
+        c.pending_bad = true;
+    } else {
+        c.pending.extend_from_slice(piece);
+    }
+    Ok(())
+}
+
+/// Counts one request of `op` that ended with `status`, and its service
+/// time since `started` (monotonic ns) when it is timed.
+#[inline]
+fn count(shared: &Shared, op: Opcode, status: Status, started: Option<u64>) {
+    let st = shared.seg.mapping.op_stats().of(op);
+    // Counters for observers only: Relaxed.
+    st.count.fetch_add(1, Ordering::Relaxed);
+    if status != Status::Ok {
+        st.errors.fetch_add(1, Ordering::Relaxed);
+    }
+    if let Some(t0) = started {
+        st.record(monotonic_ns().saturating_sub(t0));
+    }
+}
+
+/// Ends a batch of a client's requests: counts them, gives their ring
+/// space back, publishes their completions and wakes the client if it
+/// sleeps.
+#[inline]
+fn finish_batch(shared: &Shared, c: &mut RingClient<'_>, served: usize, rejected: usize, posted: usize) {
+    let sb = shared.seg.mapping.server_client(c.slot);
+    // Counters for observers only; Relaxed, single writer. Counted
+    // before the completions are published (the completion ring's
+    // Release store), so a client that has read a completion finds its
+    // request counted.
+    sb.requests_served
+        .fetch_add(served as u64, Ordering::Relaxed);
+    sb.requests_rejected
+        .fetch_add(rejected as u64, Ordering::Relaxed);
+    sb.completions_posted
+        .fetch_add(posted as u64, Ordering::Relaxed);
+    c.req.release();
+    if c.cq.publish() {
+        wait::notify(Parking {
+            sleeping: &c.memory.memory().block().client_sleeping,
+            doorbell: c.doorbell,
+        });
+    }
 }
 
 pub(super) fn run(shared: &Shared, mut doorbells: Doorbells, policy: WaitPolicy) {
