@@ -594,11 +594,12 @@ pub fn start(cfg: ServerConfig) -> Result<ServerHandle> {
             cfg.geometry.max_clients,
         )
     };
+    // Bound, and its admin token written, before the socket exists: whoever
+    // finds the server can read the token.
+    let http_bound = bind_http(cfg.http.as_ref(), &paths.admin_token)?;
     let listener = crate::bootstrap::Listener::bind(&paths.socket)
         .map_err(crate::error::io(format!("bind {}", paths.socket.display())))?;
     undo.socket = Some(paths.socket.clone());
-    // (Bound before any thread starts.)
-    let http_listener = bind_http(cfg.http.as_ref())?;
     let (ring_bell, ring_bell_rx) = Doorbell::pair()?;
     let (acceptor_bell, acceptor_bell_rx) = Doorbell::pair()?;
     let doorbells = crate::doorbell::Doorbells::new(ring_bell_rx, cfg.geometry.max_clients)?;
@@ -630,11 +631,10 @@ pub fn start(cfg: ServerConfig) -> Result<ServerHandle> {
         .store(ServerState::Running as u32, Ordering::Relaxed);
     let (threads, workers) = spawn_threads(&shared, &cfg, doorbells, listener, acceptor_bell_rx)?;
     shared.kv.publish();
-    let http = match (http_listener, &cfg.http) {
-        (Some(l), Some(h)) => Some(http::HttpServer::start(
-            l,
+    let http = match (http_bound, &cfg.http) {
+        (Some(b), Some(h)) => Some(http::HttpServer::start(
+            b,
             &paths.shm_name,
-            &paths.admin_token,
             h,
             shared.clone(),
         )?),
@@ -699,14 +699,18 @@ fn take_startup_lock(name: &str, paths: &ServerPaths, undo: &mut StartUndo) -> R
     Ok(lock)
 }
 
-/// Binds the HTTP endpoint's address before any thread starts: a required
+/// Binds the HTTP endpoint's address and writes its admin token (to
+/// `token_path`) before the socket exists and any thread starts: a required
 /// address that is taken fails the start (which then undoes what it made);
 /// otherwise the server runs without the endpoint, saying why.
-fn bind_http(http: Option<&http::HttpConfig>) -> Result<Option<std::net::TcpListener>> {
+fn bind_http(
+    http: Option<&http::HttpConfig>,
+    token_path: &std::path::Path,
+) -> Result<Option<http::Bound>> {
     Ok(match http {
         None => None,
         Some(h) => match http::HttpServer::bind(h) {
-            Ok(l) => Some(l),
+            Ok(l) => Some(http::HttpServer::prepare(l, token_path)?),
             Err(e) if h.required => {
                 return Err(Error::Config(format!(
                     "the HTTP endpoint cannot listen on {}: {e} (--http off runs without it)",

@@ -153,6 +153,16 @@ impl HttpConfig {
     }
 }
 
+/// The endpoint's address bound and its admin token written. The server
+/// makes it before its socket exists, so that whoever finds the server can
+/// read the token, and a required address that is taken fails the start
+/// before anything else; dropped unstarted (a start that failed later), it
+/// removes the token.
+pub(crate) struct Bound {
+    listener: TcpListener,
+    token: AdminToken,
+}
+
 /// The running endpoint: stopped and joined on drop, its admin token
 /// removed.
 pub(crate) struct HttpServer {
@@ -174,15 +184,25 @@ impl HttpServer {
         Ok(l)
     }
 
-    /// Serves on `listener` from the segment `shm_name`; admin calls act
-    /// on `shared`'s cache and need the token written to `token_path`.
+    /// Writes the admin token (to `token_path`) of the endpoint bound to
+    /// `listener`.
+    pub fn prepare(listener: TcpListener, token_path: &Path) -> crate::Result<Bound> {
+        Ok(Bound {
+            listener,
+            token: AdminToken::create(token_path)?,
+        })
+    }
+
+    /// Serves on the bound endpoint from the segment `shm_name`; admin
+    /// calls act on `shared`'s cache and need the bound token.
     pub fn start(
-        listener: TcpListener,
+        bound: Bound,
         shm_name: &str,
-        token_path: &Path,
         cfg: &HttpConfig,
         shared: Arc<super::Shared>,
     ) -> crate::Result<HttpServer> {
+        let Bound { listener, token } = bound;
+        let token_path = token.path().to_path_buf();
         let seg = ReadOnlySegment::open_shm(shm_name)?;
         let addr = listener
             .local_addr()
@@ -200,7 +220,6 @@ impl HttpServer {
             .thread_name("kvring-http-admin")
             .build()
             .map_err(crate::error::io("start the HTTP endpoint's runtime"))?;
-        let token = AdminToken::create(token_path)?;
         let ep = Arc::new(Endpoint {
             seg,
             th,
@@ -221,16 +240,14 @@ impl HttpServer {
             });
         let thread = match thread {
             Ok(t) => t,
-            Err(e) => {
-                let _ = std::fs::remove_file(token_path);
-                return Err(crate::error::io("spawn the HTTP thread")(e));
-            }
+            // (The token, dropped with the endpoint, removes its file.)
+            Err(e) => return Err(crate::error::io("spawn the HTTP thread")(e)),
         };
         Ok(HttpServer {
             stop,
             thread: Some(thread),
             addr,
-            token_path: token_path.to_path_buf(),
+            token_path,
         })
     }
 }

@@ -60,6 +60,11 @@ impl AdminToken {
         std::hint::black_box(diff) == 0
     }
 
+    /// The file it was written to.
+    pub(super) fn path(&self) -> &Path {
+        &self.path
+    }
+
     /// The answer to an admin call without the token.
     pub(super) fn refusal(&self) -> Response {
         Response::text(
@@ -70,6 +75,13 @@ impl AdminToken {
                 self.path.display()
             ),
         )
+    }
+}
+
+impl Drop for AdminToken {
+    /// No admin call is taken with it any more: its file goes.
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
     }
 }
 
