@@ -20,23 +20,28 @@ const ADMIN_DEADLINE: Duration = Duration::from_secs(30);
 /// A reading is compared with the one before it when that is this recent.
 const COMPARE_WITHIN_NS: u64 = 10_000_000_000;
 
-/// Who may call a route.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Access {
-    /// Whoever can connect.
-    Anyone,
-    /// From loopback (or any peer with `admin_remote`), with the admin
-    /// token.
-    Admin,
-}
-
-/// What a route does.
+/// What a route does. Who may call it follows from which kind it is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Call {
+    /// Whoever can connect.
+    Read(Read),
+    /// From loopback (or any peer with `admin_remote`), with the admin
+    /// token; run on the admin thread.
+    Admin(Admin),
+}
+
+/// The read-only routes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Read {
     Metrics,
     Healthz,
     Readyz,
     Status,
+}
+
+/// The admin routes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Admin {
     Pins,
     Clear,
     Evict,
@@ -50,16 +55,14 @@ struct Route {
     path: &'static str,
     /// The query it takes, as the 404 answer lists it.
     query: &'static str,
-    access: Access,
     call: Call,
 }
 
-const fn route(method: &'static str, path: &'static str, access: Access, call: Call) -> Route {
+const fn route(method: &'static str, path: &'static str, call: Call) -> Route {
     Route {
         method,
         path,
         query: "",
-        access,
         call,
     }
 }
@@ -67,18 +70,18 @@ const fn route(method: &'static str, path: &'static str, access: Access, call: C
 /// Every route the endpoint serves (the module documentation of
 /// [`super`] says what each answers).
 const ROUTES: &[Route] = &[
-    route("GET", "/metrics", Access::Anyone, Call::Metrics),
-    route("GET", "/healthz", Access::Anyone, Call::Healthz),
-    route("GET", "/readyz", Access::Anyone, Call::Readyz),
-    route("GET", "/status", Access::Anyone, Call::Status),
-    route("GET", "/pins", Access::Admin, Call::Pins),
-    route("POST", "/clear", Access::Admin, Call::Clear),
+    route("GET", "/metrics", Call::Read(Read::Metrics)),
+    route("GET", "/healthz", Call::Read(Read::Healthz)),
+    route("GET", "/readyz", Call::Read(Read::Readyz)),
+    route("GET", "/status", Call::Read(Read::Status)),
+    route("GET", "/pins", Call::Admin(Admin::Pins)),
+    route("POST", "/clear", Call::Admin(Admin::Clear)),
     Route {
         query: "?bytes=N",
-        ..route("POST", "/evict", Access::Admin, Call::Evict)
+        ..route("POST", "/evict", Call::Admin(Admin::Evict))
     },
-    route("POST", "/pin", Access::Admin, Call::Pin),
-    route("POST", "/unpin", Access::Admin, Call::Unpin),
+    route("POST", "/pin", Call::Admin(Admin::Pin)),
+    route("POST", "/unpin", Call::Admin(Admin::Unpin)),
 ];
 
 /// The answer to a path no route has: every route.
@@ -139,16 +142,16 @@ impl Endpoint {
         if req.method != route.method {
             return Response::text(405, &format!("only {}\n", route.method));
         }
-        match route.access {
-            Access::Anyone => self.read(route.call, req.openmetrics).await,
-            Access::Admin => {
+        match route.call {
+            Call::Read(call) => self.read(call, req.openmetrics).await,
+            Call::Admin(call) => {
                 if !loopback && !self.admin_remote {
                     return Response::text(403, "admin calls are taken from loopback only\n");
                 }
                 if !self.token.admits(req.bearer.as_deref()) {
                     return self.token.refusal();
                 }
-                let (call, query, body) = (route.call, query.to_string(), req.body);
+                let (query, body) = (query.to_string(), req.body);
                 let ep = self.clone();
                 let work = tokio::task::spawn_blocking(move || ep.admin(call, &query, body.as_deref()));
                 match tokio::time::timeout(ADMIN_DEADLINE, work).await {
@@ -167,9 +170,9 @@ impl Endpoint {
     }
 
     /// The read-only routes: the metrics, the probes, the status.
-    async fn read(&self, call: Call, openmetrics: bool) -> Response {
+    async fn read(&self, call: Read, openmetrics: bool) -> Response {
         match call {
-            Call::Metrics => {
+            Read::Metrics => {
                 let s = self.reading(None);
                 if openmetrics {
                     Response::new(
@@ -185,8 +188,8 @@ impl Endpoint {
                     )
                 }
             }
-            Call::Status => Response::json(200, &self.reading(None)),
-            Call::Readyz => {
+            Read::Status => Response::json(200, &self.reading(None)),
+            Read::Readyz => {
                 let s = inspect::snapshot(&self.seg, self.th);
                 let running =
                     s.server.alive && s.server.state.known() == Some(ServerState::Running);
@@ -201,7 +204,7 @@ impl Endpoint {
                     },
                 )
             }
-            Call::Healthz => {
+            Read::Healthz => {
                 // Two readings apart, always; the other connections are
                 // served while this one waits.
                 let first = inspect::snapshot(&self.seg, self.th);
@@ -220,25 +223,22 @@ impl Endpoint {
                     },
                 )
             }
-            Call::Pins | Call::Clear | Call::Evict | Call::Pin | Call::Unpin => {
-                unreachable!("{call:?} is an admin call")
-            }
         }
     }
 
     /// The admin routes, on the admin thread: they take the cache's lock.
-    fn admin(&self, call: Call, query: &str, body: Option<&[u8]>) -> Response {
+    fn admin(&self, call: Admin, query: &str, body: Option<&[u8]>) -> Response {
         let sh = &self.shared;
         match call {
-            Call::Pin | Call::Unpin => {
-                let path = if call == Call::Pin { "/pin" } else { "/unpin" };
+            Admin::Pin | Admin::Unpin => {
+                let path = if call == Admin::Pin { "/pin" } else { "/unpin" };
                 let pins = match pins::parse_pins(body) {
                     Ok(p) => p,
                     Err((code, e)) => {
                         return Response::text(code, &format!("POST {path}: {e}\n{PIN_BODY}\n"))
                     }
                 };
-                if call == Call::Unpin {
+                if call == Admin::Unpin {
                     return Response::json(200, &sh.kv.with_cache(|c| c.unpin(&pins)));
                 }
                 let got = sh.kv.with_cache(|c| {
@@ -250,7 +250,7 @@ impl Endpoint {
                     Err(refused) => Response::json(409, &refused),
                 }
             }
-            Call::Pins => {
+            Admin::Pins => {
                 let (after, limit) = match pins::parse_page(query) {
                     Ok(p) => p,
                     Err(e) => {
@@ -264,11 +264,11 @@ impl Endpoint {
                 });
                 Response::json(200, &page)
             }
-            Call::Clear => {
+            Admin::Clear => {
                 let (objects, bytes) = sh.kv.with_cache(|c| c.clear());
                 Response::json(200, &Dropped { objects, bytes })
             }
-            Call::Evict => {
+            Admin::Evict => {
                 let n = query
                     .split('&')
                     .find_map(|kv| kv.strip_prefix("bytes="))
@@ -281,9 +281,6 @@ impl Endpoint {
                 };
                 let (objects, bytes) = sh.kv.with_cache(|c| c.evict_bytes(n));
                 Response::json(200, &Dropped { objects, bytes })
-            }
-            Call::Metrics | Call::Healthz | Call::Readyz | Call::Status => {
-                unreachable!("{call:?} is not an admin call")
             }
         }
     }
