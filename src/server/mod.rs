@@ -579,6 +579,9 @@ pub fn start(cfg: ServerConfig) -> Result<ServerHandle> {
     let mut undo = StartUndo::default();
     let lock = take_startup_lock(&cfg.name, &paths, &mut undo)?;
     raise_open_file_limit();
+    // Bound, and its admin token written, before the segment and the socket
+    // exist: whoever finds the server can read the token.
+    let http_bound = bind_http(cfg.http.as_ref(), &paths.admin_token)?;
     let kv = kv_ops::KvState::new(&cfg.kv, cfg.geometry.max_clients)?;
     let seg = ServerSegment::create(&paths.shm_name, cfg.geometry)?;
     undo.shm = Some(paths.shm_name.clone());
@@ -594,9 +597,6 @@ pub fn start(cfg: ServerConfig) -> Result<ServerHandle> {
             cfg.geometry.max_clients,
         )
     };
-    // Bound, and its admin token written, before the socket exists: whoever
-    // finds the server can read the token.
-    let http_bound = bind_http(cfg.http.as_ref(), &paths.admin_token)?;
     let listener = crate::bootstrap::Listener::bind(&paths.socket)
         .map_err(crate::error::io(format!("bind {}", paths.socket.display())))?;
     undo.socket = Some(paths.socket.clone());
@@ -700,7 +700,8 @@ fn take_startup_lock(name: &str, paths: &ServerPaths, undo: &mut StartUndo) -> R
 }
 
 /// Binds the HTTP endpoint's address and writes its admin token (to
-/// `token_path`) before the socket exists and any thread starts: a required
+/// `token_path`) before the segment and the socket exist and any thread
+/// starts: a required
 /// address that is taken fails the start (which then undoes what it made);
 /// otherwise the server runs without the endpoint, saying why.
 fn bind_http(
