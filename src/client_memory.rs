@@ -95,7 +95,7 @@ impl ClientMemory {
     }
 
     /// The job words, in a writable mapping (the client's).
-    pub(crate) fn words(&self) -> Option<crate::job_words::Words<'_>> {
+    pub fn words(&self) -> Option<crate::job_words::Words<'_>> {
         let off = self.words_off?;
         // SAFETY: `attach` checked that the region lies inside the mapping,
         // which is writable and lives as long as `self`.
@@ -152,7 +152,7 @@ impl ClientMemory {
 
     /// The client block. Internal: over a read-only mapping it may only be
     /// loaded from.
-    pub(crate) fn block(&self) -> &ClientBlock {
+    pub fn block(&self) -> &ClientBlock {
         // SAFETY: the mapping is at least a page long (its size was checked
         // against `PAGE + req_ring_bytes`, and the object cannot be resized)
         // and page-aligned; `ClientBlock` is a repr(C) struct of atomics,
@@ -161,7 +161,7 @@ impl ClientMemory {
     }
 
     /// The request ring's data, at +[`PAGE`].
-    pub(crate) fn req_data(&self) -> *const crate::sync::AtomicU64 {
+    pub fn req_data(&self) -> *const crate::sync::AtomicU64 {
         // SAFETY: the mapping is `PAGE + req_ring_bytes` long, so PAGE is in
         // bounds (the ring's words follow); page-aligned, so 8-aligned.
         unsafe { self.map.as_ptr().add(PAGE) as *const crate::sync::AtomicU64 }
@@ -179,7 +179,7 @@ impl ClientMemory {
 /// writable mapping of its job words and its descriptor (kept open for
 /// observers), closed when the record is dropped (the session ended, and
 /// no copy of its jobs is left: each job holds the record).
-pub(crate) struct OwnedClientMemory {
+pub struct OwnedClientMemory {
     /// The job words registered with the CUDA driver (for the copies'
     /// device-side reads and writes), at first use; dropped (unregistered)
     /// before the mapping goes.

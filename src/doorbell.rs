@@ -68,7 +68,7 @@ impl DoorbellReceiver {
     /// server's end is non-blocking and nobody else holds it). A client
     /// that writes faster than that cannot keep the loop here: what is left
     /// stays readable and wakes the next wait, which also serves the rings.
-    pub(crate) fn drain(&self) {
+    pub fn drain(&self) {
         let mut buf = [0u8; 4096];
         for _ in 0..4 {
             match nix::unistd::read(&self.fd, &mut buf) {

@@ -114,7 +114,7 @@ pub(crate) fn status(code: i32) -> Error {
 }
 
 /// Wraps an I/O error with what was being done.
-pub(crate) fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> Error {
+pub fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> Error {
     let context = context.into();
     move |source| Error::Io { context, source }
 }

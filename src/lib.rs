@@ -29,7 +29,8 @@
 //! * [`kv`]: KV cache geometry, chunk objects and chunk hashes;
 //! * [`device`]: device UUIDs and IPC event handles;
 //! * `gpu` (feature `cuda`): one safe RAII layer over the CUDA driver;
-//! * [`client`] and [`server`]: the two ends;
+//! * [`client`]: the engine's end (the server is the `kvring-server`
+//!   package, which `kvring serve` runs; an engine never links it);
 //! * [`inspect`]: a read-only snapshot of a segment and its anomalies;
 //! * [`error`]: the public error type.
 
@@ -60,7 +61,6 @@ not_loom! {
     pub mod proto;
     pub mod rundir;
     pub mod segment;
-    pub mod server;
     pub mod shm;
     pub mod units;
     pub mod wait;
@@ -72,15 +72,7 @@ not_loom! {
     };
     pub use device::{DeviceUuid, IpcEventHandle};
     pub use error::{Error, Result};
-    pub use server::{ServerConfig, ServerHandle};
 }
 
 #[cfg(all(feature = "cuda", not(kvring_loom)))]
 pub mod gpu;
-
-#[cfg(all(feature = "jemalloc", not(kvring_loom)))]
-mod alloc;
-
-#[cfg(all(not(kvring_loom), feature = "fuzzing"))]
-#[doc(hidden)]
-pub mod fuzz;

@@ -46,7 +46,10 @@ pub struct SegmentInfo {
 }
 
 /// A mapping of a whole segment (read-write for the server, read-only for
-/// everyone else) with typed accessors for its regions.
+/// everyone else) with typed accessors for its regions. The accessors hand
+/// out references to atomics, so outside this crate only the server's
+/// read-write mapping (`ServerSegment::mapping`) is reachable: a read-only
+/// one is seen through a [`View`] of values, where a store cannot fault.
 pub struct Mapping {
     map: MmapRaw,
     info: SegmentInfo,
@@ -71,13 +74,13 @@ impl Mapping {
     }
 
     /// Address of byte `off` as a word pointer, for ring data areas.
-    pub(crate) fn words(&self, off: u64, bytes: u64) -> *const crate::sync::AtomicU64 {
+    pub fn words(&self, off: u64, bytes: u64) -> *const crate::sync::AtomicU64 {
         assert!(off % 8 == 0 && off + bytes <= self.map.len() as u64);
         // SAFETY: in bounds (checked above) and 8-byte aligned.
         unsafe { self.map.as_ptr().add(off as usize) as *const crate::sync::AtomicU64 }
     }
 
-    pub(crate) fn header(&self) -> &SegmentHeader {
+    pub fn header(&self) -> &SegmentHeader {
         self.at(0)
     }
 
@@ -87,12 +90,12 @@ impl Mapping {
             + u64::from(slot) * self.info.offsets.server_client_stride
     }
 
-    pub(crate) fn server_client(&self, slot: u32) -> &ServerClientBlock {
+    pub fn server_client(&self, slot: u32) -> &ServerClientBlock {
         self.at(self.server_client_off(slot))
     }
 
     /// The job table: `job_slots` slots at `jobs_off`.
-    pub(crate) fn job_slots(&self) -> &[crate::jobs::JobSlot] {
+    pub fn job_slots(&self) -> &[crate::jobs::JobSlot] {
         let n = self.info.geometry.job_slots as usize;
         let off = self.info.offsets.jobs_off as usize;
         assert!(off + n * std::mem::size_of::<crate::jobs::JobSlot>() <= self.map.len());
@@ -105,17 +108,17 @@ impl Mapping {
     }
 
     /// The op stats region, at `op_stats_off`.
-    pub(crate) fn op_stats(&self) -> &OpStats {
+    pub fn op_stats(&self) -> &OpStats {
         self.at(self.info.offsets.op_stats_off)
     }
 
     /// The copy lanes region, at `lanes_off`.
-    pub(crate) fn lanes(&self) -> &crate::shm::LaneStats {
+    pub fn lanes(&self) -> &crate::shm::LaneStats {
         self.at(self.info.offsets.lanes_off)
     }
 
     /// The lookups-by-model region, at `models_off`.
-    pub(crate) fn models(&self) -> &crate::shm::ModelStats {
+    pub fn models(&self) -> &crate::shm::ModelStats {
         self.at(self.info.offsets.models_off)
     }
 

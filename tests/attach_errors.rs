@@ -13,11 +13,11 @@ use std::time::Duration;
 
 /// The bytes of a real server's published segment.
 fn real_segment_bytes(s: &Scope) -> Vec<u8> {
-    let mut cfg = kvring::ServerConfig::new(&s.name);
+    let mut cfg = kvring_server::ServerConfig::new(&s.name);
     cfg.runtime_dir = s.dir.clone();
     cfg.geometry.max_clients = 2;
     cfg.geometry.job_slots = 16;
-    let srv = kvring::server::start(cfg).unwrap();
+    let srv = kvring_server::start(cfg).unwrap();
     let bytes = std::fs::read(format!("/dev/shm{}", s.shm_name())).unwrap();
     srv.stop();
     bytes

@@ -1,4 +1,4 @@
-//! The fuzz targets' properties (`kvring::fuzz`) over a bounded number of
+//! The fuzz targets' properties (`kvring_server::fuzz`) over a bounded number of
 //! pseudo-random inputs, so every test run exercises them without
 //! `cargo fuzz`. Inputs saved by the fuzzer under `fuzz/regressions/<target>/`
 //! (crashes that were fixed) are replayed first.
@@ -71,31 +71,46 @@ fn run(target: &str, f: fn(&[u8]), count: usize, max_len: usize) {
 #[test]
 fn ring_frames() {
     let _w = common::watchdog(Duration::from_secs(120));
-    run("ring_frames", kvring::fuzz::ring_frames, 20_000, 4096);
+    run(
+        "ring_frames",
+        kvring_server::fuzz::ring_frames,
+        20_000,
+        4096,
+    );
 }
 
 #[test]
 fn registration() {
     let _w = common::watchdog(Duration::from_secs(120));
-    run("registration", kvring::fuzz::registration, 20_000, 1024);
+    run(
+        "registration",
+        kvring_server::fuzz::registration,
+        20_000,
+        1024,
+    );
 }
 
 #[test]
 fn requests() {
     let _w = common::watchdog(Duration::from_secs(120));
-    run("requests", kvring::fuzz::requests, 2_000, 2048);
+    run("requests", kvring_server::fuzz::requests, 2_000, 2048);
 }
 
 #[test]
 fn l2_value() {
     let _w = common::watchdog(Duration::from_secs(120));
-    run("l2_value", kvring::fuzz::l2_value, 20_000, 4096);
+    run("l2_value", kvring_server::fuzz::l2_value, 20_000, 4096);
 }
 
 #[test]
 fn http_request() {
     let _w = common::watchdog(Duration::from_secs(120));
-    run("http_request", kvring::fuzz::http_request, 20_000, 2048);
+    run(
+        "http_request",
+        kvring_server::fuzz::http_request,
+        20_000,
+        2048,
+    );
     // Random bytes rarely make a request: well-formed ones, cut short,
     // with a byte changed, or padded past the bound, each split by a
     // seed of its own.
@@ -128,7 +143,7 @@ fn http_request() {
         for v in variants {
             let mut input = seed.clone();
             input.extend_from_slice(&v);
-            kvring::fuzz::http_request(&input);
+            kvring_server::fuzz::http_request(&input);
             n += 1;
         }
     }

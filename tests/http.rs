@@ -224,7 +224,7 @@ fn bad_requests_and_silent_clients_never_hold_up_the_rings() {
     let t0 = Instant::now();
     let mut c = s.client();
     let mut slowest = Duration::ZERO;
-    while t0.elapsed() < kvring::server::HTTP_CLIENT_DEADLINE {
+    while t0.elapsed() < kvring_server::HTTP_CLIENT_DEADLINE {
         let p = Instant::now();
         c.ping(b"ring", far()).unwrap();
         slowest = slowest.max(p.elapsed());
@@ -398,7 +398,7 @@ fn pinned_chunks_outlive_evict_and_clear_until_unpinned() {
         b"POST /pin HTTP/1.1\r\nContent-Length: 50\r\n\r\n{\"model",
     );
     assert_eq!(code, 408);
-    assert!(t0.elapsed() >= kvring::server::HTTP_CLIENT_DEADLINE - Duration::from_millis(100));
+    assert!(t0.elapsed() >= kvring_server::HTTP_CLIENT_DEADLINE - Duration::from_millis(100));
     assert_eq!(http_get(port, "/pin").0, 405);
     assert_eq!(post("/pins").0, 405);
     assert_eq!(e.c.stats().unwrap().pinned_objects, k);
@@ -505,8 +505,8 @@ fn a_hundred_thousand_pins_stop_at_the_bound_and_list_by_page() {
 
     // 100,000 pin attempts, 256 a call: those past the bound are refused
     // whole, saying why.
-    let max = kvring::server::DEFAULT_MAX_PINS as usize;
-    let per = kvring::server::MAX_PINS_PER_CALL;
+    let max = kvring_server::DEFAULT_MAX_PINS as usize;
+    let per = kvring_server::MAX_PINS_PER_CALL;
     let all = random_hashes(7, 100_000);
     let (mut taken, mut refused) = (0, 0);
     let t0 = Instant::now();
@@ -535,7 +535,7 @@ fn a_hundred_thousand_pins_stop_at_the_bound_and_list_by_page() {
     assert!(out.contains(&format!("at most {per} per call")), "{out}");
 
     // Listed by pages of at most 1,000, each pin once, in order.
-    let page_max = kvring::server::MAX_PINS_PER_PAGE;
+    let page_max = kvring_server::MAX_PINS_PER_PAGE;
     let (mut seen, mut next, mut pages) = (Vec::new(), None::<String>, 0);
     loop {
         let path = match &next {
@@ -872,7 +872,7 @@ fn health_answers_within_a_second_under_a_thousand_idle_slow_and_half_open_conne
         let a = answer_of(&mut c, Duration::from_secs(10));
         assert!(a.starts_with("HTTP/1.1 408"), "idle: {a:?}");
     }
-    let deadline = kvring::server::HTTP_CLIENT_DEADLINE;
+    let deadline = kvring_server::HTTP_CLIENT_DEADLINE;
     assert!(t0.elapsed() >= deadline);
     let slow = trickle.join().unwrap();
     assert!(slow_started.elapsed() >= deadline + Duration::from_millis(500));
@@ -910,7 +910,7 @@ fn past_the_connection_bound_the_oldest_idle_connection_makes_room() {
     for (i, c) in idle.iter().enumerate().skip(IDLE - 20) {
         assert!(still_waiting(c), "connection {i} was closed");
     }
-    assert!(t0.elapsed() < kvring::server::HTTP_CLIENT_DEADLINE);
+    assert!(t0.elapsed() < kvring_server::HTTP_CLIENT_DEADLINE);
     // ... the oldest went at once, told why.
     for (i, mut c) in idle.into_iter().enumerate().take(60) {
         let a = answer_of(&mut c, Duration::from_millis(500));

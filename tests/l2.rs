@@ -16,8 +16,8 @@ use common::valkey::{Valkey, ValkeyCluster};
 use common::*;
 use kvring::kv::{chunk_hashes, ChunkHash};
 use kvring::proto::kv::TierState;
-use kvring::server::l2::value;
 use kvring::{Lookup, LookupPoll};
+use kvring_server::l2::value;
 use std::time::{Duration, Instant};
 
 #[test]

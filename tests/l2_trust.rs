@@ -13,7 +13,7 @@ use common::valkey::Valkey;
 use common::*;
 use kvring::kv::{model_id, ChunkHash};
 use kvring::proto::kv::TierState;
-use kvring::server::l2::value::{self, MacKey, Seal, Value};
+use kvring_server::l2::value::{self, MacKey, Seal, Value};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 

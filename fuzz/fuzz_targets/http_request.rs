@@ -1,3 +1,3 @@
 #![no_main]
-//! See `kvring::fuzz::http_request`.
-libfuzzer_sys::fuzz_target!(|data: &[u8]| kvring::fuzz::http_request(data));
+//! See `kvring_server::fuzz::http_request`.
+libfuzzer_sys::fuzz_target!(|data: &[u8]| kvring_server::fuzz::http_request(data));

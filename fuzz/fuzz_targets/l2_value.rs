@@ -1,3 +1,3 @@
 #![no_main]
-//! See `kvring::fuzz::l2_value`.
-libfuzzer_sys::fuzz_target!(|data: &[u8]| kvring::fuzz::l2_value(data));
+//! See `kvring_server::fuzz::l2_value`.
+libfuzzer_sys::fuzz_target!(|data: &[u8]| kvring_server::fuzz::l2_value(data));

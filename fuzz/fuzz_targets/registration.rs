@@ -1,3 +1,3 @@
 #![no_main]
-//! See `kvring::fuzz::registration`.
-libfuzzer_sys::fuzz_target!(|data: &[u8]| kvring::fuzz::registration(data));
+//! See `kvring_server::fuzz::registration`.
+libfuzzer_sys::fuzz_target!(|data: &[u8]| kvring_server::fuzz::registration(data));

@@ -1,3 +1,3 @@
 #![no_main]
-//! See `kvring::fuzz::requests`.
-libfuzzer_sys::fuzz_target!(|data: &[u8]| kvring::fuzz::requests(data));
+//! See `kvring_server::fuzz::requests`.
+libfuzzer_sys::fuzz_target!(|data: &[u8]| kvring_server::fuzz::requests(data));

@@ -1,3 +1,3 @@
 #![no_main]
-//! See `kvring::fuzz::ring_frames`.
-libfuzzer_sys::fuzz_target!(|data: &[u8]| kvring::fuzz::ring_frames(data));
+//! See `kvring_server::fuzz::ring_frames`.
+libfuzzer_sys::fuzz_target!(|data: &[u8]| kvring_server::fuzz::ring_frames(data));

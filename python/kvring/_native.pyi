@@ -49,12 +49,6 @@ def salt_id(salt: Optional[str]) -> int:
 def chunk_hashes(tokens: Sequence[int], chunk_tokens: int) -> list[bytes]:
     """The chain hash (16 bytes) of each full chunk of `tokens`."""
 
-def main(argv: Sequence[str]) -> int:
-    """Runs the `kvring` command line (argv[0] is the program name)."""
-
-def inspect_main(argv: Sequence[str]) -> int:
-    """Runs the `kvring-inspect` command line."""
-
 class Layout:
     """A KV cache's geometry and where each layer lives in its allocations:
     row (layer, block, head, token) of K starts at

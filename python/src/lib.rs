@@ -1,7 +1,8 @@
 //! `kvring._native`: the kvring client library for Python (connect,
 //! register KV caches, lookup, store, retrieve as jobs and leases whose
-//! state is read from shared memory) and the `kvring` / `kvring-inspect`
-//! command lines, so a wheel runs a server without a Rust toolchain.
+//! state is read from shared memory). It links only the `kvring` library,
+//! as an engine does; the server is the `kvring` binary the wheel carries
+//! beside it (`kvring/bin/kvring`, run by `python -m kvring`).
 //! Nothing here links torch: tensors arrive as addresses, shapes and
 //! strides (`kvring/tensors.py` turns them into layouts).
 
@@ -13,7 +14,6 @@ mod layout;
 mod stream;
 
 use pyo3::prelude::*;
-use std::ffi::OsString;
 
 /// The 64-bit id of a model name (nonzero), the same in every process.
 #[pyfunction]
@@ -45,42 +45,6 @@ fn chunk_hashes<'py>(
         .collect())
 }
 
-/// How a child process runs this command line again: this interpreter
-/// with `-m kvring`.
-fn this_command(py: Python<'_>) -> PyResult<Vec<OsString>> {
-    let exe: OsString = py
-        .import("sys")?
-        .getattr("executable")?
-        .extract::<std::path::PathBuf>()?
-        .into();
-    Ok(vec![exe, "-m".into(), "kvring".into()])
-}
-
-/// Runs the `kvring` command line (argv[0] is the program name) without
-/// the GIL; returns its exit status.
-#[pyfunction]
-fn main(py: Python<'_>, argv: Vec<OsString>) -> PyResult<u8> {
-    let this = this_command(py)?;
-    let code = py.detach(|| kvring_cli::kvring_cmd::main(argv, this));
-    Ok(exit_status(code))
-}
-
-/// Runs the `kvring-inspect` command line; returns its exit status.
-#[pyfunction]
-fn inspect_main(py: Python<'_>, argv: Vec<OsString>) -> u8 {
-    exit_status(py.detach(|| kvring_cli::inspect_cmd::main(argv)))
-}
-
-fn exit_status(code: std::process::ExitCode) -> u8 {
-    if code == std::process::ExitCode::SUCCESS {
-        0
-    } else if code == std::process::ExitCode::from(2) {
-        2
-    } else {
-        1
-    }
-}
-
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
@@ -100,8 +64,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(model_id, m)?)?;
     m.add_function(wrap_pyfunction!(salt_id, m)?)?;
     m.add_function(wrap_pyfunction!(chunk_hashes, m)?)?;
-    m.add_function(wrap_pyfunction!(main, m)?)?;
-    m.add_function(wrap_pyfunction!(inspect_main, m)?)?;
     m.add_class::<layout::PyLayout>()?;
     m.add_class::<client::PyClient>()?;
     m.add_class::<handles::PyJob>()?;

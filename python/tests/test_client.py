@@ -307,6 +307,23 @@ def test_command_line_runs_from_the_package(server):
     assert bad.returncode == 2 and "unrecognized subcommand" in bad.stderr
 
 
+def test_the_server_is_the_binary_the_wheel_carries(server):
+    """`python -m kvring serve` is the packaged `kvring` binary in place of
+    the interpreter (same pid), and the `kvring-inspect` script runs it too."""
+    import subprocess
+    import sys
+    from kvring.__main__ import BINARY
+    assert BINARY.is_file() and os.access(BINARY, os.X_OK)
+    assert os.readlink(f"/proc/{server.proc.pid}/exe") == str(BINARY)
+    with open(f"/proc/{server.proc.pid}/maps") as f:
+        assert "_native" not in f.read()  # no interpreter, no extension module
+    script = os.path.join(os.path.dirname(sys.executable), "kvring-inspect")
+    out = subprocess.run([script, "list"], capture_output=True, text=True, timeout=30,
+                         env={**os.environ, "KVRING_RUNTIME_DIR": server.dir})
+    assert out.returncode == 0, out.stderr
+    assert server.name in out.stdout
+
+
 def stopped_state(pid: int) -> str:
     """The state letter of process `pid` ("T": stopped)."""
     with open(f"/proc/{pid}/stat") as f:

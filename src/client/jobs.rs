@@ -30,7 +30,8 @@ use std::time::{Duration, Instant};
 /// # Examples
 ///
 /// ```
-/// use kvring::{Client, DelayJob, ServerConfig};
+/// use kvring::{Client, DelayJob};
+/// use kvring_server::ServerConfig;
 /// use kvring::jobs::JobStatus;
 /// use std::time::{Duration, Instant};
 ///
@@ -40,8 +41,8 @@ use std::time::{Duration, Instant};
 /// # let mut cfg = ServerConfig::new(&name);
 /// # cfg.runtime_dir = dir.clone();
 /// # cfg.kv.pool_bytes = 8 << 20;
-/// # cfg.kv.backend = kvring::server::BackendChoice::Host;
-/// # let server = kvring::server::start(cfg)?;
+/// # cfg.kv.backend = kvring_server::BackendChoice::Host;
+/// # let server = kvring_server::start(cfg)?;
 /// let mut client = Client::builder(&name).runtime_dir(&dir).connect()?;
 /// let job = client.delay_job(
 ///     DelayJob::new(Duration::ZERO, Duration::from_millis(20)).result(42, 7),

@@ -103,15 +103,16 @@ impl<'a> Lookup<'a> {
 ///
 /// ```
 /// # use kvring::kv::{chunk_hashes, model_id, pattern, Dtype, KvGeometry, KvLayout, KvShape, LayoutPreset};
-/// # use kvring::{Client, HostKvCache, KvSpec, ServerConfig};
+/// # use kvring::{Client, HostKvCache, KvSpec};
+/// # use kvring_server::ServerConfig;
 /// # use std::time::{Duration, Instant};
 /// # let name = format!("doc-lease-{}", std::process::id());
 /// # let dir = std::env::temp_dir().join(&name);
 /// # let mut cfg = ServerConfig::new(&name);
 /// # cfg.runtime_dir = dir.clone();
 /// # cfg.kv.pool_bytes = 8 << 20;
-/// # cfg.kv.backend = kvring::server::BackendChoice::Host;
-/// # let server = kvring::server::start(cfg)?;
+/// # cfg.kv.backend = kvring_server::BackendChoice::Host;
+/// # let server = kvring_server::start(cfg)?;
 /// # let mut client = Client::builder(&name).runtime_dir(&dir).connect()?;
 /// # let shape = KvShape { layers: 2, blocks: 64, block_tokens: 16, heads: 2, head_dim: 32 };
 /// # let layout = KvLayout::preset(LayoutPreset::Lbnhc, KvGeometry::mha(shape, Dtype::Bf16))?;

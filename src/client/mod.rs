@@ -205,7 +205,8 @@ impl Releases {
 /// Start a server in this process, connect, and make a round trip:
 ///
 /// ```
-/// use kvring::{Client, ServerConfig};
+/// use kvring::{Client};
+/// use kvring_server::ServerConfig;
 /// use std::time::{Duration, Instant};
 ///
 /// let name = format!("doc-client-{}", std::process::id());
@@ -213,8 +214,8 @@ impl Releases {
 /// let mut cfg = ServerConfig::new(&name);
 /// cfg.runtime_dir = dir.clone();
 /// cfg.kv.pool_bytes = 8 << 20;
-/// cfg.kv.backend = kvring::server::BackendChoice::Host;
-/// let server = kvring::server::start(cfg)?;
+/// cfg.kv.backend = kvring_server::BackendChoice::Host;
+/// let server = kvring_server::start(cfg)?;
 ///
 /// let mut client = Client::builder(&name)
 ///     .runtime_dir(&dir)

@@ -13,12 +13,10 @@
 //! were written, so there is no store for them to pair with.
 
 mod anomalies;
-mod metrics;
 mod read;
 mod view;
 
 pub use anomalies::{compare, Anomaly, AnomalyKind, HEARTBEAT_STALE_MS};
-pub use metrics::{openmetrics, prometheus_text};
 pub use read::{list, snapshot};
 pub use view::{
     ClientView, Field, JobRow, JobsSummary, LaneView, ModelView, OpView, RingView, SegmentEntry,

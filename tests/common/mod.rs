@@ -715,7 +715,7 @@ impl Backend for Host {
 
 /// The UUID of a host-backend server's simulated device `i`.
 pub fn simulated_device_uuid(i: u32) -> kvring::DeviceUuid {
-    kvring::server::simulated_device_uuid(i)
+    kvring_server::simulated_device_uuid(i)
 }
 
 /// The host backend with two simulated devices (`--simulated-devices 2`):

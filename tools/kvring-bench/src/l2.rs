@@ -38,9 +38,9 @@ use crate::stats::{Spread, Summary};
 use kvring::jobs::JobStatus;
 use kvring::kv::{chunk_hashes, model_id, pattern, KvLayout, LayoutPreset};
 use kvring::proto::kv::{StatsReply, TierState};
-use kvring::server::l2::value::{self, MacKey, Seal, Value};
 use kvring::wait::WaitPolicy;
 use kvring::{HostKvCache, Job, KvSpec, Lookup, Registration, Retrieve, Store};
+use kvring_server::l2::value::{self, MacKey, Seal, Value};
 use serde_json::json;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -282,9 +282,9 @@ pub fn serve_child(
     secret_file: Option<&Path>,
 ) {
     use std::io::Read;
-    let mut cfg = kvring::ServerConfig::new(name);
+    let mut cfg = kvring_server::ServerConfig::new(name);
     cfg.http = None;
-    cfg.kv.backend = kvring::server::BackendChoice::Host;
+    cfg.kv.backend = kvring_server::BackendChoice::Host;
     cfg.runtime_dir = dir.to_path_buf();
     cfg.kv.pool_bytes = pool_mib << 20;
     cfg.kv.copy_threads = Some(copy_threads);
@@ -293,8 +293,8 @@ pub fn serve_child(
         spin: Duration::from_micros(spin_us),
         ..WaitPolicy::default()
     };
-    let mut l2 = kvring::server::L2Config::from_urls(&[url.to_string()]).expect("--l2 URL");
-    l2.mode = kvring::server::L2WriteMode::Through;
+    let mut l2 = kvring_server::L2Config::from_urls(&[url.to_string()]).expect("--l2 URL");
+    l2.mode = kvring_server::L2WriteMode::Through;
     l2.prefix = prefix.to_string();
     l2.connect_timeout = Duration::from_secs_f64(timeout_s);
     l2.response_timeout = Duration::from_secs_f64(timeout_s);
@@ -302,7 +302,7 @@ pub fn serve_child(
     l2.connections = connections;
     l2.seal = seal_of(secret_file);
     cfg.kv.l2 = Some(l2);
-    let srv = kvring::server::start(cfg).expect("start server");
+    let srv = kvring_server::start(cfg).expect("start server");
     let mut b = [0u8; 1];
     let _ = std::io::stdin().read(&mut b);
     srv.stop();

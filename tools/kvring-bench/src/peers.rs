@@ -202,12 +202,12 @@ pub fn serve_child(
     cuda_zero_copy_ctas: u32,
     http: Option<&str>,
 ) {
-    let mut cfg = kvring::ServerConfig::new(name);
+    let mut cfg = kvring_server::ServerConfig::new(name);
     // No HTTP thread unless the benchmark measures it.
-    cfg.http = http.map(|a| kvring::server::HttpConfig {
+    cfg.http = http.map(|a| kvring_server::HttpConfig {
         addr: a.parse().expect("--http ADDR:PORT"),
         required: true,
-        ..kvring::server::HttpConfig::default_endpoint()
+        ..kvring_server::HttpConfig::default_endpoint()
     });
     cfg.kv.backend = backend.parse().expect("backend");
     cfg.kv.cuda_zero_copy_ctas = cuda_zero_copy_ctas;
@@ -225,7 +225,7 @@ pub fn serve_child(
             ..WaitPolicy::default()
         }
     };
-    let srv = kvring::server::start(cfg).expect("start server");
+    let srv = kvring_server::start(cfg).expect("start server");
     let mut b = [0u8; 1];
     let _ = std::io::stdin().read(&mut b);
     srv.stop();

@@ -171,7 +171,7 @@ fn run(cli: Cli) -> kvring::Result<()> {
             checks,
         } => {
             let snap = reading(&name, sample_ms, checks)?;
-            print!("{}", inspect::openmetrics(&snap));
+            print!("{}", kvring_server::metrics::openmetrics(&snap));
         }
         Cmd::Jobs {
             name,

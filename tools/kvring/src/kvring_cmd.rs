@@ -3,7 +3,8 @@
 use clap::{Args, Parser, Subcommand};
 use kvring::shm::Geometry;
 use kvring::units::parse_bytes;
-use kvring::{Client, ServerConfig};
+use kvring::Client;
+use kvring_server::ServerConfig;
 use std::ffi::OsString;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -112,7 +113,7 @@ enum Cmd {
         /// start, saying why, without a usable GPU), `host` (host memory
         /// only), or `auto` (CUDA when the driver and a GPU are there).
         #[arg(long, env = "KVRING_BACKEND", default_value = "auto")]
-        backend: kvring::server::BackendChoice,
+        backend: kvring_server::BackendChoice,
         /// CUDA transfer path: 0 (default) gathers into a device staging
         /// buffer and moves it with the copy engine, leaving the engine's SMs
         /// alone; N > 0 uses zero-copy kernels between GPU memory and the
@@ -125,7 +126,7 @@ enum Cmd {
         cuda_depth: Option<u32>,
         /// Host backend: give this many simulated devices their own copy
         /// lanes (workers), as a CUDA server does for each GPU; engines name
-        /// device i by `kvring::server::simulated_device_uuid(i)` when they
+        /// device i by `kvring_server::simulated_device_uuid(i)` when they
         /// register. For testing multi-device scheduling without GPUs.
         #[arg(long, default_value_t = 0)]
         simulated_devices: u32,
@@ -136,7 +137,7 @@ enum Cmd {
         #[arg(long, default_value_t = 80)]
         evict_to_percent: u32,
         /// At most this many pins held (POST /pin past it is refused, 409).
-        #[arg(long, default_value_t = kvring::server::DEFAULT_MAX_PINS)]
+        #[arg(long, default_value_t = kvring_server::DEFAULT_MAX_PINS)]
         max_pins: u64,
         /// At most this many bytes of objects kept by pins (a pin call that
         /// would pin more is refused, 409; an object stored under a pin past
@@ -166,7 +167,7 @@ enum Cmd {
         /// At most this many HTTP connections open (never more than a
         /// quarter of the open-descriptor limit); past it, the oldest
         /// connection waiting on its client is closed to make room.
-        #[arg(long, default_value_t = kvring::server::HTTP_DEFAULT_MAX_CONNECTIONS)]
+        #[arg(long, default_value_t = kvring_server::HTTP_DEFAULT_MAX_CONNECTIONS)]
         http_max_connections: usize,
         #[command(flatten)]
         l2: L2Args,
@@ -176,7 +177,7 @@ enum Cmd {
     /// on 200, 1 otherwise (a container's health check, an exec probe).
     Health {
         /// The endpoint's ADDR:PORT.
-        #[arg(long, default_value = kvring::server::DEFAULT_HTTP_ADDR)]
+        #[arg(long, default_value = kvring_server::DEFAULT_HTTP_ADDR)]
         http: String,
         /// Ask for readiness instead.
         #[arg(long)]
@@ -286,17 +287,17 @@ struct L2Args {
 }
 
 impl L2Args {
-    fn config(&self) -> kvring::Result<Option<kvring::server::L2Config>> {
+    fn config(&self) -> kvring::Result<Option<kvring_server::L2Config>> {
         if self.urls.is_empty() {
             return Ok(None);
         }
         let mut c =
-            kvring::server::L2Config::from_urls(&self.urls).map_err(kvring::Error::Config)?;
+            kvring_server::L2Config::from_urls(&self.urls).map_err(kvring::Error::Config)?;
         c.prefix = self.l2_prefix.clone();
         c.mode = if self.l2_write == "through" {
-            kvring::server::L2WriteMode::Through
+            kvring_server::L2WriteMode::Through
         } else {
-            kvring::server::L2WriteMode::Back
+            kvring_server::L2WriteMode::Back
         };
         c.ttl = self.l2_ttl_s.map(Duration::from_secs_f64);
         c.connect_timeout = Duration::from_secs_f64(self.l2_timeout_s);
@@ -315,9 +316,9 @@ impl L2Args {
         }
         c.connections = self.l2_connections;
         if let Some(path) = &self.l2_secret_file {
-            let key = kvring::server::l2::value::MacKey::from_file(path)
+            let key = kvring_server::l2::value::MacKey::from_file(path)
                 .map_err(|e| kvring::Error::Config(format!("--l2-secret-file {e}")))?;
-            c.seal = kvring::server::l2::value::Seal::Mac(key);
+            c.seal = kvring_server::l2::value::Seal::Mac(key);
         }
         Ok(Some(c))
     }
@@ -359,8 +360,8 @@ extern "C" fn on_signal(_: libc::c_int) {
 }
 
 /// SIGINT and SIGTERM stop the server while it serves; the handlers they
-/// had come back when it has stopped (the command may run inside a Python
-/// process, whose own handlers must survive it).
+/// had come back when it has stopped (`main` is a library function: its
+/// caller's handlers survive it).
 struct StopSignals([(libc::c_int, libc::sighandler_t); 2]);
 
 impl StopSignals {
@@ -386,10 +387,8 @@ impl Drop for StopSignals {
     }
 }
 
-/// Runs `kvring` with `args` (the first is the program's name). `this` is
-/// how to start this same command line from a child process (the demo's
-/// server and workers): the binary, or a Python interpreter and `-m kvring`.
-pub fn main(args: Vec<OsString>, this: Vec<OsString>) -> ExitCode {
+/// Runs `kvring` with `args` (the first is the program's name).
+pub fn main(args: Vec<OsString>) -> ExitCode {
     let cli = match crate::parse::<Cli>(args) {
         Ok(cli) => cli,
         Err(code) => return code,
@@ -417,6 +416,11 @@ pub fn main(args: Vec<OsString>, this: Vec<OsString>) -> ExitCode {
         let argv = std::iter::once(OsString::from("kvring inspect")).chain(args);
         return crate::inspect_cmd::main(argv.collect());
     }
+    // How a child process (the demo's server and workers) runs this
+    // binary again.
+    let this = std::env::current_exe()
+        .map(|p| vec![p.into_os_string()])
+        .unwrap_or_else(|_| vec![OsString::from("kvring")]);
     match run(cli, this) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -486,7 +490,7 @@ fn run(cli: Cli, this: Vec<OsString>) -> kvring::Result<()> {
             cfg.http = match http.as_deref() {
                 Some("off") => None,
                 given => {
-                    let mut h = kvring::server::HttpConfig::default_endpoint();
+                    let mut h = kvring_server::HttpConfig::default_endpoint();
                     if let Some(a) = given {
                         h.addr = a.parse().map_err(|e| {
                             kvring::Error::Config(format!(
@@ -513,7 +517,7 @@ fn run(cli: Cli, this: Vec<OsString>) -> kvring::Result<()> {
             cfg.kv.l2 = l2.config()?;
             let cfg_l2 = cfg.kv.l2.clone();
             let _signals = StopSignals::install();
-            let server = kvring::server::start(cfg)?;
+            let server = kvring_server::start(cfg)?;
             let p = server.paths();
             println!(
                 "kvring: serving {} (segment /dev/shm{}, socket {}, pid {}); pool {} MiB, chunk {} tokens",
@@ -530,7 +534,7 @@ fn run(cli: Cli, this: Vec<OsString>) -> kvring::Result<()> {
                     "kvring: second tier {} ({}, write-{}, keys {}*)",
                     c.urls.join(", "),
                     if c.cluster { "cluster" } else { "standalone" },
-                    if c.mode == kvring::server::L2WriteMode::Back {
+                    if c.mode == kvring_server::L2WriteMode::Back {
                         "back"
                     } else {
                         "through"

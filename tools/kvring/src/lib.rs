@@ -1,8 +1,7 @@
-//! The `kvring` and `kvring-inspect` command lines, as a library: the
-//! binaries of this package call them, and so does the Python package
-//! (`python -m kvring`, the `kvring` and `kvring-inspect` scripts of its
-//! wheel), so one command line serves both and no Rust toolchain is needed
-//! to run a server from Python.
+//! The `kvring` and `kvring-inspect` command lines, as a library that the
+//! two binaries of this package call (`kvring inspect ARGS` is
+//! `kvring-inspect ARGS`). The Python wheel carries the `kvring` binary,
+//! so `python -m kvring` runs this same program.
 
 mod demo;
 mod health;
