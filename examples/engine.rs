@@ -52,9 +52,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let dir = std::env::temp_dir().join(format!("kvring-example-{pid}"));
     let mut cfg = ServerConfig::new(&name);
     cfg.runtime_dir = dir.clone();
-    cfg.kv.chunk_tokens = CHUNK;
-    cfg.kv.pool_bytes = 64 << 20;
-    cfg.kv.backend = BackendChoice::Host;
+    cfg.cache.chunk_tokens = CHUNK;
+    cfg.cache.pool_bytes = 64 << 20;
+    cfg.copy.backend = BackendChoice::Host;
     let server = kvring_server::start(cfg)?;
     let connect = || {
         Client::builder(&name)

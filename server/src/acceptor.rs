@@ -8,7 +8,8 @@
 //! quarantine when its pidfd reports the exit. Every reassignment bumps the
 //! slot's session tag, so frames of an earlier occupant are never served.
 
-use super::{RingEvent, Shared};
+use super::sessions::RingEvent;
+use super::Shared;
 use kvring::bootstrap::{Conn, Listener};
 use kvring::client_memory::OwnedClientMemory;
 use kvring::doorbell::{Doorbell, DoorbellReceiver};
@@ -161,13 +162,11 @@ impl<'a> Acceptor<'a> {
         set_state(sb, SlotState::Active);
 
         let memory = Arc::new(memory);
-        *self.shared.client_memory[slot as usize]
-            .write()
-            .expect("client memory table") = Some(memory.clone());
+        self.shared.sessions.attach_memory(slot, memory.clone());
         let w = self.welcome(Status::Ok, slot, session);
         let share = self.shared.seg.share_fd();
         let pidfd = PidFd::open(cred.pid).ok();
-        self.shared.push_event(RingEvent::Attach {
+        self.shared.sessions.push_event(RingEvent::Attach {
             slot,
             session,
             engine: h.engine,
@@ -208,7 +207,7 @@ impl<'a> Acceptor<'a> {
         set_state(sb, SlotState::Closing);
         let clean = reason == DisconnectReason::Goodbye;
         self.slots[slot as usize] = Phase::Closing { pidfd, clean };
-        self.shared.push_event(RingEvent::Detach { slot });
+        self.shared.sessions.push_event(RingEvent::Detach { slot });
     }
 
     /// The ring loop has let go of `slot`: release what the client held and
@@ -238,10 +237,7 @@ impl<'a> Acceptor<'a> {
         kv.with_cache(|c| c.drop_leases(Some(slot), std::time::Instant::now()));
         // The session's memory goes (closed and unmapped with its last
         // holder); a process still writing to it reaches nobody.
-        self.shared.client_memory[slot as usize]
-            .write()
-            .expect("client memory table")
-            .take();
+        self.shared.sessions.release_memory(slot);
         h.clients_connected.fetch_sub(1, Ordering::Relaxed);
         h.clients_reclaimed.fetch_add(1, Ordering::Relaxed);
         let exited = pidfd.as_ref().is_none_or(|p| p.exited());
@@ -451,11 +447,10 @@ impl<'a> Acceptor<'a> {
     }
 
     fn housekeeping(&mut self) {
-        let kicks = std::mem::take(&mut *self.shared.kicks.lock().expect("kicks"));
+        let (kicks, detached) = self.shared.sessions.take_kicks();
         for (slot, reason) in kicks {
             self.detach(slot, reason);
         }
-        let detached = std::mem::take(&mut *self.shared.detached.lock().expect("detached"));
         for slot in detached {
             self.finish_detach(slot);
         }

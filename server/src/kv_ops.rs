@@ -86,21 +86,25 @@ impl KvState {
     /// The cache service over a new pool (made before the segment, so that
     /// a pool that cannot be had fails the start before anything is
     /// published; [`Self::attach_board`] then names where to publish).
-    pub fn new(cfg: &super::KvConfig, max_clients: u32) -> crate::Result<KvState> {
+    pub fn new(server: &super::ServerConfig, max_clients: u32) -> crate::Result<KvState> {
         use super::BackendChoice;
+        let (cfg, copy) = (&server.cache, &server.copy);
         let pool = PoolMemory::new(cfg.pool_bytes, cfg.prefault).map_err(kvring::error::io(
             format!("allocate a pool of {} bytes", cfg.pool_bytes),
         ))?;
         let (backend, backend_note, segment): (Box<dyn super::transfer::Backend>, String, u64) =
-            match cfg.backend {
+            match copy.backend {
                 BackendChoice::Host => (
                     Box::new(super::HostBackend),
                     "host (chosen)".into(),
                     u64::MAX,
                 ),
                 choice => {
-                    match super::transfer::open_cuda(&pool, cfg.cuda_zero_copy_ctas, cfg.cuda_depth)
-                    {
+                    match super::transfer::open_cuda(
+                        &pool,
+                        copy.cuda_zero_copy_ctas,
+                        copy.cuda_depth,
+                    ) {
                         Ok(b) => b,
                         Err(e) if choice == BackendChoice::Auto => (
                             Box::new(super::HostBackend),
@@ -112,7 +116,7 @@ impl KvState {
                 }
             };
         let devices = if backend.kind() == BackendKind::Cuda {
-            if cfg.simulated_devices > 0 {
+            if copy.simulated_devices > 0 {
                 return Err(crate::Error::Config(
                     "--simulated-devices is for the host backend (this server copies with CUDA)"
                         .into(),
@@ -128,11 +132,11 @@ impl KvState {
             }
             uuids
         } else {
-            (0..cfg.simulated_devices)
+            (0..copy.simulated_devices)
                 .map(|i| super::simulated_device_uuid(i).to_bytes())
                 .collect()
         };
-        let (tier, tier_start) = match cfg.l2.clone() {
+        let (tier, tier_start) = match server.tier.clone() {
             Some(c) => {
                 let mode = c.mode;
                 let l2 = Arc::new(super::l2::L2::new(c));
@@ -146,9 +150,9 @@ impl KvState {
             backend_note,
             chunk_tokens: cfg.chunk_tokens,
             lease_ttl: cfg.lease_ttl,
-            engine_event_timeout: cfg.engine_event_timeout,
+            engine_event_timeout: copy.engine_event_timeout,
             max_request_bytes: cfg.max_request_bytes,
-            copy_threads: cfg
+            copy_threads: copy
                 .copy_threads
                 .unwrap_or(if backend.kind() == BackendKind::Cuda {
                     4
@@ -520,7 +524,8 @@ fn caller_instance(
         .ok_or(Status::UnknownInstance)?;
     // The session's memory: present while its requests are served.
     let memory = shared
-        .client_memory_of(who.slot)
+        .sessions
+        .memory_of(who.slot)
         .ok_or(Status::InvalidArgument)?;
     Ok((
         inst,

@@ -9,7 +9,8 @@
 
 use super::delay::DelayJobs;
 use super::kv_ops;
-use super::{RingEvent, Shared};
+use super::sessions::RingEvent;
+use super::Shared;
 use kvring::client_memory::OwnedClientMemory;
 use kvring::doorbell::Doorbells;
 use kvring::jobs::{JobId, JobKind, NewJob, Released};
@@ -376,7 +377,7 @@ pub(super) fn run(shared: &Shared, mut doorbells: Doorbells, policy: WaitPolicy)
     let mut delays = DelayJobs::default();
     let header = m.header();
     loop {
-        for ev in shared.take_events() {
+        for ev in shared.sessions.take_events() {
             match ev {
                 RingEvent::Attach {
                     slot,
@@ -389,13 +390,13 @@ pub(super) fn run(shared: &Shared, mut doorbells: Doorbells, policy: WaitPolicy)
                         clients[slot as usize] = Some(c);
                         active.push(slot);
                     }
-                    _ => shared.kick(slot, DisconnectReason::RingCorrupt),
+                    _ => shared.sessions.kick(slot, DisconnectReason::RingCorrupt),
                 },
                 RingEvent::Detach { slot } => {
                     doorbells.remove(slot);
                     clients[slot as usize] = None;
                     active.retain(|&s| s != slot);
-                    shared.detached(slot);
+                    shared.sessions.detached(slot);
                 }
             }
         }
@@ -415,7 +416,7 @@ pub(super) fn run(shared: &Shared, mut doorbells: Doorbells, policy: WaitPolicy)
                 Err(e) => {
                     tracing::warn!(slot, error = %e, "client broke a ring invariant; disconnecting it");
                     c.broken = true;
-                    shared.kick(slot, DisconnectReason::RingCorrupt);
+                    shared.sessions.kick(slot, DisconnectReason::RingCorrupt);
                 }
             }
         }
@@ -441,12 +442,11 @@ pub(super) fn run(shared: &Shared, mut doorbells: Doorbells, policy: WaitPolicy)
             parking,
             deadline,
             || {
-                // Acquire pairs with the Release stores in `push_event` and
-                // `ServerHandle::shutdown` (the events themselves are taken
-                // under their lock).
-                if shared.events_pending.load(Ordering::Acquire)
-                    || shared.stop.load(Ordering::Acquire)
-                {
+                // Acquire pairs with the Release store in
+                // `ServerHandle::shutdown`; `has_events` pairs with
+                // `push_event` (the events themselves are taken under their
+                // lock).
+                if shared.sessions.has_events() || shared.stop.load(Ordering::Acquire) {
                     return Some(());
                 }
                 for &slot in &active {

@@ -40,8 +40,8 @@ use std::time::{Duration, Instant};
 /// # let dir = std::env::temp_dir().join(format!("kvring-doc-job-{pid}"));
 /// # let mut cfg = ServerConfig::new(&name);
 /// # cfg.runtime_dir = dir.clone();
-/// # cfg.kv.pool_bytes = 8 << 20;
-/// # cfg.kv.backend = kvring_server::BackendChoice::Host;
+/// # cfg.cache.pool_bytes = 8 << 20;
+/// # cfg.copy.backend = kvring_server::BackendChoice::Host;
 /// # let server = kvring_server::start(cfg)?;
 /// let mut client = Client::builder(&name).runtime_dir(&dir).connect()?;
 /// let job = client.delay_job(

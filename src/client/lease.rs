@@ -110,8 +110,8 @@ impl<'a> Lookup<'a> {
 /// # let dir = std::env::temp_dir().join(&name);
 /// # let mut cfg = ServerConfig::new(&name);
 /// # cfg.runtime_dir = dir.clone();
-/// # cfg.kv.pool_bytes = 8 << 20;
-/// # cfg.kv.backend = kvring_server::BackendChoice::Host;
+/// # cfg.cache.pool_bytes = 8 << 20;
+/// # cfg.copy.backend = kvring_server::BackendChoice::Host;
 /// # let server = kvring_server::start(cfg)?;
 /// # let mut client = Client::builder(&name).runtime_dir(&dir).connect()?;
 /// # let shape = KvShape { layers: 2, blocks: 64, block_tokens: 16, heads: 2, head_dim: 32 };

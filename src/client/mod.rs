@@ -213,8 +213,8 @@ impl Releases {
 /// let dir = std::env::temp_dir().join(&name);
 /// let mut cfg = ServerConfig::new(&name);
 /// cfg.runtime_dir = dir.clone();
-/// cfg.kv.pool_bytes = 8 << 20;
-/// cfg.kv.backend = kvring_server::BackendChoice::Host;
+/// cfg.cache.pool_bytes = 8 << 20;
+/// cfg.copy.backend = kvring_server::BackendChoice::Host;
 /// let server = kvring_server::start(cfg)?;
 ///
 /// let mut client = Client::builder(&name)

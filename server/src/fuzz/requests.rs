@@ -36,11 +36,11 @@ fn request_target() -> &'static Mutex<RequestTarget> {
             .expect("runtime directory mode");
         let mut cfg = crate::ServerConfig::new(&format!("fuzz-{pid}"));
         cfg.runtime_dir = dir.clone();
-        cfg.kv.chunk_tokens = 32;
-        cfg.kv.pool_bytes = 8 << 20;
-        cfg.kv.copy_threads = Some(1);
-        cfg.kv.max_request_bytes = 256 << 10;
-        cfg.kv.backend = crate::BackendChoice::Host;
+        cfg.cache.chunk_tokens = 32;
+        cfg.cache.pool_bytes = 8 << 20;
+        cfg.copy.copy_threads = Some(1);
+        cfg.cache.max_request_bytes = 256 << 10;
+        cfg.copy.backend = crate::BackendChoice::Host;
         let server = crate::start(cfg).expect("in-process server");
         let mut client = kvring::Client::builder(&format!("fuzz-{pid}"))
             .runtime_dir(&dir)

@@ -195,12 +195,12 @@ impl HttpServer {
     }
 
     /// Serves on the bound endpoint from the segment `shm_name`; admin
-    /// calls act on `shared`'s cache and need the bound token.
+    /// calls act on the cache service `kv` and need the bound token.
     pub fn start(
         bound: Bound,
         shm_name: &str,
         cfg: &HttpConfig,
-        shared: Arc<super::Shared>,
+        kv: Arc<crate::kv_ops::KvState>,
     ) -> crate::Result<HttpServer> {
         let Bound { listener, token } = bound;
         let token_path = token.path().to_path_buf();
@@ -225,7 +225,7 @@ impl HttpServer {
             seg,
             th,
             prev: Mutex::new(None),
-            shared,
+            kv,
             admin_remote: cfg.admin_remote,
             token,
         });

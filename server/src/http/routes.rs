@@ -100,8 +100,8 @@ pub(super) struct Endpoint {
     /// The last reading, to compare the next one with (rings that did not
     /// move between them).
     pub(super) prev: Mutex<Option<Snapshot>>,
-    /// The server's state, for the admin calls only.
-    pub(super) shared: Arc<crate::Shared>,
+    /// The cache service, for the admin calls only.
+    pub(super) kv: Arc<crate::kv_ops::KvState>,
     pub(super) admin_remote: bool,
     pub(super) token: AdminToken,
 }
@@ -229,7 +229,7 @@ impl Endpoint {
 
     /// The admin routes, on the admin thread: they take the cache's lock.
     fn admin(&self, call: Admin, query: &str, body: Option<&[u8]>) -> Response {
-        let sh = &self.shared;
+        let kv = &self.kv;
         match call {
             Admin::Pin | Admin::Unpin => {
                 let path = if call == Admin::Pin { "/pin" } else { "/unpin" };
@@ -240,9 +240,9 @@ impl Endpoint {
                     }
                 };
                 if call == Admin::Unpin {
-                    return Response::json(200, &sh.kv.with_cache(|c| c.unpin(&pins)));
+                    return Response::json(200, &kv.with_cache(|c| c.unpin(&pins)));
                 }
-                let got = sh.kv.with_cache(|c| {
+                let got = kv.with_cache(|c| {
                     c.pin(&pins).map_err(|r| {
                         PinRefused::new(r.to_string(), &c.pin_count(0), &c.pin_limits().0)
                     })
@@ -259,7 +259,7 @@ impl Endpoint {
                         return Response::text(400, &format!("GET /pins: {e}\n{PINS_QUERY}\n"))
                     }
                 };
-                let page = sh.kv.with_cache(|c| {
+                let page = kv.with_cache(|c| {
                     let (page, more) = c.pins_page(after.as_ref(), limit);
                     let (limits, over_bound) = c.pin_limits();
                     PinsPage::new(&page, more, &c.pin_count(0), &limits, over_bound)
@@ -267,7 +267,7 @@ impl Endpoint {
                 Response::json(200, &page)
             }
             Admin::Clear => {
-                let (objects, bytes) = sh.kv.with_cache(|c| c.clear());
+                let (objects, bytes) = kv.with_cache(|c| c.clear());
                 Response::json(200, &Dropped { objects, bytes })
             }
             Admin::Evict => {
@@ -281,7 +281,7 @@ impl Endpoint {
                         "POST /evict?bytes=N (N: bytes, K/M/G/KiB/MiB/GiB suffixes)\n",
                     );
                 };
-                let (objects, bytes) = sh.kv.with_cache(|c| c.evict_bytes(n));
+                let (objects, bytes) = kv.with_cache(|c| c.evict_bytes(n));
                 Response::json(200, &Dropped { objects, bytes })
             }
         }

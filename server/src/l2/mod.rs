@@ -66,6 +66,21 @@ pub struct L2Config {
 }
 
 impl L2Config {
+    /// Checks the settings `from_urls` leaves to the caller.
+    pub fn validate(&self) -> Result<(), crate::ConfigError> {
+        if self.queue == 0 {
+            return Err(crate::ConfigError::Tier(
+                "--l2-queue must be at least 1".into(),
+            ));
+        }
+        if self.connections == 0 || self.connections > 64 {
+            return Err(crate::ConfigError::Tier(
+                "--l2-connections must be 1 to 64".into(),
+            ));
+        }
+        Ok(())
+    }
+
     /// Settings for `urls` (defaults for the rest): several URLs, or one
     /// whose scheme is `redis+cluster://` (`rediss+cluster://`), name a
     /// cluster. Each URL is checked here.

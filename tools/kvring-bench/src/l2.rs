@@ -284,11 +284,11 @@ pub fn serve_child(
     use std::io::Read;
     let mut cfg = kvring_server::ServerConfig::new(name);
     cfg.http = None;
-    cfg.kv.backend = kvring_server::BackendChoice::Host;
+    cfg.copy.backend = kvring_server::BackendChoice::Host;
     cfg.runtime_dir = dir.to_path_buf();
-    cfg.kv.pool_bytes = pool_mib << 20;
-    cfg.kv.copy_threads = Some(copy_threads);
-    cfg.kv.prefault = prefault;
+    cfg.cache.pool_bytes = pool_mib << 20;
+    cfg.copy.copy_threads = Some(copy_threads);
+    cfg.cache.prefault = prefault;
     cfg.ring_wait = WaitPolicy {
         spin: Duration::from_micros(spin_us),
         ..WaitPolicy::default()
@@ -301,7 +301,7 @@ pub fn serve_child(
     l2.lookup_wait = Duration::from_secs_f64(lookup_wait_s);
     l2.connections = connections;
     l2.seal = seal_of(secret_file);
-    cfg.kv.l2 = Some(l2);
+    cfg.tier = Some(l2);
     let srv = kvring_server::start(cfg).expect("start server");
     let mut b = [0u8; 1];
     let _ = std::io::stdin().read(&mut b);

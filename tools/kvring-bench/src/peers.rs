@@ -209,12 +209,12 @@ pub fn serve_child(
         required: true,
         ..kvring_server::HttpConfig::default_endpoint()
     });
-    cfg.kv.backend = backend.parse().expect("backend");
-    cfg.kv.cuda_zero_copy_ctas = cuda_zero_copy_ctas;
+    cfg.copy.backend = backend.parse().expect("backend");
+    cfg.copy.cuda_zero_copy_ctas = cuda_zero_copy_ctas;
     cfg.runtime_dir = dir.to_path_buf();
-    cfg.kv.pool_bytes = pool_mib << 20;
-    cfg.kv.copy_threads = Some(copy_threads);
-    cfg.kv.prefault = prefault;
+    cfg.cache.pool_bytes = pool_mib << 20;
+    cfg.copy.copy_threads = Some(copy_threads);
+    cfg.cache.prefault = prefault;
     cfg.ring_wait = if spin_us == u64::MAX {
         WaitPolicy::SPIN
     } else if spin_us == 0 {

@@ -8,6 +8,8 @@ mod health;
 pub mod inspect_cmd;
 pub mod kvring_cmd;
 mod render;
+mod serve;
+mod target;
 
 /// Parses a command line; on `--help`, `--version` or an error, prints
 /// what clap says and gives the exit status (0, or 2 for a usage error).
