@@ -222,39 +222,13 @@ fn wait_done(job: Job) -> Result<kvring::jobs::JobResult> {
     }
 }
 
-/// Runs the demo; prints the table (and with `json`, one JSON object as the
-/// last line). Fails unless every retrieved byte matched.
-pub fn run(json: bool, this: &[std::ffi::OsString]) -> Result<()> {
-    let Some((exe, exe_args)) = this.split_first() else {
-        return Err(kvring::Error::Config(
-            "no command to start the demo's processes with".into(),
-        ));
-    };
-    let name = format!("demo-{}", std::process::id());
-    let dir = std::env::temp_dir().join(format!("kvring-demo-{}", std::process::id()));
-    kvring::rundir::ensure_runtime_dir(&dir)?;
-    let _cleanup = DirGuard(dir.clone());
-    let server = Command::new(exe)
-        .args(exe_args)
-        .args([
-            "serve",
-            "--name",
-            &name,
-            "--pool-bytes",
-            "1GiB",
-            "--prefault",
-            "--runtime-dir",
-        ])
-        .arg(&dir)
-        .stdout(Stdio::null())
-        .spawn()
-        .map_err(io_err("start the server"))?;
-    let server = ServerChild(server);
-    let mut sched = Client::builder(&name)
-        .runtime_dir(&dir)
-        .connect_timeout(Duration::from_secs(20))
-        .connect()?;
-    let cfg = sched.server_config()?;
+/// Starts the {WORLD} workers; whether their caches are on the GPU.
+fn start_workers(
+    exe: &std::ffi::OsString,
+    exe_args: &[std::ffi::OsString],
+    name: &str,
+    dir: &std::path::Path,
+) -> Result<(Vec<Worker>, bool)> {
     let mut workers = Vec::new();
     let mut on_gpu = false;
     for rank in 0..WORLD {
@@ -263,12 +237,12 @@ pub fn run(json: bool, this: &[std::ffi::OsString]) -> Result<()> {
             .args([
                 "demo-worker",
                 "--name",
-                &name,
+                name,
                 "--rank",
                 &rank.to_string(),
                 "--runtime-dir",
             ])
-            .arg(&dir)
+            .arg(dir)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -284,32 +258,13 @@ pub fn run(json: bool, this: &[std::ffi::OsString]) -> Result<()> {
         on_gpu = ready.get(2).map(String::as_str) == Some("gpu");
         workers.push(w);
     }
-    let layout = demo_layout(PROMPT_BLOCKS * PROMPTS);
-    let l = layout.geometry();
-    println!(
-        "kvring demo: server pid {}, {WORLD} tensor-parallel workers and a scheduler; model {MODEL}: \
-         {} layers, {} KV heads per rank, head dim {}, {}-byte elements, {}-token blocks, layout {}; \
-         chunk {} tokens = {} MiB per rank; {} copy threads; KV caches in {}",
-        server.0.id(),
-        l.layers,
-        l.heads,
-        l.k_dim,
-        l.elem_bytes,
-        l.block_tokens,
-        layout.preset_name().unwrap_or("custom"),
-        cfg.chunk_tokens,
-        l.object_bytes(CHUNK) >> 20,
-        cfg.copy_threads,
-        if on_gpu {
-            "GPU memory (CUDA backend)"
-        } else {
-            "host memory (host backend)"
-        }
-    );
+    Ok((workers, on_gpu))
+}
 
-    // 1. Store: both ranks at once, one job per prompt.
-    //    GB/s: all bytes over the time during which any store job ran (the
-    //    union of the jobs' intervals; producing the KV is not counted).
+/// Step 1, store: both ranks at once, one job per prompt. GB/s: all bytes
+/// over the time during which any store job ran (the union of the jobs'
+/// intervals; producing the KV is not counted).
+fn store_all(workers: &mut [Worker]) -> Result<OpStats> {
     let mut store = OpStats::default();
     for w in workers.iter_mut() {
         w.send("compute")?;
@@ -334,9 +289,17 @@ pub fn run(json: bool, this: &[std::ffi::OsString]) -> Result<()> {
         store.add_intervals(words[4..].iter());
     }
     store.hits = store.chunks;
+    Ok(store)
+}
 
-    // 2. Lookup from the scheduler: stored prompts (all chunks hit), prompts
-    //    sharing only the system prompt (its chunks hit), new prompts (none).
+/// A lease the workers retrieve: its job, the prompt (system, own) and
+/// its hits.
+type Held = (kvring::jobs::JobId, u32, u32, u64);
+
+/// Step 2, lookup from the scheduler: stored prompts (all chunks hit),
+/// prompts sharing only the system prompt (its chunks hit), new prompts
+/// (none). Fails on a lookup that hits other than expected.
+fn look_up(sched: &mut Client) -> Result<(OpStats, Vec<Held>, u64)> {
     let mut lookup = OpStats::default();
     let mut leases = Vec::new();
     let mid = model_id(MODEL);
@@ -371,9 +334,12 @@ pub fn run(json: bool, this: &[std::ffi::OsString]) -> Result<()> {
             leases.push((id, system, own, r.value));
         }
     }
+    Ok((lookup, leases, expected_hits))
+}
 
-    // 3. Retrieve every hit into fresh caches on both ranks at once, and
-    //    check every byte.
+/// Step 3, retrieve every hit into fresh caches on both ranks at once, and
+/// check every byte; the bytes verified.
+fn retrieve_all(workers: &mut [Worker], leases: &[Held]) -> Result<(OpStats, u64)> {
     let mut retrieve = OpStats::default();
     let mut verified = 0u64;
     for w in workers.iter_mut() {
@@ -399,21 +365,16 @@ pub fn run(json: bool, this: &[std::ffi::OsString]) -> Result<()> {
         retrieve.add_intervals(words[5..].iter());
     }
     retrieve.hits = retrieve.chunks;
-    let stats = sched.stats()?;
-    let ok = lookup.hits == expected_hits
-        && verified == retrieve.bytes
-        && retrieve.chunks == lookup.hits * u64::from(WORLD)
-        && stats.leases == 0;
+    Ok((retrieve, verified))
+}
 
+/// The table of the three steps.
+fn print_table(store: &OpStats, lookup: &OpStats, retrieve: &OpStats) {
     println!(
         "{:<9} {:>5} {:>7} {:>7} {:>10} {:>8} {:>10} {:>10}",
         "op", "jobs", "chunks", "hits", "MiB", "GB/s", "p50", "p99"
     );
-    for (name, s) in [
-        ("store", &store),
-        ("lookup", &lookup),
-        ("retrieve", &retrieve),
-    ] {
+    for (name, s) in [("store", store), ("lookup", lookup), ("retrieve", retrieve)] {
         println!(
             "{:<9} {:>5} {:>7} {:>7} {:>10.1} {:>8} {:>10} {:>10}",
             name,
@@ -430,6 +391,75 @@ pub fn run(json: bool, this: &[std::ffi::OsString]) -> Result<()> {
             fmt_us(s.pct(0.99))
         );
     }
+}
+
+/// Runs the demo; prints the table (and with `json`, one JSON object as the
+/// last line). Fails unless every retrieved byte matched.
+pub fn run(json: bool, this: &[std::ffi::OsString]) -> Result<()> {
+    let Some((exe, exe_args)) = this.split_first() else {
+        return Err(kvring::Error::Config(
+            "no command to start the demo's processes with".into(),
+        ));
+    };
+    let name = format!("demo-{}", std::process::id());
+    let dir = std::env::temp_dir().join(format!("kvring-demo-{}", std::process::id()));
+    kvring::rundir::ensure_runtime_dir(&dir)?;
+    let _cleanup = DirGuard(dir.clone());
+    let server = Command::new(exe)
+        .args(exe_args)
+        .args([
+            "serve",
+            "--name",
+            &name,
+            "--pool-bytes",
+            "1GiB",
+            "--prefault",
+            "--runtime-dir",
+        ])
+        .arg(&dir)
+        .stdout(Stdio::null())
+        .spawn()
+        .map_err(io_err("start the server"))?;
+    let server = ServerChild(server);
+    let mut sched = Client::builder(&name)
+        .runtime_dir(&dir)
+        .connect_timeout(Duration::from_secs(20))
+        .connect()?;
+    let cfg = sched.server_config()?;
+    let (mut workers, on_gpu) = start_workers(exe, exe_args, &name, &dir)?;
+    let layout = demo_layout(PROMPT_BLOCKS * PROMPTS);
+    let l = layout.geometry();
+    println!(
+        "kvring demo: server pid {}, {WORLD} tensor-parallel workers and a scheduler; model {MODEL}: \
+         {} layers, {} KV heads per rank, head dim {}, {}-byte elements, {}-token blocks, layout {}; \
+         chunk {} tokens = {} MiB per rank; {} copy threads; KV caches in {}",
+        server.0.id(),
+        l.layers,
+        l.heads,
+        l.k_dim,
+        l.elem_bytes,
+        l.block_tokens,
+        layout.preset_name().unwrap_or("custom"),
+        cfg.chunk_tokens,
+        l.object_bytes(CHUNK) >> 20,
+        cfg.copy_threads,
+        if on_gpu {
+            "GPU memory (CUDA backend)"
+        } else {
+            "host memory (host backend)"
+        }
+    );
+
+    let store = store_all(&mut workers)?;
+    let (lookup, leases, expected_hits) = look_up(&mut sched)?;
+    let (retrieve, verified) = retrieve_all(&mut workers, &leases)?;
+    let stats = sched.stats()?;
+    let ok = lookup.hits == expected_hits
+        && verified == retrieve.bytes
+        && retrieve.chunks == lookup.hits * u64::from(WORLD)
+        && stats.leases == 0;
+
+    print_table(&store, &lookup, &retrieve);
     println!(
         "verified: {} ({} MiB retrieved into fresh caches, {} MiB compared byte for byte)",
         ok,

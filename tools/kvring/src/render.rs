@@ -46,6 +46,17 @@ pub fn list(entries: &[SegmentEntry]) {
 /// The `show` text; `rates` adds the live rates line (watch).
 pub fn show(s: &Snapshot, rates: Option<Rates>) -> String {
     let mut o = String::new();
+    server(&mut o, s, rates);
+    clients(&mut o, s);
+    jobs_and_ops(&mut o, s);
+    pool_and_tier(&mut o, s);
+    lanes_and_models(&mut o, s);
+    anomalies(&mut o, s);
+    o
+}
+
+/// The segment, the server and its clients' counts, and the rates.
+fn server(o: &mut String, s: &Snapshot, rates: Option<Rates>) {
     let sv = &s.server;
     let _ = writeln!(
         o,
@@ -84,6 +95,10 @@ pub fn show(s: &Snapshot, rates: Option<Rates>) -> String {
             r.jobs_per_s
         );
     }
+}
+
+/// A row per client slot.
+fn clients(o: &mut String, s: &Snapshot) {
     if !s.clients.is_empty() {
         let _ = writeln!(
             o,
@@ -127,6 +142,10 @@ pub fn show(s: &Snapshot, rates: Option<Rates>) -> String {
             );
         }
     }
+}
+
+/// The job table's counts and each operation's latency.
+fn jobs_and_ops(o: &mut String, s: &Snapshot) {
     let states: Vec<String> = s
         .jobs
         .by_state
@@ -172,6 +191,10 @@ pub fn show(s: &Snapshot, rates: Option<Rates>) -> String {
             us(op.p99_us)
         );
     }
+}
+
+/// The pool and the tier below it.
+fn pool_and_tier(o: &mut String, s: &Snapshot) {
     let c = &s.cache;
     let _ = writeln!(
         o,
@@ -212,6 +235,10 @@ pub fn show(s: &Snapshot, rates: Option<Rates>) -> String {
             c.lookup_l2_hit_chunks
         );
     }
+}
+
+/// The copy lanes, and lookups by model.
+fn lanes_and_models(o: &mut String, s: &Snapshot) {
     for l in &s.lanes {
         let _ = writeln!(
             o,
@@ -236,6 +263,10 @@ pub fn show(s: &Snapshot, rates: Option<Rates>) -> String {
             m.model, m.salt, m.lookups, m.hit_tokens, m.tokens
         );
     }
+}
+
+/// What the checks found.
+fn anomalies(o: &mut String, s: &Snapshot) {
     if s.anomalies.is_empty() {
         let _ = writeln!(o, "anomalies: none");
     } else {
@@ -244,7 +275,6 @@ pub fn show(s: &Snapshot, rates: Option<Rates>) -> String {
             let _ = writeln!(o, "  ! {}: {}", a.kind, a.message);
         }
     }
-    o
 }
 
 pub fn jobs(rows: &[&JobRow]) -> String {
