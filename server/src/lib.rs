@@ -29,6 +29,7 @@ mod cache;
 mod capacity;
 pub mod config;
 mod delay;
+pub mod disk;
 pub(crate) mod http;
 mod kv_ops;
 pub mod l2;

@@ -182,7 +182,8 @@ impl Hasher {
 }
 
 /// The digest of `key` a header carries.
-fn key_digest(key: &str) -> [u8; 16] {
+/// The digest of `key` a value's header carries (bytes 24..40).
+pub fn key_digest(key: &str) -> [u8; 16] {
     let mut d = [0u8; 16];
     d.copy_from_slice(&blake3::hash(key.as_bytes()).as_bytes()[..16]);
     d
@@ -191,6 +192,21 @@ fn key_digest(key: &str) -> [u8; 16] {
 /// Whether `a` and `b` are equal, in time independent of where they differ.
 fn same(a: &[u8; 16], b: &[u8; 16]) -> bool {
     a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// What a value's header says before anything is checked but its magic
+/// and format version: the object's size and the key's digest. For a
+/// store that finds values by scanning (the disk tier after a restart);
+/// reading one back still goes through [`open`].
+pub fn peek(header: &[u8]) -> Option<(u64, [u8; 16])> {
+    let header = header.get(..HEADER)?;
+    let magic = u64::from_le_bytes(header[0..8].try_into().expect("8 bytes"));
+    let version = u32::from_le_bytes(header[8..12].try_into().expect("4 bytes"));
+    if magic != MAGIC || version != FORMAT_VERSION {
+        return None;
+    }
+    let len = u64::from_le_bytes(header[16..24].try_into().expect("8 bytes"));
+    Some((len, header[24..40].try_into().expect("16 bytes")))
 }
 
 /// Object `body` as the value of `key`: its header, and the object itself,
@@ -226,6 +242,12 @@ impl<'a> Value<'a> {
     /// Never: a value has its header.
     pub fn is_empty(&self) -> bool {
         false
+    }
+
+    /// Writes the value into `dst` (exactly [`Self::len`] bytes).
+    pub fn write_into(&self, dst: &mut [u8]) {
+        dst[..HEADER].copy_from_slice(&self.header);
+        dst[HEADER..].copy_from_slice(self.body);
     }
 
     /// The value in a buffer of its own.

@@ -1,0 +1,240 @@
+//! The disk store against real files (a directory under the system's
+//! temporary directory, removed at the end of each test).
+
+use super::*;
+use crate::l2::value::{MacKey, Seal};
+use std::io::{Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+
+const SEG: u64 = 1 << 20;
+
+/// A unique directory, removed when dropped.
+struct Dir(PathBuf);
+
+impl Dir {
+    fn new(tag: &str) -> Dir {
+        let d = std::env::temp_dir().join(format!(
+            "kvring-disk-test-{tag}-{}-{:x}",
+            std::process::id(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos()
+        ));
+        Dir(d)
+    }
+}
+
+impl Drop for Dir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn object(i: u32, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|j| {
+            (j as u32)
+                .wrapping_mul(2_654_435_761)
+                .wrapping_add(i * 7919) as u8
+        })
+        .collect()
+}
+
+fn key(i: u32) -> String {
+    format!("test:v2:{i:08x}")
+}
+
+fn segments(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.starts_with("seg-"))
+        .collect();
+    v.sort();
+    v
+}
+
+fn get(s: &mut DiskStore, i: u32, len: usize) -> Option<Vec<u8>> {
+    let mut buf = vec![0u8; len];
+    s.get(&key(i), len as u64, &mut buf).unwrap().then_some(buf)
+}
+
+#[test]
+fn objects_come_back_byte_for_byte_and_only_under_their_key() {
+    let d = Dir::new("roundtrip");
+    let mut s = DiskStore::open(&d.0, 8 * SEG, SEG, Seal::Checksum).unwrap();
+    let len = 100_000;
+    for i in 0..20 {
+        assert!(s.put(&key(i), &object(i, len)).unwrap());
+    }
+    assert!(!s.put(&key(3), &object(3, len)).unwrap(), "stored once");
+    for i in 0..20 {
+        assert_eq!(get(&mut s, i, len).as_deref(), Some(&object(i, len)[..]));
+    }
+    assert_eq!(get(&mut s, 99, len), None, "never stored");
+    let st = s.stats();
+    assert_eq!(
+        (st.objects, st.written, st.read, st.missed, st.corrupt),
+        (20, 20, 20, 1, 0)
+    );
+    // 20 records of 100 KB + header, 24 blocks each, in 1 MiB segments.
+    assert_eq!(record_bytes(len as u64), 25 * BLOCK as u64);
+    assert_eq!(
+        segments(&d.0).len(),
+        20_usize.div_ceil((1 << 20) / (25 * BLOCK))
+    );
+}
+
+#[test]
+fn a_restarted_store_serves_what_it_held_and_writes_new_segments() {
+    let d = Dir::new("restart");
+    let len = 200_000;
+    {
+        let mut s = DiskStore::open(&d.0, 8 * SEG, SEG, Seal::Checksum).unwrap();
+        for i in 0..12 {
+            s.put(&key(i), &object(i, len)).unwrap();
+        }
+    }
+    let before = segments(&d.0);
+    let mut s = DiskStore::open(&d.0, 8 * SEG, SEG, Seal::Checksum).unwrap();
+    assert_eq!(s.stats().objects, 12);
+    for i in 0..12 {
+        assert_eq!(
+            get(&mut s, i, len).as_deref(),
+            Some(&object(i, len)[..]),
+            "object {i}"
+        );
+    }
+    s.put(&key(100), &object(100, len)).unwrap();
+    let after = segments(&d.0);
+    assert_eq!(
+        after.len(),
+        before.len() + 1,
+        "a new segment, not the old tail"
+    );
+    assert!(after.last() > before.last());
+    assert_eq!(
+        get(&mut s, 100, len).as_deref(),
+        Some(&object(100, len)[..])
+    );
+}
+
+#[test]
+fn the_budget_drops_the_oldest_segment_whole() {
+    let d = Dir::new("budget");
+    let len = 300_000; // 3 records a segment
+    let mut s = DiskStore::open(&d.0, 3 * SEG, SEG, Seal::Checksum).unwrap();
+    for i in 0..30 {
+        s.put(&key(i), &object(i, len)).unwrap();
+    }
+    let st = s.stats();
+    assert!(segments(&d.0).len() <= 3, "{:?}", segments(&d.0));
+    assert_eq!(st.objects + st.evicted, 30);
+    assert!(st.evicted >= 21, "{st:?}");
+    assert_eq!(get(&mut s, 0, len), None, "the oldest went");
+    assert_eq!(get(&mut s, 29, len).as_deref(), Some(&object(29, len)[..]));
+}
+
+/// Writes `bytes` at `off` of the store's only segment file.
+fn scribble(dir: &Path, off: u64, bytes: &[u8]) {
+    let name = segments(dir).pop().unwrap();
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(dir.join(name))
+        .unwrap();
+    f.seek(SeekFrom::Start(off)).unwrap();
+    f.write_all(bytes).unwrap();
+    f.sync_all().unwrap();
+}
+
+#[test]
+fn a_damaged_or_swapped_record_is_a_miss_never_kv() {
+    let d = Dir::new("damage");
+    let len = 50_000;
+    let rec = record_bytes(len as u64);
+    let mut s = DiskStore::open(&d.0, 4 * SEG, SEG, Seal::Checksum).unwrap();
+    for i in 0..3 {
+        s.put(&key(i), &object(i, len)).unwrap();
+    }
+    // One byte of object 0 flipped on disk.
+    scribble(&d.0, 64 + 1000, &[!object(0, len)[1000]]);
+    assert_eq!(get(&mut s, 0, len), None);
+    // Object 1's record replaced by object 2's (a record of another key).
+    let name = segments(&d.0).pop().unwrap();
+    let raw = std::fs::read(d.0.join(&name)).unwrap();
+    scribble(&d.0, rec, &raw[2 * rec as usize..3 * rec as usize]);
+    assert_eq!(get(&mut s, 1, len), None);
+    assert_eq!(get(&mut s, 2, len).as_deref(), Some(&object(2, len)[..]));
+    let st = s.stats();
+    assert_eq!((st.corrupt, st.objects), (2, 1), "{st:?}");
+    // Asked for the wrong size: a miss too.
+    assert_eq!(get(&mut s, 2, len - 1), None);
+}
+
+#[test]
+fn a_record_torn_by_a_crash_reads_as_a_miss_after_restart() {
+    let d = Dir::new("torn");
+    let len = 50_000;
+    let rec = record_bytes(len as u64);
+    {
+        let mut s = DiskStore::open(&d.0, 4 * SEG, SEG, Seal::Checksum).unwrap();
+        for i in 0..3 {
+            s.put(&key(i), &object(i, len)).unwrap();
+        }
+    }
+    // The last record's body never landed (zeros past its first block).
+    scribble(
+        &d.0,
+        2 * rec + BLOCK as u64,
+        &vec![0u8; (rec - BLOCK as u64) as usize],
+    );
+    let mut s = DiskStore::open(&d.0, 4 * SEG, SEG, Seal::Checksum).unwrap();
+    assert_eq!(s.stats().objects, 3, "its header landed");
+    assert_eq!(get(&mut s, 2, len), None);
+    assert_eq!(get(&mut s, 1, len).as_deref(), Some(&object(1, len)[..]));
+    // A header that never landed ends the segment's records there.
+    scribble(&d.0, rec, &vec![0u8; BLOCK]);
+    drop(s);
+    let mut s = DiskStore::open(&d.0, 4 * SEG, SEG, Seal::Checksum).unwrap();
+    assert_eq!(s.stats().objects, 1);
+    assert_eq!(get(&mut s, 0, len).as_deref(), Some(&object(0, len)[..]));
+}
+
+#[test]
+fn values_sealed_by_another_secret_or_foreign_files_are_not_taken() {
+    let d = Dir::new("foreign");
+    let len = 20_000;
+    let mac = |b: u8| Seal::Mac(MacKey::from_secret(&[b; 32]).unwrap());
+    {
+        let mut s = DiskStore::open(&d.0, 4 * SEG, SEG, mac(1)).unwrap();
+        s.put(&key(0), &object(0, len)).unwrap();
+    }
+    // Garbage under a segment's name, and a file that is not a segment.
+    std::fs::write(d.0.join("seg-00000000000000ff.kvd"), vec![0x5a; 3 * BLOCK]).unwrap();
+    std::fs::write(d.0.join("notes.txt"), b"hello").unwrap();
+    let mut other = DiskStore::open(&d.0, 4 * SEG, SEG, mac(2)).unwrap();
+    assert_eq!(other.stats().objects, 1);
+    assert_eq!(get(&mut other, 0, len), None, "another secret's value");
+    drop(other);
+    // The record is still on disk (the miss only left the index).
+    let mut again = DiskStore::open(&d.0, 4 * SEG, SEG, mac(1)).unwrap();
+    assert_eq!(
+        get(&mut again, 0, len).as_deref(),
+        Some(&object(0, len)[..])
+    );
+}
+
+#[test]
+fn one_server_owns_a_directory() {
+    let d = Dir::new("lock");
+    let _s = DiskStore::open(&d.0, 4 * SEG, SEG, Seal::Checksum).unwrap();
+    let e = DiskStore::open(&d.0, 4 * SEG, SEG, Seal::Checksum)
+        .err()
+        .unwrap();
+    assert_eq!(e.kind(), std::io::ErrorKind::AddrInUse, "{e}");
+    let e = DiskStore::open(&Dir::new("small").0, SEG, SEG, Seal::Checksum)
+        .err()
+        .unwrap();
+    assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput, "{e}");
+}
