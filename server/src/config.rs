@@ -41,6 +41,46 @@ pub struct ServerConfig {
     pub http: Option<HttpConfig>,
     /// A tier below the pool on Valkey/Redis, if any.
     pub tier: Option<L2Config>,
+    /// A tier below the pool on a local disk, if any.
+    pub disk: Option<DiskConfig>,
+}
+
+/// The local disk tier's settings.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DiskConfig {
+    /// The directory the tier owns (made if missing; what it holds is
+    /// served after a restart).
+    pub dir: PathBuf,
+    /// Bytes of segment files at most.
+    pub bytes: u64,
+    /// Bytes of each segment file (the budget is kept by dropping the
+    /// oldest one whole).
+    pub segment_bytes: u64,
+    /// When objects go to disk.
+    pub mode: crate::tier::WriteMode,
+}
+
+impl DiskConfig {
+    /// `bytes` in `dir`, written back, in segments of 256 MiB (fewer,
+    /// smaller ones for a budget under 1 GiB).
+    pub fn new(dir: PathBuf, bytes: u64) -> DiskConfig {
+        DiskConfig {
+            dir,
+            bytes,
+            segment_bytes: (bytes / 4).clamp(1 << 20, 256 << 20),
+            mode: crate::tier::WriteMode::Back,
+        }
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        if self.segment_bytes < 1 << 20 || self.bytes / self.segment_bytes < 2 {
+            return Err(ConfigError::Disk(format!(
+                "{} bytes in segments of {}: need at least two segments of at least 1 MiB",
+                self.bytes, self.segment_bytes
+            )));
+        }
+        Ok(())
+    }
 }
 
 impl ServerConfig {
@@ -61,6 +101,7 @@ impl ServerConfig {
             copy: CopyConfig::default(),
             http: Some(HttpConfig::default_endpoint()),
             tier: None,
+            disk: None,
         }
     }
 
@@ -73,6 +114,16 @@ impl ServerConfig {
         self.copy.validate()?;
         if let Some(t) = &self.tier {
             t.validate()?;
+        }
+        if let Some(d) = &self.disk {
+            d.validate()?;
+            if self.tier.is_some() {
+                return Err(ConfigError::Disk(
+                    "a disk tier and a Valkey/Redis tier together are not supported yet: \
+                     give --disk or --l2"
+                        .into(),
+                ));
+            }
         }
         Ok(())
     }
@@ -310,6 +361,8 @@ pub enum ConfigError {
     MaxPins(u64),
     #[error("second tier: {0}")]
     Tier(String),
+    #[error("disk tier: {0}")]
+    Disk(String),
 }
 
 /// The parsers of settings given as text (flags, environment variables).

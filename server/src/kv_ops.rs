@@ -4,10 +4,12 @@
 //! become jobs whose chunk copies run on the copy workers.
 
 use super::cache::{Cache, LeaseError, LeaseMeta, ObjectKey};
+use super::disk::{tier::DiskTier, DiskStore};
+use super::l2::value::Seal;
 use super::pool::PoolMemory;
 use super::registry::{Registration, Registry};
 use super::tier::link::{Inbox, TierLink};
-use super::tier::{Fetch, WriteMode};
+use super::tier::{Fetch, TierStart, WriteMode};
 use super::transfer::{BackendKind, Copier, Dir, EngineEvent, JobRun, JobWord, Task};
 use super::Shared;
 use kvring::jobs::{JobId, JobKind, JobResult, NewJob};
@@ -47,8 +49,8 @@ pub struct KvState {
     pub model_rows: Mutex<super::model_rows::ModelRows>,
     /// The tier below the pool, if any: its state and its owner's inbox.
     pub tier: Option<TierLink>,
-    /// The second tier and its owner's inbox, until the server starts them.
-    pub(super) tier_start: Mutex<Option<(Arc<super::l2::L2>, Inbox)>>,
+    /// The tier and its owner's inbox, until the server starts them.
+    pub(super) tier_start: Mutex<Option<(TierStart, Inbox)>>,
     /// Objects the tier was not handed (too many bytes waiting, its queue
     /// full, or down): counted with its dropped writes.
     pub(super) tier_refused: AtomicU64,
@@ -136,14 +138,23 @@ impl KvState {
                 .map(|i| super::simulated_device_uuid(i).to_bytes())
                 .collect()
         };
-        let (tier, tier_start) = match server.tier.clone() {
-            Some(c) => {
+        let (tier, tier_start) = match (server.tier.clone(), &server.disk) {
+            (Some(c), _) => {
                 let mode = c.mode;
                 let l2 = Arc::new(super::l2::L2::new(c));
                 let (link, inbox) = TierLink::new(l2.clone(), mode);
-                (Some(link), Some((l2, inbox)))
+                (Some(link), Some((TierStart::Remote(l2), inbox)))
             }
-            None => (None, None),
+            (None, Some(d)) => {
+                let store =
+                    DiskStore::open(&d.dir, d.bytes, d.segment_bytes, Seal::Checksum).map_err(
+                        kvring::error::io(format!("the disk tier in {}", d.dir.display())),
+                    )?;
+                let disk = Arc::new(DiskTier::new(store));
+                let (link, inbox) = TierLink::new(disk.clone(), d.mode);
+                (Some(link), Some((TierStart::Disk(disk), inbox)))
+            }
+            (None, None) => (None, None),
         };
         let kv = KvState {
             board: OnceLock::new(),

@@ -53,8 +53,8 @@ pub mod fuzz;
 
 pub use cache::{DEFAULT_MAX_PINS, MAX_PINS_PER_CALL, MAX_PINS_PER_PAGE};
 pub use config::{
-    BackendChoice, CacheConfig, ConfigError, CopyConfig, ServerConfig, UnknownBackend, MAX_PINS,
-    MAX_SIMULATED_DEVICES,
+    BackendChoice, CacheConfig, ConfigError, CopyConfig, DiskConfig, ServerConfig, UnknownBackend,
+    MAX_PINS, MAX_SIMULATED_DEVICES,
 };
 pub use http::{
     HttpConfig, CLIENT_DEADLINE as HTTP_CLIENT_DEADLINE, DEFAULT_ADDR as DEFAULT_HTTP_ADDR,
@@ -142,7 +142,7 @@ pub struct ServerHandle {
     http: Option<http::HttpServer>,
     /// The second tier's owner and thread: stopped after the copy workers
     /// (the owner first, so nothing is handed to the tier after).
-    l2: Option<(tier::owner::TierOwner, l2::L2Thread)>,
+    tier: Option<(tier::owner::TierOwner, tier::TierThread)>,
     paths: ServerPaths,
     _lock: File,
 }
@@ -206,7 +206,7 @@ impl ServerHandle {
         // the jobs are failed below.
         sh.kv.copier.drop_queued(sh.seg.mapping.lanes());
         // The second tier: its lookups not answered yet fail below.
-        if let Some((mut owner, mut t)) = self.l2.take() {
+        if let Some((mut owner, mut t)) = self.tier.take() {
             owner.stop();
             t.stop();
         }
@@ -358,14 +358,14 @@ pub fn start(cfg: ServerConfig) -> Result<ServerHandle> {
         )?),
         _ => None,
     };
-    let l2 = start_tier(&shared)?;
+    let tier = start_tier(&shared)?;
     undo.done();
     Ok(ServerHandle {
         shared,
         threads,
         workers,
         http,
-        l2,
+        tier,
         paths,
         _lock: lock,
     })
@@ -496,7 +496,7 @@ fn spawn_threads(
 
 /// Starts the tier below the pool, if the server has one: its thread and
 /// its owner.
-fn start_tier(shared: &Arc<Shared>) -> Result<Option<(tier::owner::TierOwner, l2::L2Thread)>> {
+fn start_tier(shared: &Arc<Shared>) -> Result<Option<(tier::owner::TierOwner, tier::TierThread)>> {
     let start = shared
         .kv
         .tier_start
@@ -504,9 +504,9 @@ fn start_tier(shared: &Arc<Shared>) -> Result<Option<(tier::owner::TierOwner, l2
         .unwrap_or_else(|e| e.into_inner())
         .take();
     Ok(match start {
-        Some((l2, inbox)) => {
+        Some((t, inbox)) => {
             let pool: Arc<dyn tier::PoolView> = Arc::new(tier::owner::Pool(shared.clone()));
-            let thread = l2::L2Thread::start(l2, pool, inbox.finished.clone())?;
+            let thread = tier::TierThread::start(t, pool, inbox.finished.clone())?;
             Some((
                 tier::owner::TierOwner::start(shared.clone(), inbox)?,
                 thread,

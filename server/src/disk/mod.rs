@@ -8,6 +8,7 @@
 mod aligned;
 mod segment;
 mod store;
+pub(crate) mod tier;
 
 pub use aligned::{AlignedBuf, BLOCK};
 pub use store::{record_bytes, DiskStats, DiskStore, LOCK_FILE};

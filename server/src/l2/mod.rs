@@ -23,7 +23,7 @@
 //!   the pool, and the tier is probed again with a backoff (100 ms to 2 s).
 
 mod conn;
-mod key;
+pub(crate) mod key;
 pub mod value;
 
 use super::cache::{Cache, ObjectKey};

@@ -17,6 +17,46 @@
 pub(crate) mod link;
 pub(crate) mod owner;
 
+/// The tier a server was configured with, until its thread starts.
+pub(crate) enum TierStart {
+    /// The remote tier (Valkey/Redis).
+    Remote(std::sync::Arc<crate::l2::L2>),
+    /// The local disk tier.
+    Disk(std::sync::Arc<crate::disk::tier::DiskTier>),
+}
+
+/// A tier's running thread(s).
+pub(crate) enum TierThread {
+    Remote(crate::l2::L2Thread),
+    Disk(crate::disk::tier::DiskThread),
+}
+
+impl TierThread {
+    /// Starts the thread of `start` over `pool`, reporting to `finished`.
+    pub fn start(
+        start: TierStart,
+        pool: std::sync::Arc<dyn PoolView>,
+        finished: link::Finished,
+    ) -> crate::Result<TierThread> {
+        Ok(match start {
+            TierStart::Remote(l2) => {
+                TierThread::Remote(crate::l2::L2Thread::start(l2, pool, finished)?)
+            }
+            TierStart::Disk(d) => {
+                TierThread::Disk(crate::disk::tier::DiskThread::start(d, pool, finished)?)
+            }
+        })
+    }
+
+    /// Stops it: queued operations are dropped.
+    pub fn stop(&mut self) {
+        match self {
+            TierThread::Remote(t) => t.stop(),
+            TierThread::Disk(t) => t.stop(),
+        }
+    }
+}
+
 use super::cache::{Drained, LeaseMeta, ObjectKey};
 use super::registry::Group;
 use kvring::jobs::JobId;

@@ -10,7 +10,9 @@ use clap::Args;
 use kvring::shm::Geometry;
 use kvring::wait::WaitPolicy;
 use kvring_server::config::flags::seconds;
-use kvring_server::{CacheConfig, CopyConfig, HttpConfig, L2Config, L2WriteMode, ServerConfig};
+use kvring_server::{
+    CacheConfig, CopyConfig, DiskConfig, HttpConfig, L2Config, L2WriteMode, ServerConfig,
+};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -30,6 +32,38 @@ pub struct ServeArgs {
     http: HttpArgs,
     #[command(flatten)]
     tier: TierArgs,
+    #[command(flatten)]
+    disk: DiskArgs,
+}
+
+/// The local disk tier.
+#[derive(Args, Debug)]
+struct DiskArgs {
+    /// A tier below the pool on a local disk: objects the pool evicts are
+    /// written to segment files in this directory (made if missing; one
+    /// server per directory), and a server started on it serves what it
+    /// holds. Not with --l2 (yet).
+    #[arg(long = "disk", value_name = "DIR", env = "KVRING_DISK")]
+    disk_dir: Option<std::path::PathBuf>,
+    /// Bytes of the disk tier's files at most (K, M, G, KiB, MiB, GiB).
+    #[arg(long = "disk-bytes", value_name = "BYTES", env = "KVRING_DISK_BYTES",
+        default_value = "16GiB", value_parser = kvring::units::parse_bytes)]
+    disk_bytes: u64,
+    /// When objects go to disk: `back` (when the pool evicts them) or
+    /// `through` (as soon as they are stored).
+    #[arg(long = "disk-write", value_name = "WHEN", default_value = "back",
+        value_parser = ["back", "through"])]
+    disk_write: String,
+}
+
+impl DiskArgs {
+    fn config(&self) -> Option<DiskConfig> {
+        let mut c = DiskConfig::new(self.disk_dir.clone()?, self.disk_bytes);
+        if self.disk_write == "through" {
+            c.mode = L2WriteMode::Through;
+        }
+        Some(c)
+    }
 }
 
 /// The segment and its ring loop.
@@ -232,6 +266,7 @@ impl ServeArgs {
         cfg.allow_oversize = self.segment.allow_oversize;
         cfg.http = self.http.config()?;
         cfg.tier = self.tier.config()?;
+        cfg.disk = self.disk.config();
         cfg.cache = self.cache;
         cfg.copy = self.copy;
         Ok(cfg)
@@ -277,6 +312,7 @@ pub fn run(args: ServeArgs) -> kvring::Result<()> {
     let cfg = args.config()?;
     let (pool_bytes, chunk_tokens) = (cfg.cache.pool_bytes, cfg.cache.chunk_tokens);
     let tier = cfg.tier.clone();
+    let disk = cfg.disk.clone();
     let _signals = StopSignals::install();
     let server = kvring_server::start(cfg)?;
     let p = server.paths();
@@ -301,6 +337,19 @@ pub fn run(args: ServeArgs) -> kvring::Result<()> {
                 "through"
             },
             c.prefix
+        );
+    }
+    if let Some(d) = &disk {
+        println!(
+            "kvring: disk tier {} ({} MiB in {} MiB segments, write-{})",
+            d.dir.display(),
+            d.bytes >> 20,
+            d.segment_bytes >> 20,
+            if d.mode == L2WriteMode::Back {
+                "back"
+            } else {
+                "through"
+            }
         );
     }
     if let Some(a) = server.http_addr() {
@@ -345,6 +394,7 @@ mod tests {
             "KVRING_HTTP",
             "KVRING_L2",
             "KVRING_L2_SECRET_FILE",
+            "KVRING_DISK",
         ] {
             assert!(std::env::var_os(k).is_none(), "unset {k} to run this test");
         }
@@ -364,6 +414,7 @@ mod tests {
             "the HTTP endpoint"
         );
         assert!(got.tier.is_none() && want.tier.is_none());
+        assert!(got.disk.is_none() && want.disk.is_none());
     }
 
     /// A group's flags land in that group.
