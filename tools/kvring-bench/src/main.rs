@@ -5,6 +5,7 @@
 //! pinned to its own CPU where the machine has two. Each peer runs in a
 //! forked child; the parent is single-threaded at every fork.
 
+mod disk;
 mod iceoryx;
 mod jobs;
 mod kv;
@@ -52,6 +53,10 @@ enum Cmd {
         #[arg(long, default_value_t = 0.25)]
         max_other_load: f64,
     },
+    /// The disk tier's store against the same disk's raw direct I/O:
+    /// sequential writes and reads of the same records at queue depth one,
+    /// GB/s and per-record latency, in alternating rounds.
+    Disk(disk::Opts),
     /// Job status polls (a shared-memory read) while the server writes the
     /// slot, next to a status query as a kvring ring or ZeroMQ round trip;
     /// and submit-to-done latency.
@@ -173,6 +178,7 @@ fn main() {
             max_other_load,
         } => ring::run(json, iters, pipelined, rounds, max_other_load),
         Cmd::Jobs { json, iters } => jobs::run(json, iters),
+        Cmd::Disk(o) => disk::run(&o),
         Cmd::Scrape {
             json,
             rounds,
