@@ -148,7 +148,15 @@ def test_layouts(engines, kv_server, case):
     the per-layer tensors of 0.26 and 0.21)."""
     layout = LAYOUT_CASES[case]
     sc = scenario(f"layout-{case}", store_then_load(random.Random(3)), kv_server, layout=layout)
-    report, stats = run(engines, sc)
+    try:
+        report, stats = run(engines, sc)
+    except EngineError as e:
+        # vLLM's CPU attention (which the connector asks for the layout)
+        # refuses an fp8 cache on a CPU without AVX-512 or AMX: an engine
+        # could not run this case on this machine either.
+        if layout.fp8 and "requires x86 with AVX-512 or AMX" in str(e):
+            pytest.skip("vLLM runs no fp8 KV cache on this CPU (it needs AVX-512 or AMX)")
+        raise
     assert_store_then_load(report, stats, tp=1)
 
 
