@@ -8,9 +8,9 @@
 use super::store::DiskStore;
 use crate::cache::{Cache, ObjectKey};
 use crate::tier::link::Finished;
-use crate::tier::{Fetch, Placement, PoolView, Tier, TierDone, TierOp};
+use crate::tier::{Fetch, Placement, PoolView, Tier, TierCounters, TierDone, TierOp};
 use kvring::proto::kv::{StatsReply, TierState};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -27,26 +27,12 @@ pub const LOOKUP_WAIT: Duration = Duration::from_secs(2);
 /// format: model, world size, rank, layout fingerprint, salt, chunk hash).
 const PREFIX: &str = "kvring-disk:";
 
-/// The tier's counters (what STATS and the metrics show for the tier).
-#[derive(Default)]
-struct Counters {
-    written: AtomicU64,
-    dropped: AtomicU64,
-    loaded: AtomicU64,
-    missed: AtomicU64,
-    corrupt: AtomicU64,
-    bytes_out: AtomicU64,
-    bytes_in: AtomicU64,
-    errors: AtomicU64,
-    queue: AtomicU64,
-}
-
 /// The disk tier: its queue and counters; the store is its thread's.
 pub(crate) struct DiskTier {
     tx: SyncSender<TierOp>,
     /// The queue's other end and the store, until the thread takes them.
     start: Mutex<Option<(Receiver<TierOp>, DiskStore)>>,
-    counters: Counters,
+    counters: TierCounters,
 }
 
 impl DiskTier {
@@ -55,7 +41,7 @@ impl DiskTier {
         DiskTier {
             tx,
             start: Mutex::new(Some((rx, store))),
-            counters: Counters::default(),
+            counters: TierCounters::default(),
         }
     }
 }
@@ -80,19 +66,7 @@ impl Tier for DiskTier {
     }
 
     fn fill(&self, s: &mut StatsReply) {
-        let c = &self.counters;
-        // Relaxed: counters, each read on its own; no access pairs.
-        let r = Ordering::Relaxed;
-        s.l2_state = TierState::Up as u64;
-        s.l2_written_objects = c.written.load(r);
-        s.l2_write_dropped_objects = c.dropped.load(r);
-        s.l2_loaded_objects = c.loaded.load(r);
-        s.l2_missed_objects = c.missed.load(r);
-        s.l2_corrupt_objects = c.corrupt.load(r);
-        s.l2_bytes_out = c.bytes_out.load(r);
-        s.l2_bytes_in = c.bytes_in.load(r);
-        s.l2_errors = c.errors.load(r);
-        s.l2_queue = c.queue.load(r);
+        self.counters.fill(TierState::Up, s);
     }
 }
 
@@ -218,6 +192,7 @@ fn fetch_chunks(
     pool: &dyn PoolView,
     f: &Fetch,
 ) -> (u32, Vec<u32>, Vec<u32>) {
+    // Relaxed (all counters here): no access pairs with them.
     let r = Ordering::Relaxed;
     let len = f.group.object_bytes;
     let (mut keep, mut drop) = (Vec::new(), Vec::new());

@@ -29,7 +29,7 @@ pub mod value;
 use super::cache::{Cache, ObjectKey};
 use super::tier::link::Finished;
 pub use super::tier::WriteMode;
-use super::tier::{Fetch, Placement, PoolView, Tier, TierDone, TierOp};
+use super::tier::{Fetch, Placement, PoolView, Tier, TierCounters, TierDone, TierOp};
 use conn::Conn;
 use kvring::proto::kv::{StatsReply, TierState};
 use std::fmt;
@@ -120,20 +120,6 @@ impl L2Config {
     }
 }
 
-/// The tier's counters (for STATS and the segment).
-#[derive(Default)]
-struct Counters {
-    written: AtomicU64,
-    dropped: AtomicU64,
-    loaded: AtomicU64,
-    missed: AtomicU64,
-    corrupt: AtomicU64,
-    bytes_out: AtomicU64,
-    bytes_in: AtomicU64,
-    errors: AtomicU64,
-    queue: AtomicU64,
-}
-
 /// The tier as the server's threads see it: a bounded queue to its thread,
 /// its state and counters.
 pub(crate) struct L2 {
@@ -141,7 +127,7 @@ pub(crate) struct L2 {
     tx: tokio::sync::mpsc::Sender<TierOp>,
     rx: Mutex<Option<tokio::sync::mpsc::Receiver<TierOp>>>,
     state: AtomicU64,
-    counters: Counters,
+    counters: TierCounters,
     /// When the tier was made (what `warned_ms` counts from).
     born: Instant,
     /// When a rate-limited warning was logged last (ms since `born`; 0:
@@ -159,7 +145,7 @@ impl L2 {
             tx,
             rx: Mutex::new(Some(rx)),
             state: AtomicU64::new(TierState::Connecting.raw()),
-            counters: Counters::default(),
+            counters: TierCounters::default(),
             born: Instant::now(),
             warned_ms: AtomicU64::new(0),
             unwarned: AtomicU64::new(0),
@@ -251,19 +237,7 @@ impl Tier for L2 {
     }
 
     fn fill(&self, s: &mut StatsReply) {
-        let c = &self.counters;
-        // Relaxed: counters, each read on its own; no access pairs.
-        let r = Ordering::Relaxed;
-        s.l2_state = self.state();
-        s.l2_written_objects = c.written.load(r);
-        s.l2_write_dropped_objects = c.dropped.load(r);
-        s.l2_loaded_objects = c.loaded.load(r);
-        s.l2_missed_objects = c.missed.load(r);
-        s.l2_corrupt_objects = c.corrupt.load(r);
-        s.l2_bytes_out = c.bytes_out.load(r);
-        s.l2_bytes_in = c.bytes_in.load(r);
-        s.l2_errors = c.errors.load(r);
-        s.l2_queue = c.queue.load(r);
+        self.counters.fill(Tier::state(self), s);
     }
 }
 

@@ -62,6 +62,40 @@ use super::registry::Group;
 use kvring::jobs::JobId;
 use kvring::kv::ChunkHash;
 use kvring::proto::kv::{StatsReply, TierState};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// A tier's counters, as STATS, the inspector and the metrics show them.
+#[derive(Default)]
+pub(crate) struct TierCounters {
+    pub written: AtomicU64,
+    pub dropped: AtomicU64,
+    pub loaded: AtomicU64,
+    pub missed: AtomicU64,
+    pub corrupt: AtomicU64,
+    pub bytes_out: AtomicU64,
+    pub bytes_in: AtomicU64,
+    pub errors: AtomicU64,
+    /// Operations submitted and not yet taken by the tier's thread.
+    pub queue: AtomicU64,
+}
+
+impl TierCounters {
+    /// Copies the counters and `state` into `s`.
+    pub fn fill(&self, state: TierState, s: &mut StatsReply) {
+        // Relaxed: counters, each read on its own; no access pairs.
+        let r = Ordering::Relaxed;
+        s.l2_state = state as u64;
+        s.l2_written_objects = self.written.load(r);
+        s.l2_write_dropped_objects = self.dropped.load(r);
+        s.l2_loaded_objects = self.loaded.load(r);
+        s.l2_missed_objects = self.missed.load(r);
+        s.l2_corrupt_objects = self.corrupt.load(r);
+        s.l2_bytes_out = self.bytes_out.load(r);
+        s.l2_bytes_in = self.bytes_in.load(r);
+        s.l2_errors = self.errors.load(r);
+        s.l2_queue = self.queue.load(r);
+    }
+}
 
 /// When objects go to a tier.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
