@@ -25,9 +25,6 @@ pub struct Segment {
     end: u64,
     /// The file's size.
     size: u64,
-    /// Whether the file is open with `O_DIRECT` (not on a file system
-    /// without it, e.g. tmpfs).
-    direct: bool,
 }
 
 /// A record's place: its offset and its value's bytes (header included).
@@ -50,13 +47,23 @@ pub fn id_of(name: &str) -> Option<u64> {
         .flatten()
 }
 
-fn open(path: &Path, create: bool) -> io::Result<(File, bool)> {
+fn open(path: &Path, create: bool) -> io::Result<File> {
     let mut o = OpenOptions::new();
     o.read(true).write(true).create_new(create);
     match o.clone().custom_flags(libc::O_DIRECT).open(path) {
-        Ok(f) => Ok((f, true)),
-        // A file system without direct I/O: the page cache it is.
-        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok((o.open(path)?, false)),
+        Ok(f) => Ok(f),
+        // A file system without direct I/O (tmpfs): the page cache it is,
+        // said once.
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+            static SAID: std::sync::Once = std::sync::Once::new();
+            SAID.call_once(|| {
+                tracing::warn!(
+                    path = %path.display(),
+                    "disk tier: no direct I/O on this file system; reads and writes go through the page cache"
+                )
+            });
+            o.open(path)
+        }
         Err(e) => Err(e),
     }
 }
@@ -67,7 +74,7 @@ impl Segment {
     pub fn create(dir: &Path, id: u64, size: u64) -> io::Result<Segment> {
         let size = round_up(size);
         let path = dir.join(file_name(id));
-        let (file, direct) = open(&path, true)?;
+        let file = open(&path, true)?;
         let made = nix::fcntl::posix_fallocate(&file, 0, size as libc::off_t);
         if let Err(e) = made.map_err(io::Error::from) {
             let _ = std::fs::remove_file(&path);
@@ -79,7 +86,6 @@ impl Segment {
             file,
             end: 0,
             size,
-            direct,
         })
     }
 
@@ -94,7 +100,7 @@ impl Segment {
         mut found: impl FnMut([u8; 16], Record),
     ) -> io::Result<Segment> {
         let path = dir.join(file_name(id));
-        let (file, direct) = open(&path, false)?;
+        let file = open(&path, false)?;
         let size = file.metadata()?.len() / BLOCK as u64 * BLOCK as u64;
         let mut seg = Segment {
             id,
@@ -102,7 +108,6 @@ impl Segment {
             file,
             end: 0,
             size,
-            direct,
         };
         let mut head = AlignedBuf::zeroed(BLOCK);
         let mut off = 0;
@@ -111,7 +116,9 @@ impl Segment {
             let Some((len, digest)) = value::peek(&head) else {
                 break;
             };
-            let bytes = HEADER as u64 + len;
+            // The length is the file's word: a record that would end past
+            // the file (or overflow) ends the scan.
+            let bytes = HEADER as u64 + len.min(size);
             let next = off + round_up(bytes);
             if next > size {
                 break;
@@ -129,10 +136,6 @@ impl Segment {
 
     pub fn path(&self) -> &Path {
         &self.path
-    }
-
-    pub fn direct(&self) -> bool {
-        self.direct
     }
 
     /// Whether a value of `bytes` fits after the last record.

@@ -195,11 +195,6 @@ impl DiskStore {
         }
     }
 
-    /// Whether the files are read and written with direct I/O.
-    pub fn direct(&self) -> bool {
-        self.segments.back().is_none_or(|s| s.direct())
-    }
-
     /// The newest segment came from before this start: nothing is
     /// appended to it (its tail may be torn).
     fn is_read_only_tail(&self) -> bool {

@@ -238,3 +238,19 @@ fn one_server_owns_a_directory() {
         .unwrap();
     assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput, "{e}");
 }
+
+#[test]
+fn a_header_whose_length_runs_past_its_file_ends_the_scan() {
+    let d = Dir::new("length");
+    let len = 20_000;
+    {
+        let mut s = DiskStore::open(&d.0, 4 * SEG, SEG, Seal::Checksum).unwrap();
+        s.put(&key(0), &object(0, len)).unwrap();
+        s.put(&key(1), &object(1, len)).unwrap();
+    }
+    // The second record's header says it is u64::MAX bytes long.
+    scribble(&d.0, record_bytes(len as u64) + 16, &u64::MAX.to_le_bytes());
+    let mut s = DiskStore::open(&d.0, 4 * SEG, SEG, Seal::Checksum).unwrap();
+    assert_eq!(s.stats().objects, 1);
+    assert_eq!(get(&mut s, 0, len).as_deref(), Some(&object(0, len)[..]));
+}
