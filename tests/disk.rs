@@ -45,6 +45,20 @@ fn disk_server(tag: &str, dir: &DiskDir, extra: &[&str]) -> Fixture {
     server(tag, &[], &args)
 }
 
+/// A new server for `a` (whose server was killed) on the disk in `dir`.
+fn restart_on(a: &mut Fixture, dir: &DiskDir) {
+    let d = dir.arg();
+    let disk = [
+        "--disk",
+        d.as_str(),
+        "--disk-bytes",
+        "16MiB",
+        "--http",
+        "off",
+    ];
+    a.restart(&[KV_SERVER_ARGS.as_slice(), &disk].concat());
+}
+
 #[test]
 fn evicted_objects_are_written_to_disk_and_served_again() {
     let dir = DiskDir::new("disk-back");
@@ -91,14 +105,7 @@ fn a_restarted_server_serves_what_its_disk_holds() {
         h
     };
     a.srv.kill();
-    let d = dir.arg();
-    a.restart(
-        &[
-            KV_SERVER_ARGS.as_slice(),
-            &["--disk", &d, "--disk-bytes", "16MiB", "--http", "off"],
-        ]
-        .concat(),
-    );
+    restart_on(&mut a, &dir);
     let mut e = engine(&a);
     assert_eq!(stats(&mut e).objects, 0, "an empty pool");
     assert_eq!(fetch_and_check(&mut e, &hashes), 8);
@@ -141,14 +148,7 @@ fn a_damaged_record_is_a_miss_never_kv() {
     for seg in dir.segments() {
         damage(&seg, 9 * 4096);
     }
-    let d = dir.arg();
-    a.restart(
-        &[
-            KV_SERVER_ARGS.as_slice(),
-            &["--disk", &d, "--disk-bytes", "16MiB", "--http", "off"],
-        ]
-        .concat(),
-    );
+    restart_on(&mut a, &dir);
     let mut e = engine(&a);
     assert_eq!(fetch_and_check(&mut e, &hashes), 0);
     let s = stats(&mut e);
