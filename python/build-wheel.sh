@@ -21,6 +21,7 @@ mkdir -p "$here/kvring/bin"
 strip -o "$here/kvring/bin/kvring" "$target/release/kvring"
 
 mkdir -p "$out"
+out="$(cd "$out" && pwd)"   # maturin runs from python/; keep OUTDIR the caller's
 rm -f "$out"/kvring-*.whl
 (cd "$here" && "$maturin" build --release --quiet -o "$out" >&2)
 ls "$out"/kvring-*.whl
