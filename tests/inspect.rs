@@ -420,7 +420,22 @@ fn metrics_count_what_was_done() {
 
 #[test]
 fn the_grafana_dashboard_queries_only_metrics_the_server_exposes() {
-    let s = Fixture::new("inspect-dashboard", Duration::from_secs(60), &[]);
+    // With a disk tier, so its series exist (the remote tier's counters
+    // are there without one).
+    let dir = std::env::temp_dir().join(format!("kvring-inspect-dashboard-{}", std::process::id()));
+    let d = dir.display().to_string();
+    struct Removed(std::path::PathBuf);
+    impl Drop for Removed {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+    let _removed = Removed(dir.clone());
+    let s = Fixture::new(
+        "inspect-dashboard",
+        Duration::from_secs(60),
+        &["--disk", &d, "--disk-bytes", "16MiB"],
+    );
     // A lookup, so the per-model series exist.
     let mut e = Engine::new(&s, small_layout(), 1, 0);
     let _lease = lookup(&mut e.c, 1, 0, &prompt_hashes(1, 2));

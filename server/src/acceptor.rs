@@ -506,8 +506,8 @@ pub(super) fn run(shared: &Shared, listener: Listener, bell: DoorbellReceiver, t
         // A gauge observers read on its own: Relaxed, no access pairs.
         h.pool_ready_bytes
             .store(shared.kv.pool_ready_bytes(), Ordering::Relaxed);
-        // The second tier's state and counters change on its own thread.
-        if shared.kv.tier.is_some() {
+        // The tiers' states and counters change on their own threads.
+        if shared.kv.tiers.is_some() {
             shared.kv.publish();
         }
         a.poll_once(&listener, &bell, tick);

@@ -117,13 +117,6 @@ impl ServerConfig {
         }
         if let Some(d) = &self.disk {
             d.validate()?;
-            if self.tier.is_some() {
-                return Err(ConfigError::Disk(
-                    "a disk tier and a Valkey/Redis tier together are not supported yet: \
-                     give --disk or --l2"
-                        .into(),
-                ));
-            }
         }
         Ok(())
     }

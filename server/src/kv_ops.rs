@@ -3,12 +3,13 @@
 //! is allocated; LOOKUP runs inline (a short index scan); STORE and RETRIEVE
 //! become jobs whose chunk copies run on the copy workers.
 
+use super::cache::Level;
 use super::cache::{Cache, LeaseError, LeaseMeta, ObjectKey};
 use super::disk::{tier::DiskTier, DiskStore};
 use super::l2::value::Seal;
 use super::pool::PoolMemory;
 use super::registry::{Registration, Registry};
-use super::tier::link::{Inbox, TierLink};
+use super::tier::link::{Inbox, TierLink, Tiers};
 use super::tier::{Fetch, TierStart, WriteMode};
 use super::transfer::{BackendKind, Copier, Dir, EngineEvent, JobRun, JobWord, Task};
 use super::Shared;
@@ -47,13 +48,11 @@ pub struct KvState {
     pub pool: PoolMemory,
     /// The lookups-by-model rows (written under the cache's lock).
     pub model_rows: Mutex<super::model_rows::ModelRows>,
-    /// The tier below the pool, if any: its state and its owner's inbox.
-    pub tier: Option<TierLink>,
-    /// The tier and its owner's inbox, until the server starts them.
-    pub(super) tier_start: Mutex<Option<(TierStart, Inbox)>>,
-    /// Objects the tier was not handed (too many bytes waiting, its queue
-    /// full, or down): counted with its dropped writes.
-    pub(super) tier_refused: AtomicU64,
+    /// The tiers below the pool, if any: their states and their owner's
+    /// inbox.
+    pub tiers: Option<Tiers>,
+    /// The tiers and their owner's inbox, until the server starts them.
+    pub(super) tier_start: Mutex<Option<(Vec<TierStart>, Inbox)>>,
     /// How long a lookup waits for a chunk being written.
     pub inflight_wait: Duration,
     /// Lookups waiting for a chunk being written (taken after the cache's
@@ -138,23 +137,29 @@ impl KvState {
                 .map(|i| super::simulated_device_uuid(i).to_bytes())
                 .collect()
         };
-        let (tier, tier_start) = match (server.tier.clone(), &server.disk) {
-            (Some(c), _) => {
-                let mode = c.mode;
-                let l2 = Arc::new(super::l2::L2::new(c));
-                let (link, inbox) = TierLink::new(l2.clone(), mode);
-                (Some(link), Some((TierStart::Remote(l2), inbox)))
-            }
-            (None, Some(d)) => {
-                let store =
-                    DiskStore::open(&d.dir, d.bytes, d.segment_bytes, Seal::Checksum).map_err(
-                        kvring::error::io(format!("the disk tier in {}", d.dir.display())),
-                    )?;
-                let disk = Arc::new(DiskTier::new(store));
-                let (link, inbox) = TierLink::new(disk.clone(), d.mode);
-                (Some(link), Some((TierStart::Disk(disk), inbox)))
-            }
-            (None, None) => (None, None),
+        // The tiers below the pool, in lookup order: the disk, then the
+        // remote tier.
+        let mut links = Vec::new();
+        let mut starts = Vec::new();
+        if let Some(d) = &server.disk {
+            let store = DiskStore::open(&d.dir, d.bytes, d.segment_bytes, Seal::Checksum).map_err(
+                kvring::error::io(format!("the disk tier in {}", d.dir.display())),
+            )?;
+            let disk = Arc::new(DiskTier::new(store, d.bytes));
+            links.push(TierLink::new(disk.clone(), d.mode, Level::Disk));
+            starts.push(TierStart::Disk(disk));
+        }
+        if let Some(c) = server.tier.clone() {
+            let mode = c.mode;
+            let l2 = Arc::new(super::l2::L2::new(c));
+            links.push(TierLink::new(l2.clone(), mode, Level::Remote));
+            starts.push(TierStart::Remote(l2));
+        }
+        let (tiers, tier_start) = if links.is_empty() {
+            (None, None)
+        } else {
+            let (tiers, inbox) = Tiers::new(links);
+            (Some(tiers), Some((starts, inbox)))
         };
         let kv = KvState {
             board: OnceLock::new(),
@@ -182,9 +187,8 @@ impl KvState {
             pool,
             copier: Copier::new(max_clients, backend, &devices),
             model_rows: Mutex::new(super::model_rows::ModelRows::default()),
-            tier,
+            tiers,
             tier_start: Mutex::new(tier_start),
-            tier_refused: AtomicU64::new(0),
             inflight_wait: cfg.inflight_wait,
             parked: Mutex::new(Vec::new()),
         };
@@ -196,9 +200,14 @@ impl KvState {
             limits.max_bytes = cfg.max_pinned_bytes.unwrap_or(limits.max_bytes);
             cache.set_pin_limits(limits);
         }
-        if kv.tier.as_ref().is_some_and(|t| t.mode == WriteMode::Back) {
+        if let Some(t) = &kv.tiers {
             // At most a quarter of the pool waits to be written at once.
-            kv.cache().set_writeback(kv.pool.len() / 4);
+            let budget = kv.pool.len() / 4;
+            kv.cache().set_tier_modes(
+                t.in_mode(WriteMode::Back),
+                t.in_mode(WriteMode::Through),
+                budget,
+            );
         }
         Ok(kv)
     }
@@ -237,11 +246,11 @@ impl KvState {
     pub fn with_cache<T>(&self, f: impl FnOnce(&mut Cache) -> T) -> T {
         let mut c = self.cache();
         let r = f(&mut c);
-        if let Some(t) = self.tier.as_ref().filter(|_| c.tier_work()) {
+        if let Some(t) = self.tiers.as_ref().filter(|_| c.tier_work()) {
             t.kick();
         }
         let mut stats = c.stats;
-        let pending = c.tier_pending();
+        let pending = Level::ALL.map(|l| c.tier_pending(l));
         drop(c);
         self.fill(&mut stats, pending);
         self.publish_read(&stats);
@@ -249,14 +258,15 @@ impl KvState {
     }
 
     /// The counters kept outside the cache (`pending`: objects the cache
-    /// holds for the tier, not yet handed to it, counted in its queue).
-    pub(super) fn fill(&self, stats: &mut StatsReply, pending: u64) {
+    /// holds for each tier, not yet handed to it, counted in its queue).
+    pub(super) fn fill(&self, stats: &mut StatsReply, pending: [u64; Level::ALL.len()]) {
         stats.instances = self.instances.load(Ordering::Relaxed);
-        if let Some(t) = &self.tier {
+        for t in self.tiers.iter().flat_map(Tiers::all) {
             t.tier.fill(stats);
+            let (queue, dropped) = super::tier::queue_and_dropped(t.level, stats);
+            *queue += pending[t.level as usize];
             // Relaxed: a counter.
-            stats.l2_write_dropped_objects += self.tier_refused.load(Ordering::Relaxed);
-            stats.l2_queue += pending;
+            *dropped += t.refused.load(Ordering::Relaxed);
         }
     }
 
@@ -283,7 +293,7 @@ impl KvState {
     /// The cache's counters now.
     pub fn stats(&self) -> StatsReply {
         let c = self.cache();
-        let (mut s, pending) = (c.stats, c.tier_pending());
+        let (mut s, pending) = (c.stats, Level::ALL.map(|l| c.tier_pending(l)));
         drop(c);
         self.fill(&mut s, pending);
         s
@@ -365,6 +375,8 @@ pub fn lookup(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
         group: g,
         hashes: hashes(rest).collect(),
         l1: 0,
+        at: Level::ALL[0],
+        found: [0; Level::ALL.len()],
     };
     resolve(
         shared,
@@ -405,17 +417,17 @@ fn resolve(shared: &Shared, f: Box<Fetch>, deadline: Instant) {
         let _ = shared.jobs.start(id, monotonic_ns());
         return;
     };
-    if let Some(t) = shared.kv.tier.as_ref().filter(|t| t.up()) {
+    if let Some(t) = shared.kv.tiers.as_ref().filter(|t| t.any_up()) {
         if (l1 as usize) < f.hashes.len() {
             let _ = shared.jobs.start(id, monotonic_ns());
-            // The owner hands it to the tier (or answers from the pool).
+            // The owner hands it down the tiers (or answers from the pool).
             if let Err(f) = t.fetch(Box::new(Fetch { l1, ..*f })) {
-                end_lookup(shared, &f, 0);
+                end_lookup(shared, &f);
             }
             return;
         }
     }
-    end_lookup(shared, &f, 0);
+    end_lookup(shared, &f);
 }
 
 /// Resumes the lookups waiting for chunks that are now readable or were
@@ -443,10 +455,10 @@ pub(super) fn wake_lookups(shared: &Shared) {
     }
 }
 
-/// Ends lookup `f` (inline, or once the second tier brought `l2_hits`
-/// chunks past the pool's `f.l1` into the pool): takes its lease on the
-/// longest prefix stored for every rank, counts it, and finishes its job.
-pub(super) fn end_lookup(shared: &Shared, f: &Fetch, l2_hits: u32) {
+/// Ends lookup `f` (inline, or once the tiers brought `f.found` chunks
+/// past the pool's `f.l1` into the pool): takes its lease on the longest
+/// prefix stored for every rank, counts it, and finishes its job.
+pub(super) fn end_lookup(shared: &Shared, f: &Fetch) {
     let n = f.hashes.len() as u32;
     let hits = shared.kv.with_cache(|c| {
         let hits = c.lookup(
@@ -458,8 +470,16 @@ pub(super) fn end_lookup(shared: &Shared, f: &Fetch, l2_hits: u32) {
             shared.kv.lease_ttl,
             Instant::now(),
         );
-        if l2_hits > 0 {
-            c.stats.lookup_l2_hit_chunks += u64::from(hits.saturating_sub(f.l1));
+        // The hits past the pool's, by the tier that brought them (in
+        // lookup order: the disk's chunks come first).
+        let mut past = hits.saturating_sub(f.l1);
+        for level in Level::ALL {
+            let n = past.min(f.found[level as usize]);
+            past -= n;
+            *match level {
+                Level::Disk => &mut c.stats.lookup_disk_hit_chunks,
+                Level::Remote => &mut c.stats.lookup_l2_hit_chunks,
+            } += u64::from(n);
         }
         // Under the cache's lock: one writer of the rows at a time.
         shared

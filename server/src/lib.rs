@@ -140,9 +140,9 @@ pub struct ServerHandle {
     workers: Vec<JoinHandle<()>>,
     /// Stopped first at shutdown.
     http: Option<http::HttpServer>,
-    /// The second tier's owner and thread: stopped after the copy workers
-    /// (the owner first, so nothing is handed to the tier after).
-    tier: Option<(tier::owner::TierOwner, tier::TierThread)>,
+    /// The tiers' owner and threads: stopped after the copy workers (the
+    /// owner first, so nothing is handed to a tier after).
+    tier: Option<(tier::owner::TierOwner, Vec<tier::TierThread>)>,
     paths: ServerPaths,
     _lock: File,
 }
@@ -205,10 +205,12 @@ impl ServerHandle {
         // Queued tasks go now, so their jobs' streams are released before
         // the jobs are failed below.
         sh.kv.copier.drop_queued(sh.seg.mapping.lanes());
-        // The second tier: its lookups not answered yet fail below.
-        if let Some((mut owner, mut t)) = self.tier.take() {
+        // The tiers: their lookups not answered yet fail below.
+        if let Some((mut owner, mut threads)) = self.tier.take() {
             owner.stop();
-            t.stop();
+            for t in &mut threads {
+                t.stop();
+            }
         }
         // Unfinished jobs end Failed(ServerShutdown) while their owners are
         // still connected, so a waiting owner reads that, not a bare
@@ -494,24 +496,28 @@ fn spawn_threads(
     Ok((threads, workers))
 }
 
-/// Starts the tier below the pool, if the server has one: its thread and
-/// its owner.
-fn start_tier(shared: &Arc<Shared>) -> Result<Option<(tier::owner::TierOwner, tier::TierThread)>> {
+/// Starts the tiers below the pool, if the server has any: their threads
+/// and their owner.
+#[allow(clippy::type_complexity)]
+fn start_tier(
+    shared: &Arc<Shared>,
+) -> Result<Option<(tier::owner::TierOwner, Vec<tier::TierThread>)>> {
     let start = shared
         .kv
         .tier_start
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .take();
-    Ok(match start {
-        Some((t, inbox)) => {
-            let pool: Arc<dyn tier::PoolView> = Arc::new(tier::owner::Pool(shared.clone()));
-            let thread = tier::TierThread::start(t, pool, inbox.finished.clone())?;
-            Some((
-                tier::owner::TierOwner::start(shared.clone(), inbox)?,
-                thread,
-            ))
-        }
-        None => None,
-    })
+    let Some((starts, inbox)) = start else {
+        return Ok(None);
+    };
+    let pool: Arc<dyn tier::PoolView> = Arc::new(tier::owner::Pool(shared.clone()));
+    let threads = starts
+        .into_iter()
+        .map(|t| tier::TierThread::start(t, pool.clone(), inbox.finished.clone()))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Some((
+        tier::owner::TierOwner::start(shared.clone(), inbox)?,
+        threads,
+    )))
 }

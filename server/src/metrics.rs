@@ -406,6 +406,83 @@ fn cache(x: &mut Out, s: &Snapshot) -> Result<(), Error> {
     for (name, help, unit, v) in counters {
         x.counter(name, help, unit, v)?;
     }
+    let disk = c.disk_tier_state();
+    if disk != Ok(TierState::None) {
+        let counters: [(&str, &str, Option<Unit>, u64); 9] = [
+            (
+                "lookup_disk_hit_chunks",
+                "chunks lookups found on the disk tier beyond the pool's (part of lookup_hit_chunks)",
+                None,
+                c.lookup_disk_hit_chunks,
+            ),
+            ("disk_written_objects", "objects written to the disk tier", None, c.disk_written_objects),
+            (
+                "disk_write_dropped_objects",
+                "objects not written to the disk tier (its queue full, it down, a write failed, too many bytes waiting)",
+                None,
+                c.disk_write_dropped_objects,
+            ),
+            (
+                "disk_loaded_objects",
+                "objects read from the disk tier into the pool",
+                None,
+                c.disk_loaded_objects,
+            ),
+            (
+                "disk_missed_objects",
+                "objects asked of the disk tier and not there",
+                None,
+                c.disk_missed_objects,
+            ),
+            (
+                "disk_corrupt_objects",
+                "disk records that are not the object their key names (read as misses)",
+                None,
+                c.disk_corrupt_objects,
+            ),
+            ("disk_out", "record bytes written to the disk tier", bytes.clone(), c.disk_bytes_out),
+            ("disk_in", "record bytes read from the disk tier", bytes.clone(), c.disk_bytes_in),
+            (
+                "disk_errors",
+                "disk tier reads and writes that failed (I/O errors, a full disk, a deadline passed)",
+                None,
+                c.disk_errors,
+            ),
+        ];
+        for (name, help, unit, v) in counters {
+            x.counter(name, help, unit, v)?;
+        }
+        x.gauge(
+            "disk_queue",
+            "operations queued for or running on the disk tier",
+            None,
+            c.disk_queue as f64,
+        )?;
+        x.gauge(
+            "disk_objects",
+            "objects on the disk tier",
+            None,
+            c.disk_objects as f64,
+        )?;
+        x.gauge(
+            "disk_used",
+            "bytes of the disk tier's segment files",
+            bytes.clone(),
+            c.disk_used_bytes as f64,
+        )?;
+        x.gauge(
+            "disk_capacity",
+            "the disk tier's byte budget",
+            bytes.clone(),
+            c.disk_capacity_bytes as f64,
+        )?;
+        x.gauge(
+            "disk_up",
+            "1 while the disk tier takes work, 0 while it is down after I/O errors (absent without one)",
+            None,
+            if disk == Ok(TierState::Up) { 1.0 } else { 0.0 },
+        )?;
+    }
     x.gauge(
         "l2_queue",
         "operations queued for or running on the second tier",

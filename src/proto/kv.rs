@@ -176,6 +176,35 @@ shm_struct! {
         [232] pub l2_errors: u64,
         /// Operations queued for or running on the tier now.
         [240] pub l2_queue: u64,
+        /// Chunks a lookup found on the disk tier (and brought into the
+        /// pool) beyond those the pool had: part of `lookup_hit_chunks`.
+        [248] pub lookup_disk_hit_chunks: u64,
+        /// The disk tier's state, a [`TierState`] (`StatsReply::disk_tier_state`).
+        [256] pub disk_state: u64,
+        /// Objects written to the disk tier.
+        [264] pub disk_written_objects: u64,
+        /// Objects not written: the tier's queue full, the tier down (after
+        /// I/O errors), a write that failed, or too many bytes waiting.
+        [272] pub disk_write_dropped_objects: u64,
+        /// Objects read from the disk tier into the pool.
+        [280] pub disk_loaded_objects: u64,
+        /// Objects asked of the disk tier and not there.
+        [288] pub disk_missed_objects: u64,
+        /// Records that are not the object their key names (read as misses).
+        [296] pub disk_corrupt_objects: u64,
+        /// Record bytes written to and read from the disk tier.
+        [304] pub disk_bytes_out: u64,
+        [312] pub disk_bytes_in: u64,
+        /// Reads and writes that failed (an I/O error, a full disk, a
+        /// deadline passed).
+        [320] pub disk_errors: u64,
+        /// Operations queued for or running on the disk tier now.
+        [328] pub disk_queue: u64,
+        /// Objects on the disk tier now, and the bytes of its segment files.
+        [336] pub disk_objects: u64,
+        [344] pub disk_used_bytes: u64,
+        /// The disk tier's byte budget (`--disk-bytes`).
+        [352] pub disk_capacity_bytes: u64,
     }
 }
 
@@ -194,9 +223,15 @@ wire_enum! {
 }
 
 impl StatsReply {
-    /// The second tier's state (`Err` for a code this build does not know).
+    /// The second (remote) tier's state (`Err` for a code this build does
+    /// not know).
     pub fn tier_state(&self) -> Result<TierState, crate::wire::Unknown<u64>> {
         TierState::decode(self.l2_state)
+    }
+
+    /// The disk tier's state (`Err` for a code this build does not know).
+    pub fn disk_tier_state(&self) -> Result<TierState, crate::wire::Unknown<u64>> {
+        TierState::decode(self.disk_state)
     }
 }
 
@@ -408,7 +443,7 @@ const _: () = {
     assert!(size_of::<EndSessionRequest>() == 16);
     assert!(size_of::<ClearReply>() == 16);
     assert!(size_of::<ConfigReply>() == 32);
-    assert!(size_of::<StatsReply>() == 31 * 8);
+    assert!(size_of::<StatsReply>() == 45 * 8);
     assert!(size_of::<RegisterKv>() == 88);
     assert!(size_of::<AttachFds>() == 16);
     assert!(size_of::<UnregisterKv>() == 16);

@@ -39,7 +39,7 @@ pub const LINE: usize = 128;
 /// `"KVRINGSG"` as a little-endian u64.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"KVRINGSG");
 /// Version of this layout. Any change to a table in `shm_layout.md` bumps it.
-pub const LAYOUT_VERSION: u32 = 9;
+pub const LAYOUT_VERSION: u32 = 10;
 
 shm_struct! {
     /// Segment header, at offset 0. Written by the server only.
@@ -120,23 +120,23 @@ shm_struct! {
         [568] pub jobs_released: AtomicU64,
         /// Live: job submissions refused for want of a free job slot.
         [576] pub jobs_refused: AtomicU64,
-        /// Live: the cache's counters, word for word the fields of the STATS
-        /// reply (`proto::kv::StatsReply`), each stored Relaxed after every
-        /// cache operation (each word is current; they are not one snapshot).
-        [584] pub cache_stats: [AtomicU64; CACHE_STATS_WORDS],
         /// Live: job slots retired because another process wrote their
         /// lock word (never used again).
-        [832] pub jobs_retired: AtomicU64,
+        [584] pub jobs_retired: AtomicU64,
         /// Live: bytes of the pool ready for copies (pinned with the
         /// driver by the CUDA backend, which pins it piece by piece after
         /// the start; all of it at once for the host backend).
-        [840] pub pool_ready_bytes: AtomicU64,
-        [848] pub _reserved2: [AtomicU64; 22],
+        [592] pub pool_ready_bytes: AtomicU64,
+        /// Live: the cache's counters, word for word the fields of the STATS
+        /// reply (`proto::kv::StatsReply`), each stored Relaxed after every
+        /// cache operation (each word is current; they are not one snapshot).
+        [600] pub cache_stats: [AtomicU64; CACHE_STATS_WORDS],
+        [960] pub _reserved2: [AtomicU64; 8],
     }
 }
 
 /// Words of `SegmentHeader::cache_stats`.
-pub const CACHE_STATS_WORDS: usize = 31;
+pub const CACHE_STATS_WORDS: usize = 45;
 
 const _: () = {
     assert!(size_of::<SegmentHeader>() == 1024);

@@ -26,12 +26,13 @@ pub fn server(tag: &str, urls: &[String], extra: &[&str]) -> Fixture {
     Fixture::new(tag, Duration::from_secs(120), &args)
 }
 
-/// An engine on `s`, once the server's second tier is up (before, its
+/// An engine on `s`, once the server's tiers are up (before, their
 /// writes are dropped and its lookups answered from the pool).
 pub fn engine(s: &Fixture) -> Engine {
     let mut e = Engine::new(s, small_layout(), 1, 0);
-    until(&mut e, "the second tier up", |s| {
-        s.tier_state() == Ok(TierState::Up)
+    let up_or_none = |t| matches!(t, Ok(TierState::Up | TierState::None));
+    until(&mut e, "the tiers up", |s| {
+        up_or_none(s.tier_state()) && up_or_none(s.disk_tier_state())
     });
     e
 }

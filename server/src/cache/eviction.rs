@@ -1,35 +1,17 @@
 //! Eviction: least recently used objects without holds, walked in LRU
 //! order, to make room for a store, to bring usage under the watermarks,
 //! or at an operator's call; with write-back, an evicted object keeps its
-//! range until the second tier has it ([`super::handoff`]).
+//! range until the tiers below have it ([`super::handoff`]).
 
-use super::{Cache, Drained, NIL};
+use super::{Cache, NIL};
 use crate::pool::PoolAlloc;
 
 impl Cache {
     /// Evicts object `id`: with write-back, it keeps its range until the
-    /// second tier has it (while the bytes waiting allow). One the tier had
-    /// when last heard of is only checked for there, and written again if
-    /// the store has evicted it meanwhile; past the bound it is let go
-    /// uncounted, as the tier most likely has it.
+    /// tiers below have it ([`Cache::drain`]).
     pub(super) fn evict_object(&mut self, id: u32) {
         let o = self.unlink_object(id);
-        match self.writeback {
-            Some(budget) if self.draining_bytes + o.len <= budget => {
-                self.draining_bytes += o.len;
-                self.drained.push(Drained {
-                    key: o.key,
-                    off: o.off,
-                    len: o.len,
-                    in_l2: o.in_l2,
-                });
-            }
-            Some(_) if !o.in_l2 => {
-                self.drain_refused += 1;
-                self.pool.free(o.off, o.len);
-            }
-            _ => self.pool.free(o.off, o.len),
-        }
+        self.drain(o.key, o.off, o.len, o.in_tiers);
         self.stats.pool_used_bytes = self.pool.used();
         self.stats.evicted_objects += 1;
         self.stats.evicted_bytes += o.len;

@@ -47,7 +47,7 @@ mod pinning;
 mod pins;
 mod store;
 
-pub use handoff::Drained;
+pub use handoff::{Drained, Level, Levels};
 use leases::Lease;
 pub use leases::{LeaseError, LeaseMeta};
 use pins::Pins;
@@ -93,8 +93,8 @@ struct Object {
     holds: u32,
     /// A pin covers it: out of the LRU order, never evicted or cleared.
     pinned: bool,
-    /// Known to be in the second tier (written there, or read from it).
-    in_l2: bool,
+    /// The tiers known to have it (written there, or read from there).
+    in_tiers: Levels,
     prev: u32,
     next: u32,
 }
@@ -116,20 +116,8 @@ pub struct Cache {
     high_water: u64,
     low_water: u64,
     pub stats: StatsReply,
-    /// Write-back to the second tier: evicted objects not known to be
-    /// there keep their range until written (at most this many bytes at
-    /// once; `None`: no write-back).
-    writeback: Option<u64>,
-    /// Evicted objects waiting to be handed to the second tier.
-    drained: Vec<Drained>,
-    /// Bytes of evicted objects whose ranges are kept until written.
-    draining_bytes: u64,
-    /// Evicted objects not kept for the second tier since the last
-    /// [`Cache::take_drained`] (too many bytes waiting already).
-    drain_refused: u64,
-    /// Stored objects held for a write-through to the second tier, not yet
-    /// handed to it: (object, key, offset, length).
-    through: Vec<(u32, ObjectKey, u64, u64)>,
+    /// What goes to the tiers below, and what waits for them.
+    handoff: handoff::Handoff,
 }
 
 impl Cache {
@@ -159,11 +147,7 @@ impl Cache {
             variants: HashMap::new(),
             high_water: (cap * high) as u64,
             low_water: (cap * low) as u64,
-            writeback: None,
-            drained: Vec::new(),
-            through: Vec::new(),
-            draining_bytes: 0,
-            drain_refused: 0,
+            handoff: handoff::Handoff::default(),
         }
     }
 

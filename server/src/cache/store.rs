@@ -2,7 +2,7 @@
 //! the second tier), written outside the lock, then made readable or
 //! dropped.
 
-use super::{Cache, ObjState, Object, ObjectKey, Pin, NIL};
+use super::{Cache, Levels, ObjState, Object, ObjectKey, Pin, NIL};
 
 /// A chunk a store will write: the object and where it lives in the pool.
 #[derive(Clone, Copy, Debug)]
@@ -58,7 +58,7 @@ impl Cache {
                 state: ObjState::Writing,
                 holds: 0,
                 pinned,
-                in_l2: false,
+                in_tiers: Levels::NONE,
                 prev: NIL,
                 next: NIL,
             };
@@ -97,7 +97,7 @@ impl Cache {
 
     /// Ends a store: its objects become readable (`ok`) or are dropped.
     pub fn finish_store(&mut self, objs: &[u32], ok: bool, bytes: u64) {
-        self.finish_objects(objs, ok, false);
+        self.finish_objects(objs, ok, Levels::NONE);
         if ok {
             self.stats.stored_chunks += objs.len() as u64;
             self.stats.stored_bytes += bytes;
@@ -105,11 +105,11 @@ impl Cache {
     }
 
     /// Ends objects planned with [`Cache::plan_objects`]: readable (`ok`;
-    /// `in_l2`: read from the second tier) or dropped.
-    pub fn finish_objects(&mut self, objs: &[u32], ok: bool, in_l2: bool) {
+    /// `from`: the tiers they were read from) or dropped.
+    pub fn finish_objects(&mut self, objs: &[u32], ok: bool, from: Levels) {
         for &id in objs {
             if ok {
-                self.obj_mut(id).in_l2 = in_l2;
+                self.obj_mut(id).in_tiers = from;
             }
             if ok {
                 self.obj_mut(id).state = ObjState::Ready;

@@ -6,11 +6,11 @@
 //! path.
 
 use super::store::DiskStore;
-use crate::cache::{Cache, ObjectKey};
+use crate::cache::{Cache, Level, ObjectKey};
 use crate::tier::link::Finished;
 use crate::tier::{Fetch, Placement, PoolView, Tier, TierCounters, TierDone, TierOp};
 use kvring::proto::kv::{StatsReply, TierState};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -33,16 +33,36 @@ pub(crate) struct DiskTier {
     /// The queue's other end and the store, until the thread takes them.
     start: Mutex<Option<(Receiver<TierOp>, DiskStore)>>,
     counters: TierCounters,
+    /// The store's objects and segment bytes, as its thread last saw them.
+    objects: AtomicU64,
+    used: AtomicU64,
+    /// The byte budget.
+    capacity: u64,
 }
 
 impl DiskTier {
-    pub fn new(store: DiskStore) -> DiskTier {
+    /// The tier over `store`, whose budget is `capacity` bytes.
+    pub fn new(store: DiskStore, capacity: u64) -> DiskTier {
         let (tx, rx) = mpsc::sync_channel(QUEUE);
-        DiskTier {
+        let tier = DiskTier {
             tx,
-            start: Mutex::new(Some((rx, store))),
+            start: Mutex::new(None),
             counters: TierCounters::default(),
-        }
+            objects: AtomicU64::new(0),
+            used: AtomicU64::new(0),
+            capacity,
+        };
+        tier.gauge(&store);
+        *tier.start.lock().unwrap_or_else(|e| e.into_inner()) = Some((rx, store));
+        tier
+    }
+
+    /// Publishes the store's size for observers.
+    fn gauge(&self, store: &DiskStore) {
+        let s = store.stats();
+        // Relaxed: gauges for observers, each read on its own.
+        self.objects.store(s.objects, Ordering::Relaxed);
+        self.used.store(s.segment_bytes, Ordering::Relaxed);
     }
 }
 
@@ -66,7 +86,11 @@ impl Tier for DiskTier {
     }
 
     fn fill(&self, s: &mut StatsReply) {
-        self.counters.fill(TierState::Up, s);
+        self.counters.fill(Level::Disk, TierState::Up, s);
+        // Relaxed: gauges (see `gauge`).
+        s.disk_objects = self.objects.load(Ordering::Relaxed);
+        s.disk_used_bytes = self.used.load(Ordering::Relaxed);
+        s.disk_capacity_bytes = self.capacity;
     }
 }
 
@@ -135,7 +159,9 @@ fn run(
         };
         // Relaxed: a gauge.
         tier.counters.queue.fetch_sub(1, Ordering::Relaxed);
-        finished.send(serve(tier, &mut store, pool, op));
+        let done = serve(tier, &mut store, pool, op);
+        tier.gauge(&store);
+        finished.send(done);
     }
 }
 
@@ -183,7 +209,7 @@ fn serve(tier: &DiskTier, store: &mut DiskStore, pool: &dyn PoolView, op: TierOp
     }
 }
 
-/// Reads the leading chunks of `f.hashes[f.l1..]` the store has (every
+/// Reads the leading chunks of `f.hashes[f.start()..]` the store has (every
 /// rank's object) into the pool: how many, the objects placed for them,
 /// and the objects placed but not kept (a record that failed its check).
 fn fetch_chunks(
@@ -198,7 +224,7 @@ fn fetch_chunks(
     let (mut keep, mut drop) = (Vec::new(), Vec::new());
     let mut hits = 0;
     let deadline = Instant::now() + LOOKUP_WAIT;
-    'chunks: for h in &f.hashes[f.l1 as usize..] {
+    'chunks: for h in &f.hashes[f.start()..] {
         if Instant::now() >= deadline {
             break;
         }

@@ -237,7 +237,8 @@ impl Tier for L2 {
     }
 
     fn fill(&self, s: &mut StatsReply) {
-        self.counters.fill(Tier::state(self), s);
+        self.counters
+            .fill(crate::cache::Level::Remote, Tier::state(self), s);
     }
 }
 
@@ -493,7 +494,7 @@ enum Got {
     Failed(u32),
 }
 
-/// Brings the leading chunks of `f.hashes[f.l1..]` the tier has (for every
+/// Brings the leading chunks of `f.hashes[f.start()..]` the tier has (for every
 /// rank, every value checked) into the pool: how many, the objects placed
 /// for them, and the other objects placed (past that prefix, or failed on
 /// the copy), for the owner to drop.
@@ -511,7 +512,7 @@ async fn fetch(
     let deadline = Instant::now() + l2.cfg.lookup_wait;
     // Per chunk past the pool's prefix, one key per rank (one for all when
     // the ranks share objects).
-    let keys: Vec<Vec<ObjectKey>> = f.hashes[f.l1 as usize..]
+    let keys: Vec<Vec<ObjectKey>> = f.hashes[f.start()..]
         .iter()
         .map(|h| {
             let mut ks = Cache::rank_keys(&f.meta, f.group, *h);

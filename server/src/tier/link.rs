@@ -1,33 +1,34 @@
-//! The link between the request path and the tier's owner: the owner's
-//! inbox (finished work, fetches, kicks), the tier's way into it, and the
-//! request path's handle on the tier. Neither side calls the other: each
+//! The link between the request path and the tiers' owner: the owner's
+//! inbox (finished work, fetches, kicks), the tiers' way into it, and the
+//! request path's handle on the tiers. Neither side calls the other: each
 //! sends into the inbox, which only the owner reads.
 
 use super::{Fetch, Tier, TierDone, WriteMode};
+use crate::cache::Level;
 use kvring::proto::kv::TierState;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
 
 /// What the owner's inbox carries.
 pub(crate) enum Msg {
-    /// Work the tier finished.
+    /// Work a tier finished.
     Done(TierDone),
-    /// A lookup for the tier.
+    /// A lookup for the tiers.
     Fetch(Box<Fetch>),
-    /// The cache recorded objects for the tier.
+    /// The cache recorded objects for the tiers.
     Kick,
     /// Stop.
     Stop,
 }
 
-/// The owner's end of its inbox, and the tier's way into it.
+/// The owner's end of its inbox, and the tiers' way into it.
 pub(crate) struct Inbox {
     pub(super) rx: mpsc::Receiver<Msg>,
     pub finished: Finished,
 }
 
-/// The tier's finished work, on its way to the owner.
+/// The tiers' finished work, on its way to the owner.
 #[derive(Clone)]
 pub(crate) struct Finished(mpsc::Sender<Msg>);
 
@@ -39,28 +40,57 @@ impl Finished {
     }
 }
 
-/// The request path's side of the tier: its state, and the owner's inbox.
+/// One tier as the request path and the owner see it.
 pub(crate) struct TierLink {
     pub tier: Arc<dyn Tier>,
     pub mode: WriteMode,
-    pub(super) inbox: mpsc::Sender<Msg>,
+    pub level: Level,
+    /// Objects the tier was not handed (too many bytes waiting, its queue
+    /// full, or down): counted with its dropped writes.
+    pub refused: AtomicU64,
+}
+
+impl TierLink {
+    pub fn new(tier: Arc<dyn Tier>, mode: WriteMode, level: Level) -> TierLink {
+        TierLink {
+            tier,
+            mode,
+            level,
+            refused: AtomicU64::new(0),
+        }
+    }
+
+    pub fn up(&self) -> bool {
+        self.tier.state() == TierState::Up
+    }
+}
+
+/// The request path's side of the tiers: each tier, in lookup order, and
+/// the owner's inbox.
+pub(crate) struct Tiers {
+    links: Vec<TierLink>,
+    inbox: mpsc::Sender<Msg>,
     /// A kick is in the owner's inbox, not yet taken.
     kicked: AtomicBool,
 }
 
-impl TierLink {
-    /// A link to `tier` and its owner's inbox (its other end, for
-    /// [`super::owner::TierOwner::start`]).
-    pub fn new(tier: Arc<dyn Tier>, mode: WriteMode) -> (TierLink, Inbox) {
+impl Tiers {
+    /// The tiers of `links` (one per level at most) and their owner's inbox
+    /// (its other end, for [`super::owner::TierOwner::start`]).
+    pub fn new(mut links: Vec<TierLink>) -> (Tiers, Inbox) {
+        links.sort_by_key(|l| l.level as u8);
+        assert!(
+            links.windows(2).all(|w| w[0].level != w[1].level),
+            "one tier per level"
+        );
         let (tx, rx) = mpsc::channel();
-        let link = TierLink {
-            tier,
-            mode,
+        let tiers = Tiers {
+            links,
             inbox: tx.clone(),
             kicked: AtomicBool::new(false),
         };
         (
-            link,
+            tiers,
             Inbox {
                 rx,
                 finished: Finished(tx),
@@ -68,15 +98,41 @@ impl TierLink {
         )
     }
 
-    pub fn up(&self) -> bool {
-        self.tier.state() == TierState::Up
+    /// Every tier, in lookup order.
+    pub fn all(&self) -> &[TierLink] {
+        &self.links
     }
 
-    /// Wakes the owner to take what the cache recorded for the tier; one
+    /// The tier at `level`, if the server has one.
+    pub fn at(&self, level: Level) -> Option<&TierLink> {
+        self.links.iter().find(|l| l.level == level)
+    }
+
+    /// The first tier at `from` or below that is up.
+    pub fn up_from(&self, from: Level) -> Option<&TierLink> {
+        self.links
+            .iter()
+            .find(|l| l.level as u8 >= from as u8 && l.up())
+    }
+
+    /// Whether a tier is up (a lookup that misses the pool asks it).
+    pub fn any_up(&self) -> bool {
+        self.links.iter().any(TierLink::up)
+    }
+
+    /// The tiers written in `mode`.
+    pub fn in_mode(&self, mode: WriteMode) -> crate::cache::Levels {
+        self.links
+            .iter()
+            .filter(|l| l.mode == mode)
+            .fold(crate::cache::Levels::NONE, |s, l| s.with(l.level))
+    }
+
+    /// Wakes the owner to take what the cache recorded for the tiers; one
     /// wake-up for any number of kicks before the owner takes them.
     pub fn kick(&self) {
         // AcqRel on success pairs with the owner's `swap(false, AcqRel)` in
-        // `owner::run`: a kick after the owner took the last one sends a new
+        // `take_kick`: a kick after the owner took the last one sends a new
         // message; one before it is covered by the take that follows.
         if self
             .kicked
@@ -87,13 +143,18 @@ impl TierLink {
         }
     }
 
-    /// Hands lookup `f` to the owner for the tier; `Err(f)` if the owner
+    /// Hands lookup `f` to the owner for the tiers; `Err(f)` if the owner
     /// has stopped.
     pub fn fetch(&self, f: Box<Fetch>) -> Result<(), Box<Fetch>> {
         self.inbox.send(Msg::Fetch(f)).map_err(|e| match e.0 {
             Msg::Fetch(f) => f,
             _ => unreachable!("a fetch was sent"),
         })
+    }
+
+    /// Asks the owner to stop.
+    pub(super) fn stop_owner(&self) {
+        let _ = self.inbox.send(Msg::Stop);
     }
 
     /// Marks the kick taken (the owner, before it takes the cache's work).

@@ -1,8 +1,8 @@
-//! The seam between the pool and a tier below it (the Valkey/Redis tier
-//! today; any store that keeps chunk objects).
+//! The seam between the pool and the tiers below it: the local disk tier
+//! and the remote (Valkey/Redis) tier, asked in that order ([`Level`]).
 //!
-//! A tier is driven by one owner ([`owner`]), the way an offloading tier
-//! is driven by its manager: the owner submits work, which the tier takes
+//! The tiers are driven by one owner ([`owner`]), the way an offloading
+//! tier is driven by its manager: the owner submits work, which the tier takes
 //! or refuses at once ([`Tier::submit`] never blocks), and takes back what
 //! the tier finished ([`Finished`]), then applies it to the cache itself.
 //! The tier never calls into the request path: it sees the pool through
@@ -10,9 +10,12 @@
 //! for the objects it reads), not the server's state, and it never ends a
 //! job, a lookup or a write's hold.
 //!
-//! What the cache records for the tier (objects evicted under write-back,
-//! objects stored under write-through) it keeps until the owner takes it;
-//! the threads that touch the cache only wake the owner ([`TierLink::kick`]).
+//! What the cache records for the tiers (objects evicted, for the tiers in
+//! write-back; objects stored, for those in write-through) it keeps until
+//! the owner takes it; the threads that touch the cache only wake the owner
+//! ([`link::Tiers::kick`]). Each tier gets what its own mode asks for, from
+//! the pool: an object the pool evicts goes to every write-back tier at
+//! once, and its range comes back when the last of them is done.
 
 pub(crate) mod link;
 pub(crate) mod owner;
@@ -57,7 +60,7 @@ impl TierThread {
     }
 }
 
-use super::cache::{Drained, LeaseMeta, ObjectKey};
+use super::cache::{Drained, LeaseMeta, Level, ObjectKey};
 use super::registry::Group;
 use kvring::jobs::JobId;
 use kvring::kv::ChunkHash;
@@ -80,20 +83,60 @@ pub(crate) struct TierCounters {
 }
 
 impl TierCounters {
-    /// Copies the counters and `state` into `s`.
-    pub fn fill(&self, state: TierState, s: &mut StatsReply) {
+    /// Copies the counters and `state` into the words of `level` in `s`.
+    pub fn fill(&self, level: Level, state: TierState, s: &mut StatsReply) {
         // Relaxed: counters, each read on its own; no access pairs.
         let r = Ordering::Relaxed;
-        s.l2_state = state as u64;
-        s.l2_written_objects = self.written.load(r);
-        s.l2_write_dropped_objects = self.dropped.load(r);
-        s.l2_loaded_objects = self.loaded.load(r);
-        s.l2_missed_objects = self.missed.load(r);
-        s.l2_corrupt_objects = self.corrupt.load(r);
-        s.l2_bytes_out = self.bytes_out.load(r);
-        s.l2_bytes_in = self.bytes_in.load(r);
-        s.l2_errors = self.errors.load(r);
-        s.l2_queue = self.queue.load(r);
+        let words = match level {
+            Level::Remote => [
+                &mut s.l2_state,
+                &mut s.l2_written_objects,
+                &mut s.l2_write_dropped_objects,
+                &mut s.l2_loaded_objects,
+                &mut s.l2_missed_objects,
+                &mut s.l2_corrupt_objects,
+                &mut s.l2_bytes_out,
+                &mut s.l2_bytes_in,
+                &mut s.l2_errors,
+                &mut s.l2_queue,
+            ],
+            Level::Disk => [
+                &mut s.disk_state,
+                &mut s.disk_written_objects,
+                &mut s.disk_write_dropped_objects,
+                &mut s.disk_loaded_objects,
+                &mut s.disk_missed_objects,
+                &mut s.disk_corrupt_objects,
+                &mut s.disk_bytes_out,
+                &mut s.disk_bytes_in,
+                &mut s.disk_errors,
+                &mut s.disk_queue,
+            ],
+        };
+        let values = [
+            state as u64,
+            self.written.load(r),
+            self.dropped.load(r),
+            self.loaded.load(r),
+            self.missed.load(r),
+            self.corrupt.load(r),
+            self.bytes_out.load(r),
+            self.bytes_in.load(r),
+            self.errors.load(r),
+            self.queue.load(r),
+        ];
+        for (w, v) in words.into_iter().zip(values) {
+            *w = v;
+        }
+    }
+}
+
+/// Where a tier's counters go: its queue and its dropped writes, as the
+/// request path adds to them.
+pub(crate) fn queue_and_dropped(level: Level, s: &mut StatsReply) -> (&mut u64, &mut u64) {
+    match level {
+        Level::Remote => (&mut s.l2_queue, &mut s.l2_write_dropped_objects),
+        Level::Disk => (&mut s.disk_queue, &mut s.disk_write_dropped_objects),
     }
 }
 
@@ -131,20 +174,21 @@ pub(crate) enum TierOp {
         check: bool,
         then: AfterWrite,
     },
-    /// Bring the leading chunks of `fetch.hashes[fetch.l1..]` the tier has
+    /// Bring the leading chunks of `fetch.hashes[fetch.start()..]` the tier has
     /// (every rank's object) into the pool.
     Fetch(Box<Fetch>),
 }
 
 /// What the owner does once a write is finished (written or not).
 pub(crate) enum AfterWrite {
-    /// Drop the write-through hold on object `.0`.
-    Release(u32),
-    /// Give back an evicted object's range (write-back).
+    /// Drop the hold on object `obj` for its write-through to `level`.
+    Release { obj: u32, level: Level },
+    /// This tier is done with an evicted object (write-back).
     Free(Drained),
 }
 
-/// A lookup that missed the pool after `l1` chunks.
+/// A lookup that missed the pool after `l1` chunks, on its way down the
+/// tiers.
 pub(crate) struct Fetch {
     pub id: JobId,
     pub owner: u32,
@@ -152,13 +196,25 @@ pub(crate) struct Fetch {
     pub group: Group,
     pub hashes: Vec<ChunkHash>,
     pub l1: u32,
+    /// The tier asked now.
+    pub at: Level,
+    /// Chunks each tier brought into the pool, past the pool's `l1`.
+    pub found: [u32; Level::ALL.len()],
+}
+
+impl Fetch {
+    /// The first chunk no tier asked so far brought: where the tier asked
+    /// now starts.
+    pub fn start(&self) -> usize {
+        self.l1 as usize + self.found.iter().sum::<u32>() as usize
+    }
 }
 
 /// Work a tier finished, for its owner to apply.
 pub(crate) enum TierDone {
     /// A write ended; `ok`: the tier has the object.
     Written { then: AfterWrite, ok: bool },
-    /// A fetch ended: `hits` chunks past `fetch.l1` are in the pool, their
+    /// A fetch ended: `hits` chunks past `fetch.start()` are in the pool, their
     /// objects `keep` (placed, still `Writing`); the objects in `drop` were
     /// placed for chunks past that prefix, or failed their check on the
     /// copy: the owner drops them.

@@ -1,11 +1,13 @@
-//! The tier's owner: one thread (`kvring-tier`) that feeds the tier what
-//! the cache recorded for it, hands it lookups' fetches, and applies what
-//! it finished: ranges given back, holds dropped, objects read made
-//! readable (or dropped), lookups answered.
+//! The tiers' owner: one thread (`kvring-tier`) that feeds each tier what
+//! the cache recorded for it, hands lookups' fetches down the tiers in
+//! order (the disk, then the remote tier, from the first chunk the one
+//! above did not bring), and applies what they finished: ranges given
+//! back, holds dropped, objects read made readable (or dropped), lookups
+//! answered.
 
-use super::link::{Inbox, Msg};
-use super::{AfterWrite, Placement, PoolView, TierDone, TierOp};
-use crate::cache::ObjectKey;
+use super::link::{Inbox, Msg, Tiers};
+use super::{AfterWrite, Fetch, Placement, PoolView, TierDone, TierOp};
+use crate::cache::{Level, Levels, ObjectKey};
 use crate::kv_ops::{end_lookup, wake_lookups};
 use crate::Shared;
 use std::sync::atomic::Ordering;
@@ -20,7 +22,7 @@ pub(crate) struct TierOwner {
 }
 
 impl TierOwner {
-    /// Starts the owner of `shared`'s tier, reading `inbox`.
+    /// Starts the owner of `shared`'s tiers, reading `inbox`.
     pub fn start(shared: Arc<Shared>, inbox: Inbox) -> crate::Result<TierOwner> {
         let (s, rx) = (shared.clone(), inbox.rx);
         let thread = std::thread::Builder::new()
@@ -36,8 +38,8 @@ impl TierOwner {
     /// Stops the owner: work finished after this is not applied (the server
     /// is shutting down and fails every job still running).
     pub fn stop(&mut self) {
-        if let Some(link) = self.shared.kv.tier.as_ref() {
-            let _ = link.inbox.send(Msg::Stop);
+        if let Some(tiers) = self.shared.kv.tiers.as_ref() {
+            tiers.stop_owner();
         }
         if let Some(t) = self.thread.take() {
             let _ = t.join();
@@ -56,110 +58,131 @@ impl Drop for TierOwner {
 const IDLE: Duration = Duration::from_millis(100);
 
 fn run(shared: &Shared, rx: Receiver<Msg>) {
-    let Some(link) = shared.kv.tier.as_ref() else {
+    let Some(tiers) = shared.kv.tiers.as_ref() else {
         return;
     };
     loop {
         match rx.recv_timeout(IDLE) {
             Ok(Msg::Stop) | Err(RecvTimeoutError::Disconnected) => break,
-            Ok(Msg::Done(d)) => apply(shared, d),
-            Ok(Msg::Fetch(f)) => {
-                if !link.up() {
-                    end_lookup(shared, &f, 0);
-                    continue;
-                }
-                if let Err(TierOp::Fetch(f)) = link.tier.submit(TierOp::Fetch(f)) {
-                    // Not taken (its queue is full): the pool's answer.
-                    end_lookup(shared, &f, 0);
-                }
-            }
-            Ok(Msg::Kick) | Err(RecvTimeoutError::Timeout) => feed(shared),
+            Ok(Msg::Done(d)) => apply(shared, tiers, d),
+            Ok(Msg::Fetch(f)) => fetch_from(shared, tiers, f, Level::ALL[0]),
+            Ok(Msg::Kick) | Err(RecvTimeoutError::Timeout) => feed(shared, tiers),
         }
     }
 }
 
+/// Hands lookup `f` to the first tier at `from` or below that is up and
+/// takes it; with none, answers it with what it has.
+fn fetch_from(shared: &Shared, tiers: &Tiers, mut f: Box<Fetch>, from: Level) {
+    let mut next = Some(from);
+    while let Some(link) = next.and_then(|l| tiers.up_from(l)) {
+        f.at = link.level;
+        match link.tier.submit(TierOp::Fetch(f)) {
+            Ok(()) => return,
+            // Not taken (its queue is full): the next tier down.
+            Err(TierOp::Fetch(back)) => f = back,
+            Err(TierOp::Write { .. }) => unreachable!("a fetch was submitted"),
+        }
+        next = link.level.below();
+    }
+    end_lookup(shared, &f);
+}
+
 /// Applies finished work to the cache.
-fn apply(shared: &Shared, done: TierDone) {
+fn apply(shared: &Shared, tiers: &Tiers, done: TierDone) {
     match done {
         TierDone::Written { then, ok } => shared.kv.with_cache(|c| match &then {
-            AfterWrite::Release(id) => c.l2_written(*id, ok),
+            AfterWrite::Release { obj, level } => c.tier_written(*obj, *level, ok),
             AfterWrite::Free(d) => c.free_drained(d),
         }),
         TierDone::Fetched {
-            fetch,
+            mut fetch,
             hits,
             keep,
             drop,
         } => {
             shared.kv.with_cache(|c| {
-                c.finish_objects(&keep, true, true);
-                c.finish_objects(&drop, false, false);
+                c.finish_objects(&keep, true, Levels::of(fetch.at));
+                c.finish_objects(&drop, false, Levels::NONE);
             });
-            end_lookup(shared, &fetch, hits);
+            fetch.found[fetch.at as usize] += hits;
             // Its reads settled objects other lookups may wait for.
             wake_lookups(shared);
+            match fetch.at.below() {
+                // What this tier did not bring, the next one down may have.
+                Some(below) if fetch.start() < fetch.hashes.len() => {
+                    fetch_from(shared, tiers, fetch, below)
+                }
+                _ => end_lookup(shared, &fetch),
+            }
         }
     }
 }
 
-/// Hands the tier what the cache recorded for it: objects evicted under
-/// write-back, objects stored under write-through. What the tier does not
-/// take is given back at once (a range freed, a hold dropped) and counted
-/// as a dropped write.
-fn feed(shared: &Shared) {
-    let Some(link) = shared.kv.tier.as_ref() else {
-        return;
-    };
-    link.take_kick();
+/// Hands each tier what the cache recorded for it: objects evicted, for
+/// the write-back tiers; objects stored, for the write-through ones. What
+/// a tier does not take is given back at once (its share of a range
+/// freed, a hold dropped) and counted as one of its dropped writes.
+fn feed(shared: &Shared, tiers: &Tiers) {
+    tiers.take_kick();
     // Under the cache's lock throughout (submitting never waits), so an
-    // object is always either waiting in the cache or in the tier's queue:
+    // object is always either waiting in the cache or in a tier's queue:
     // observers that see both empty see it written or dropped.
     let mut c = shared.kv.cache();
     let (drained, refused) = c.take_drained();
     let through = c.take_through();
-    if drained.is_empty() && through.is_empty() && refused == 0 {
+    if drained.is_empty() && through.is_empty() && refused.iter().all(|n| *n == 0) {
         return;
     }
-    let up = link.up();
     let writes = drained
         .into_iter()
-        .map(|d| TierOp::Write {
-            key: d.key,
-            off: d.off,
-            len: d.len,
-            check: d.in_l2,
-            then: AfterWrite::Free(d),
+        .flat_map(|d| {
+            d.write.iter().map(move |level| {
+                let op = TierOp::Write {
+                    key: d.key,
+                    off: d.off,
+                    len: d.len,
+                    check: d.had.has(level),
+                    then: AfterWrite::Free(d),
+                };
+                (level, op)
+            })
         })
-        .chain(
-            through
-                .into_iter()
-                .map(|(id, key, off, len)| TierOp::Write {
-                    key,
-                    off,
-                    len,
-                    check: false,
-                    then: AfterWrite::Release(id),
-                }),
-        );
+        .chain(through.into_iter().map(|h| {
+            let op = TierOp::Write {
+                key: h.key,
+                off: h.off,
+                len: h.len,
+                check: false,
+                then: AfterWrite::Release {
+                    obj: h.obj,
+                    level: h.level,
+                },
+            };
+            (h.level, op)
+        }));
     let mut dropped = refused;
-    for op in writes {
-        let back = if up {
-            link.tier.submit(op).err()
-        } else {
-            Some(op)
+    for (level, op) in writes {
+        let link = tiers.at(level).filter(|l| l.up());
+        let back = match link {
+            Some(l) => l.tier.submit(op).err(),
+            None => Some(op),
         };
         if let Some(TierOp::Write { then, .. }) = back {
-            dropped += 1;
+            dropped[level as usize] += 1;
             match &then {
-                AfterWrite::Release(id) => c.l2_written(*id, false),
+                AfterWrite::Release { obj, level } => c.tier_written(*obj, *level, false),
                 AfterWrite::Free(d) => c.free_drained(d),
             }
         }
     }
-    // Relaxed: a counter.
-    shared.kv.tier_refused.fetch_add(dropped, Ordering::Relaxed);
+    for link in tiers.all() {
+        // Relaxed: a counter.
+        link.refused
+            .fetch_add(dropped[link.level as usize], Ordering::Relaxed);
+    }
     let mut stats = c.stats;
-    let pending = c.tier_pending();
+    let pending = Level::ALL.map(|l| c.tier_pending(l));
     drop(c);
     shared.kv.fill(&mut stats, pending);
     shared.kv.publish_read(&stats);

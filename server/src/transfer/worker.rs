@@ -4,7 +4,6 @@ use super::backend::{ChunkCopy, ChunkOutcome, CopyError, CopyExecutor, CopyWord}
 use super::job::Dir;
 use super::job::{JobRun, Task};
 use super::lanes::Pop;
-use crate::tier::WriteMode;
 use crate::Shared;
 use kvring::jobs::{FailReason, JobResult};
 use kvring::liveness::monotonic_ns;
@@ -482,17 +481,11 @@ fn finish(shared: &Shared, job: &JobRun) {
         Dir::ToPool => {
             shared.kv.with_cache(|c| {
                 c.finish_store(&job.objs, ok, bytes);
-                // Write-through: each new object goes to the second tier
-                // (its owner hands it over), held (readable, not evicted)
-                // until written.
-                if ok
-                    && shared
-                        .kv
-                        .tier
-                        .as_ref()
-                        .is_some_and(|t| t.mode == WriteMode::Through)
-                {
-                    c.hold_for_l2(&job.objs);
+                // Write-through: each new object goes to the write-through
+                // tiers (their owner hands it over), held (readable, not
+                // evicted) until written.
+                if ok {
+                    c.hold_for_tiers(&job.objs);
                 }
             });
             // Lookups that reached these objects while they were written.

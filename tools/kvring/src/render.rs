@@ -221,7 +221,7 @@ fn pool_and_tier(o: &mut String, s: &Snapshot) {
     if tier != Ok(kvring::proto::kv::TierState::None) {
         let _ = writeln!(
             o,
-            "second tier: {}, {} queued; written {} objects ({} dropped), loaded {} ({} missed, {} corrupt), {} MiB out, {} MiB in, {} errors; lookups found {} chunks there",
+            "remote tier: {}, {} queued; written {} objects ({} dropped), loaded {} ({} missed, {} corrupt), {} MiB out, {} MiB in, {} errors; lookups found {} chunks there",
             tier.map_or("?", |t| t.name()),
             c.l2_queue,
             c.l2_written_objects,
@@ -233,6 +233,27 @@ fn pool_and_tier(o: &mut String, s: &Snapshot) {
             mib(c.l2_bytes_in),
             c.l2_errors,
             c.lookup_l2_hit_chunks
+        );
+    }
+    let disk = c.disk_tier_state();
+    if disk != Ok(kvring::proto::kv::TierState::None) {
+        let _ = writeln!(
+            o,
+            "disk tier: {}, {} objects, {} / {} MiB, {} queued; written {} objects ({} dropped), loaded {} ({} missed, {} corrupt), {} MiB out, {} MiB in, {} errors; lookups found {} chunks there",
+            disk.map_or("?", |t| t.name()),
+            c.disk_objects,
+            mib(c.disk_used_bytes),
+            mib(c.disk_capacity_bytes),
+            c.disk_queue,
+            c.disk_written_objects,
+            c.disk_write_dropped_objects,
+            c.disk_loaded_objects,
+            c.disk_missed_objects,
+            c.disk_corrupt_objects,
+            mib(c.disk_bytes_out),
+            mib(c.disk_bytes_in),
+            c.disk_errors,
+            c.lookup_disk_hit_chunks
         );
     }
 }
