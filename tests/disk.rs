@@ -5,40 +5,12 @@
 
 mod common;
 
+use common::disk::DiskDir;
 use common::tier::*;
 use common::valkey::Valkey;
 use common::*;
 use kvring::proto::kv::TierState;
-use std::path::{Path, PathBuf};
-
-/// A directory for a disk tier, removed at the end of the test.
-struct DiskDir(PathBuf);
-
-impl DiskDir {
-    fn new(tag: &str) -> DiskDir {
-        DiskDir(std::env::temp_dir().join(format!("kvring-{tag}-{}", std::process::id())))
-    }
-
-    fn arg(&self) -> String {
-        self.0.display().to_string()
-    }
-
-    fn segments(&self) -> Vec<PathBuf> {
-        let mut v: Vec<PathBuf> = std::fs::read_dir(&self.0)
-            .unwrap()
-            .filter_map(|e| Some(e.ok()?.path()))
-            .filter(|p| p.extension().is_some_and(|x| x == "kvd"))
-            .collect();
-        v.sort();
-        v
-    }
-}
-
-impl Drop for DiskDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
+use std::path::Path;
 
 fn disk_server(tag: &str, dir: &DiskDir, extra: &[&str]) -> Fixture {
     let d = dir.arg();

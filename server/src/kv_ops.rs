@@ -145,7 +145,7 @@ impl KvState {
             let store = DiskStore::open(&d.dir, d.bytes, d.segment_bytes, Seal::Checksum).map_err(
                 kvring::error::io(format!("the disk tier in {}", d.dir.display())),
             )?;
-            let disk = Arc::new(DiskTier::new(store, d.bytes));
+            let disk = Arc::new(DiskTier::new(store, &d.dir, d.bytes));
             links.push(TierLink::new(disk.clone(), d.mode, Level::Disk));
             starts.push(TierStart::Disk(disk));
         }

@@ -42,11 +42,15 @@ pub enum AnomalyKind {
     DeadClientNotReclaimed,
     /// Words that cannot all be true at once.
     Inconsistent,
+    /// A tier below the pool is down (I/O errors, a disk that does not
+    /// answer, an unreachable store): its writes are dropped and lookups
+    /// skip it while the pool serves. Degraded, not dead.
+    TierDown,
 }
 
 impl AnomalyKind {
     /// Every kind.
-    pub const ALL: [AnomalyKind; 8] = [
+    pub const ALL: [AnomalyKind; 9] = [
         AnomalyKind::ServerDead,
         AnomalyKind::HeartbeatStopped,
         AnomalyKind::RingStalled,
@@ -55,6 +59,7 @@ impl AnomalyKind {
         AnomalyKind::LaneStalled,
         AnomalyKind::DeadClientNotReclaimed,
         AnomalyKind::Inconsistent,
+        AnomalyKind::TierDown,
     ];
 
     /// The JSON name (what serde writes; a test holds the two together).
@@ -68,6 +73,7 @@ impl AnomalyKind {
             AnomalyKind::LaneStalled => "lane_stalled",
             AnomalyKind::DeadClientNotReclaimed => "dead_client_not_reclaimed",
             AnomalyKind::Inconsistent => "inconsistent",
+            AnomalyKind::TierDown => "tier_down",
         }
     }
 }
@@ -206,8 +212,24 @@ pub(super) fn check_lanes(lanes: &[LaneView], th: Thresholds, out: &mut Vec<Anom
     }
 }
 
-/// Cache counters that contradict each other.
+/// Cache counters that contradict each other, and tiers that are down.
 pub(super) fn check_cache(cache: &StatsReply, out: &mut Vec<Anomaly>) {
+    use crate::proto::kv::TierState;
+    let tiers = [
+        ("disk", cache.disk_tier_state(), cache.disk_errors),
+        ("remote", cache.tier_state(), cache.l2_errors),
+    ];
+    for (name, state, errors) in tiers {
+        if state == Ok(TierState::Down) {
+            out.push(Anomaly {
+                kind: AnomalyKind::TierDown,
+                message: format!(
+                    "the {name} tier is down ({errors} errors so far): its writes are dropped and lookups skip it until it answers again"
+                ),
+                client_slot: None,
+            });
+        }
+    }
     if cache.pool_used_bytes > cache.pool_bytes {
         out.push(Anomaly {
             kind: AnomalyKind::Inconsistent,

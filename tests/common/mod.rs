@@ -8,6 +8,7 @@
 //! ([`Host`], [`SimulatedDevices`], `Cuda`).
 #![allow(dead_code)]
 
+pub mod disk;
 pub mod tier;
 pub mod valkey;
 

@@ -422,3 +422,73 @@ fn pinned_counters_stay_exact_under_any_order_of_operations() {
     assert!(c.stats.evicted_objects > 0 && c.stats.store_no_space_chunks > 0);
     assert!(most_pinned > 4, "{most_pinned}");
 }
+
+#[test]
+fn an_evicted_range_comes_back_when_the_last_write_back_tier_is_done() {
+    let mut c = Cache::new(64 * LEN, 1.0, 1.0, u64::MAX);
+    let both = Levels::of(Level::Disk).with(Level::Remote);
+    c.set_tier_modes(both, Levels::NONE, 64 * LEN);
+    stored(&mut c, &[1]);
+    let used = c.stats.pool_used_bytes;
+    assert_eq!(c.evict_bytes(2 * LEN).0, 2);
+    let (drained, refused) = c.take_drained();
+    assert_eq!((drained.len(), refused), (2, [0, 0]));
+    assert!(drained.iter().all(|d| d.write == both && d.had.is_empty()));
+    assert_eq!(c.tier_pending(Level::Disk), 0, "taken");
+    // One tier done with each: the ranges stay.
+    for d in &drained {
+        c.free_drained(d);
+    }
+    assert_eq!(c.stats.pool_used_bytes, used);
+    assert_eq!(c.used_staying(), 0, "not what eviction must bring down");
+    // The other: they come back.
+    for d in &drained {
+        c.free_drained(d);
+    }
+    assert_eq!(c.stats.pool_used_bytes, 0);
+}
+
+#[test]
+fn a_stored_object_is_held_once_for_each_write_through_tier_that_lacks_it() {
+    let mut c = Cache::new(64 * LEN, 1.0, 1.0, u64::MAX);
+    c.set_tier_modes(
+        Levels::NONE,
+        Levels::of(Level::Disk).with(Level::Remote),
+        64 * LEN,
+    );
+    let plan = c.plan_store(&[key(3, 0)], LEN);
+    let obj = plan.write[0].obj;
+    c.finish_store(&[obj], true, LEN);
+    c.hold_for_tiers(&[obj]);
+    let held = c.take_through();
+    assert_eq!(
+        held.iter().map(|h| h.level).collect::<Vec<_>>(),
+        [Level::Disk, Level::Remote]
+    );
+    // Held: not evicted until both writes end.
+    assert_eq!(c.evict_bytes(LEN).0, 0);
+    c.tier_written(obj, Level::Disk, true);
+    assert_eq!(c.evict_bytes(LEN).0, 0);
+    c.tier_written(obj, Level::Remote, false);
+    // The disk has it, the remote tier not: a second hold is for the
+    // remote tier only.
+    c.hold_for_tiers(&[obj]);
+    let again = c.take_through();
+    assert_eq!(again.len(), 1);
+    assert_eq!(again[0].level, Level::Remote);
+    c.tier_written(obj, Level::Remote, true);
+    assert_eq!(c.evict_bytes(LEN).0, 1);
+}
+
+#[test]
+fn past_the_bound_an_evicted_object_is_dropped_for_the_tiers_that_lack_it() {
+    let mut c = Cache::new(64 * LEN, 1.0, 1.0, u64::MAX);
+    // Room for one range waiting.
+    c.set_tier_modes(Levels::of(Level::Disk), Levels::NONE, LEN);
+    stored(&mut c, &[1, 2]);
+    assert_eq!(c.evict_bytes(4 * LEN).0, 4);
+    let (drained, refused) = c.take_drained();
+    assert_eq!(drained.len(), 1);
+    assert_eq!(refused, [3, 0]);
+    assert_eq!(c.stats.pool_used_bytes, LEN, "only the kept range");
+}

@@ -6,6 +6,7 @@
 //! oldest segment.
 
 mod aligned;
+pub(crate) mod health;
 mod segment;
 mod store;
 pub(crate) mod tier;

@@ -3,8 +3,11 @@
 //! that owns the store, writes what the owner hands it from the pool, and
 //! reads lookups' chunks into the room the pool gives it. It reports every
 //! operation's end to the tier's owner and never calls into the request
-//! path.
+//! path. An I/O error, or an operation that does not end, takes the tier
+//! down ([`super::health`]); while down, what is still queued is dropped
+//! (writes) or answered empty (lookups), counted.
 
+use super::health::{Backoff, Health};
 use super::store::DiskStore;
 use crate::cache::{Cache, Level, ObjectKey};
 use crate::tier::link::Finished;
@@ -38,11 +41,14 @@ pub(crate) struct DiskTier {
     used: AtomicU64,
     /// The byte budget.
     capacity: u64,
+    health: Health,
+    /// The store's directory (probed while down).
+    dir: std::path::PathBuf,
 }
 
 impl DiskTier {
-    /// The tier over `store`, whose budget is `capacity` bytes.
-    pub fn new(store: DiskStore, capacity: u64) -> DiskTier {
+    /// The tier over `store` in `dir`, whose budget is `capacity` bytes.
+    pub fn new(store: DiskStore, dir: &std::path::Path, capacity: u64) -> DiskTier {
         let (tx, rx) = mpsc::sync_channel(QUEUE);
         let tier = DiskTier {
             tx,
@@ -51,6 +57,8 @@ impl DiskTier {
             objects: AtomicU64::new(0),
             used: AtomicU64::new(0),
             capacity,
+            health: Health::default(),
+            dir: dir.to_path_buf(),
         };
         tier.gauge(&store);
         *tier.start.lock().unwrap_or_else(|e| e.into_inner()) = Some((rx, store));
@@ -68,7 +76,11 @@ impl DiskTier {
 
 impl Tier for DiskTier {
     fn state(&self) -> TierState {
-        TierState::Up
+        self.health.state()
+    }
+
+    fn lookup_wait(&self) -> Duration {
+        LOOKUP_WAIT
     }
 
     fn submit(&self, op: TierOp) -> Result<(), TierOp> {
@@ -86,7 +98,7 @@ impl Tier for DiskTier {
     }
 
     fn fill(&self, s: &mut StatsReply) {
-        self.counters.fill(Level::Disk, TierState::Up, s);
+        self.counters.fill(Level::Disk, self.health.state(), s);
         // Relaxed: gauges (see `gauge`).
         s.disk_objects = self.objects.load(Ordering::Relaxed);
         s.disk_used_bytes = self.used.load(Ordering::Relaxed);
@@ -98,7 +110,12 @@ impl Tier for DiskTier {
 pub(crate) struct DiskThread {
     stop: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,
+    /// Closed when the thread ends.
+    ended: Receiver<()>,
 }
+
+/// How long [`DiskThread::stop`] waits for an operation under way.
+const STOP_WAIT: Duration = Duration::from_secs(2);
 
 impl DiskThread {
     /// Starts `tier`'s thread over `pool`, reporting to `finished`.
@@ -115,23 +132,39 @@ impl DiskThread {
             .expect("started once");
         let stop = Arc::new(AtomicBool::new(false));
         let s = stop.clone();
+        let (ended_tx, ended) = mpsc::channel::<()>();
         let thread = std::thread::Builder::new()
             .name("kvring-disk".into())
-            .spawn(move || run(&tier, store, &*pool, &finished, rx, &s))
+            .spawn(move || {
+                let _ended = ended_tx;
+                run(&tier, store, &*pool, &finished, rx, &s)
+            })
             .map_err(kvring::error::io("spawn the disk tier's thread"))?;
         Ok(DiskThread {
             stop,
             thread: Some(thread),
+            ended,
         })
     }
 
     /// Stops the thread after the operation under way; queued ones are
-    /// dropped (the server is shutting down).
+    /// dropped (the server is shutting down). An operation the disk does
+    /// not end within [`STOP_WAIT`] is left behind with its thread (which
+    /// holds what it uses, the pool included, until it ends), said once.
     pub fn stop(&mut self) {
         // Release pairs with the thread's Acquire load between operations.
         self.stop.store(true, Ordering::Release);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
+        let Some(t) = self.thread.take() else {
+            return;
+        };
+        match self.ended.recv_timeout(STOP_WAIT) {
+            Err(RecvTimeoutError::Timeout) => tracing::warn!(
+                "disk tier: an operation did not end within {} s (a disk that does not answer); its thread is left behind",
+                STOP_WAIT.as_secs()
+            ),
+            _ => {
+                let _ = t.join();
+            }
         }
     }
 }
@@ -150,8 +183,10 @@ fn run(
     rx: Receiver<TierOp>,
     stop: &AtomicBool,
 ) {
+    let mut backoff = Backoff::new(&tier.dir);
     // Acquire pairs with `DiskThread::stop`'s Release store.
     while !stop.load(Ordering::Acquire) {
+        backoff.tick(&tier.health);
         let op = match rx.recv_timeout(Duration::from_millis(50)) {
             Ok(op) => op,
             Err(RecvTimeoutError::Timeout) => continue,
@@ -159,13 +194,50 @@ fn run(
         };
         // Relaxed: a gauge.
         tier.counters.queue.fetch_sub(1, Ordering::Relaxed);
-        let done = serve(tier, &mut store, pool, op);
+        if tier.health.is_down() {
+            finished.send(refuse(tier, op));
+            continue;
+        }
+        let (done, io_failed) = tier.health.during(|| serve(tier, &mut store, pool, op));
+        if io_failed {
+            backoff.failed(&tier.health);
+        } else {
+            backoff.succeeded();
+        }
         tier.gauge(&store);
         finished.send(done);
     }
 }
 
-fn serve(tier: &DiskTier, store: &mut DiskStore, pool: &dyn PoolView, op: TierOp) -> TierDone {
+/// What the tier answers while down: a write dropped, a lookup's chunks
+/// missed.
+fn refuse(tier: &DiskTier, op: TierOp) -> TierDone {
+    // Relaxed: counters.
+    let r = Ordering::Relaxed;
+    match op {
+        TierOp::Write { then, .. } => {
+            tier.counters.dropped.fetch_add(1, r);
+            TierDone::Written { then, ok: false }
+        }
+        TierOp::Fetch(fetch) => {
+            tier.counters.missed.fetch_add(1, r);
+            TierDone::Fetched {
+                fetch,
+                hits: 0,
+                keep: Vec::new(),
+                drop: Vec::new(),
+            }
+        }
+    }
+}
+
+/// Serves `op`; whether an I/O error happened.
+fn serve(
+    tier: &DiskTier,
+    store: &mut DiskStore,
+    pool: &dyn PoolView,
+    op: TierOp,
+) -> (TierDone, bool) {
     // Relaxed (all counters here): no access pairs with them.
     let r = Ordering::Relaxed;
     let c = &tier.counters;
@@ -180,49 +252,52 @@ fn serve(tier: &DiskTier, store: &mut DiskStore, pool: &dyn PoolView, op: TierOp
             // SAFETY: the range of an object the owner keeps for this write
             // until it applies the write's end (`PoolView::bytes`).
             let bytes = unsafe { pool.bytes(off, len) };
-            let ok = match store.put(&crate::l2::key::key(PREFIX, &key), bytes) {
+            let (ok, failed) = match store.put(&crate::l2::key::key(PREFIX, &key), bytes) {
                 Ok(true) => {
                     c.written.fetch_add(1, r);
                     c.bytes_out.fetch_add(len, r);
-                    true
+                    (true, false)
                 }
-                Ok(false) => true,
+                Ok(false) => (true, false),
                 Err(e) => {
                     tracing::warn!(error = %e, "disk tier: a write failed (dropped)");
                     c.errors.fetch_add(1, r);
                     c.dropped.fetch_add(1, r);
-                    false
+                    (false, true)
                 }
             };
-            TierDone::Written { then, ok }
+            (TierDone::Written { then, ok }, failed)
         }
         TierOp::Fetch(fetch) => {
-            let (hits, keep, drop) = fetch_chunks(tier, store, pool, &fetch);
+            let (hits, keep, drop, failed) = fetch_chunks(tier, store, pool, &fetch);
             c.loaded.fetch_add(keep.len() as u64, r);
-            TierDone::Fetched {
+            let done = TierDone::Fetched {
                 fetch,
                 hits,
                 keep,
                 drop,
-            }
+            };
+            (done, failed)
         }
     }
 }
 
 /// Reads the leading chunks of `f.hashes[f.start()..]` the store has (every
 /// rank's object) into the pool: how many, the objects placed for them,
-/// and the objects placed but not kept (a record that failed its check).
+/// the objects placed but not kept (a record that failed its check), and
+/// whether a read failed.
 fn fetch_chunks(
     tier: &DiskTier,
     store: &mut DiskStore,
     pool: &dyn PoolView,
     f: &Fetch,
-) -> (u32, Vec<u32>, Vec<u32>) {
+) -> (u32, Vec<u32>, Vec<u32>, bool) {
     // Relaxed (all counters here): no access pairs with them.
     let r = Ordering::Relaxed;
     let len = f.group.object_bytes;
     let (mut keep, mut drop) = (Vec::new(), Vec::new());
     let mut hits = 0;
+    let mut failed = false;
     let deadline = Instant::now() + LOOKUP_WAIT;
     'chunks: for h in &f.hashes[f.start()..] {
         if Instant::now() >= deadline {
@@ -267,6 +342,7 @@ fn fetch_chunks(
                 Err(e) => {
                     tracing::warn!(error = %e, "disk tier: a read failed (a miss)");
                     tier.counters.errors.fetch_add(1, r);
+                    failed = true;
                     drop.push(obj);
                     drop.extend(placed);
                     break 'chunks;
@@ -276,5 +352,5 @@ fn fetch_chunks(
         keep.extend(placed);
         hits += 1;
     }
-    (hits, keep, drop)
+    (hits, keep, drop, failed)
 }

@@ -32,9 +32,10 @@
 //!   when the client accepts OpenMetrics, as Prometheus does, else
 //!   Prometheus's text format 0.0.4).
 //! * `GET /healthz`: two readings 100 ms apart (the connection waits, the
-//!   others are served meanwhile); 200 and `{"status":"ok"}` unless the
-//!   reading shows a stall (503, `{"status":"unhealthy", "reasons":
-//!   [...]}`): the heartbeat stopped (the acceptor keeps it), a request
+//!   others are served meanwhile); 200 and `{"status":"ok"}`, or 200 and
+//!   `{"status":"degraded", "reasons": [...]}` while a tier below the pool
+//!   is down (the pool serves), unless the reading shows a stall (503,
+//!   `{"status":"unhealthy", "reasons": [...]}`): the heartbeat stopped (the acceptor keeps it), a request
 //!   ring with bytes waiting whose head did not move (the ring loop), a
 //!   copy worker with work that made no step for longer than the
 //!   stalled-lane bound (a wedged copy, a stopped thread), a job unfinished

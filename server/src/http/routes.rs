@@ -213,11 +213,23 @@ impl Endpoint {
                 let s = self.reading(Some(&first));
                 let reasons: Vec<_> = s.anomalies.iter().filter(|a| unhealthy(a.kind)).collect();
                 let ok = reasons.is_empty();
+                // A tier down leaves the server serving from its pool:
+                // degraded (200), not unhealthy.
+                let degraded: Vec<_> = s
+                    .anomalies
+                    .iter()
+                    .filter(|a| a.kind == inspect::AnomalyKind::TierDown)
+                    .collect();
+                let status = match (ok, degraded.is_empty()) {
+                    (false, _) => "unhealthy",
+                    (true, false) => "degraded",
+                    (true, true) => "ok",
+                };
                 Response::json(
                     if ok { 200 } else { 503 },
                     &Health {
-                        status: if ok { "ok" } else { "unhealthy" },
-                        reasons,
+                        status,
+                        reasons: if ok { degraded } else { reasons },
                         heartbeat_age_ms: s.server.heartbeat_age_ms,
                         stuck_job_s: self.th.job_age_s,
                         stalled_lane_s: self.th.lane_stall_s,

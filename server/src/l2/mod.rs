@@ -219,6 +219,10 @@ impl Tier for L2 {
         TierState::decode(self.state()).unwrap_or(TierState::Down)
     }
 
+    fn lookup_wait(&self) -> Duration {
+        self.cfg.lookup_wait
+    }
+
     fn submit(&self, op: TierOp) -> Result<(), TierOp> {
         let refused = if !self.up() {
             Err(op)

@@ -158,6 +158,10 @@ pub(crate) trait Tier: Send + Sync {
     /// caller undoes what it kept for it.)
     #[allow(clippy::result_large_err)]
     fn submit(&self, op: TierOp) -> Result<(), TierOp>;
+    /// The longest the tier takes to answer a fetch (its own bound): the
+    /// owner answers a lookup itself a second after, if the tier has not
+    /// (a tier stuck in an operation that does not end).
+    fn lookup_wait(&self) -> std::time::Duration;
     /// Copies the tier's counters into `stats`.
     fn fill(&self, stats: &mut StatsReply);
 }
@@ -189,6 +193,7 @@ pub(crate) enum AfterWrite {
 
 /// A lookup that missed the pool after `l1` chunks, on its way down the
 /// tiers.
+#[derive(Clone)]
 pub(crate) struct Fetch {
     pub id: JobId,
     pub owner: u32,

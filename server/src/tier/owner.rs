@@ -10,10 +10,12 @@ use super::{AfterWrite, Fetch, Placement, PoolView, TierDone, TierOp};
 use crate::cache::{Level, Levels, ObjectKey};
 use crate::kv_ops::{end_lookup, wake_lookups};
 use crate::Shared;
+use kvring::jobs::JobId;
+use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// The owner's thread: stopped and joined by [`TierOwner::stop`].
 pub(crate) struct TierOwner {
@@ -57,28 +59,74 @@ impl Drop for TierOwner {
 /// every change the tier waits for kicks it).
 const IDLE: Duration = Duration::from_millis(100);
 
+/// Past its tier's own bound, the owner answers a lookup itself after this.
+const GRACE: Duration = Duration::from_secs(1);
+
+/// The lookups handed to a tier and not answered yet: a copy of each (as
+/// it was handed over) and when the owner answers it itself.
+#[derive(Default)]
+struct Waiting(HashMap<JobId, (Box<Fetch>, Instant)>);
+
+impl Waiting {
+    /// Lookups whose tier did not answer in time, answered with what the
+    /// pool and the tiers above brought.
+    fn expire(&mut self, shared: &Shared, tiers: &Tiers) {
+        let now = Instant::now();
+        let late: Vec<JobId> = self
+            .0
+            .iter()
+            .filter(|(_, (_, at))| now >= *at)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in late {
+            let (f, _) = self.0.remove(&id).expect("listed above");
+            if let Some(link) = tiers.at(f.at) {
+                tracing::warn!(
+                    tier = ?f.at,
+                    state = link.tier.state().name(),
+                    "a tier did not answer a lookup within its bound: answered without it"
+                );
+            }
+            end_lookup(shared, &f);
+        }
+    }
+}
+
 fn run(shared: &Shared, rx: Receiver<Msg>) {
     let Some(tiers) = shared.kv.tiers.as_ref() else {
         return;
     };
+    let mut waiting = Waiting::default();
     loop {
         match rx.recv_timeout(IDLE) {
             Ok(Msg::Stop) | Err(RecvTimeoutError::Disconnected) => break,
-            Ok(Msg::Done(d)) => apply(shared, tiers, d),
-            Ok(Msg::Fetch(f)) => fetch_from(shared, tiers, f, Level::ALL[0]),
+            Ok(Msg::Done(d)) => apply(shared, tiers, &mut waiting, d),
+            Ok(Msg::Fetch(f)) => fetch_from(shared, tiers, &mut waiting, f, Level::ALL[0]),
             Ok(Msg::Kick) | Err(RecvTimeoutError::Timeout) => feed(shared, tiers),
         }
+        waiting.expire(shared, tiers);
     }
 }
 
 /// Hands lookup `f` to the first tier at `from` or below that is up and
 /// takes it; with none, answers it with what it has.
-fn fetch_from(shared: &Shared, tiers: &Tiers, mut f: Box<Fetch>, from: Level) {
+fn fetch_from(
+    shared: &Shared,
+    tiers: &Tiers,
+    waiting: &mut Waiting,
+    mut f: Box<Fetch>,
+    from: Level,
+) {
     let mut next = Some(from);
     while let Some(link) = next.and_then(|l| tiers.up_from(l)) {
         f.at = link.level;
+        let copy = f.clone();
         match link.tier.submit(TierOp::Fetch(f)) {
-            Ok(()) => return,
+            Ok(()) => {
+                let at = Instant::now() + link.tier.lookup_wait() + GRACE;
+                waiting.0.insert(copy.id, (copy, at));
+                return;
+            }
             // Not taken (its queue is full): the next tier down.
             Err(TierOp::Fetch(back)) => f = back,
             Err(TierOp::Write { .. }) => unreachable!("a fetch was submitted"),
@@ -89,7 +137,7 @@ fn fetch_from(shared: &Shared, tiers: &Tiers, mut f: Box<Fetch>, from: Level) {
 }
 
 /// Applies finished work to the cache.
-fn apply(shared: &Shared, tiers: &Tiers, done: TierDone) {
+fn apply(shared: &Shared, tiers: &Tiers, waiting: &mut Waiting, done: TierDone) {
     match done {
         TierDone::Written { then, ok } => shared.kv.with_cache(|c| match &then {
             AfterWrite::Release { obj, level } => c.tier_written(*obj, *level, ok),
@@ -105,13 +153,18 @@ fn apply(shared: &Shared, tiers: &Tiers, done: TierDone) {
                 c.finish_objects(&keep, true, Levels::of(fetch.at));
                 c.finish_objects(&drop, false, Levels::NONE);
             });
-            fetch.found[fetch.at as usize] += hits;
             // Its reads settled objects other lookups may wait for.
             wake_lookups(shared);
+            if waiting.0.remove(&fetch.id).is_none() {
+                // Answered already, without this tier (it was late): what
+                // it read stays in the pool for the next lookup.
+                return;
+            }
+            fetch.found[fetch.at as usize] += hits;
             match fetch.at.below() {
                 // What this tier did not bring, the next one down may have.
                 Some(below) if fetch.start() < fetch.hashes.len() => {
-                    fetch_from(shared, tiers, fetch, below)
+                    fetch_from(shared, tiers, waiting, fetch, below)
                 }
                 _ => end_lookup(shared, &fetch),
             }
