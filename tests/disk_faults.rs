@@ -170,7 +170,11 @@ fn a_disk_that_stops_answering_never_stalls_the_rings_or_a_lookup() {
     let waited = t.elapsed();
     assert!(waited < Duration::from_secs(6), "{waited:?}");
     // The rings never wait on the disk.
-    assert!(slowest_round_trip(&mut e, 50) < Duration::from_secs(1));
+    let rtt = slowest_round_trip(&mut e, 50);
+    eprintln!(
+        "lookup answered without the stuck disk after {waited:?}; slowest of 50 STATS {rtt:?}"
+    );
+    assert!(rtt < Duration::from_secs(1));
     // Stuck past the stall bound: down, degraded.
     until(&mut e, "down while stuck", |s| {
         s.disk_tier_state() == Ok(TierState::Down)
