@@ -35,6 +35,12 @@ pub struct Opts {
     /// Rounds.
     #[arg(long, default_value_t = 3)]
     rounds: usize,
+    /// Seconds of PING round trips timed on a server with a disk tier,
+    /// idle and while another engine keeps the tier writing and reading,
+    /// and under that load without the tier (0: not measured;
+    /// `crate::disk_rings`).
+    #[arg(long, default_value_t = 3.0)]
+    rings_s: f64,
 }
 
 /// Removes the run's folder at the end.
@@ -189,6 +195,8 @@ pub fn run(o: &Opts) {
         );
     }
     let ratio = |a: &[f64], b: &[f64]| Side::median(a) / Side::median(b);
+    let rings =
+        (o.rings_s > 0.0).then(|| crate::disk_rings::measure(&folder.0.join("rings"), o.rings_s));
     let out = json!({
         "bench": "disk",
         "dir": o.dir.display().to_string(),
@@ -203,6 +211,7 @@ pub fn run(o: &Opts) {
             "store_write_over_raw": ratio(&store.write_gbps, &raw.write_gbps),
             "store_read_over_raw": ratio(&store.read_gbps, &raw.read_gbps),
         },
+        "rings": rings,
     });
     println!(
         "disk: {} objects of {} KiB a round, {} rounds: write {:.2} GB/s raw, {:.2} store ({:.2}x); read {:.2} raw, {:.2} store ({:.2}x)",
@@ -216,6 +225,15 @@ pub fn run(o: &Opts) {
         Side::median(&store.read_gbps),
         ratio(&store.read_gbps, &raw.read_gbps),
     );
+    if let Some(r) = &rings {
+        println!(
+            "rings: PING p99 {:.1} us idle, {:.1} us with the disk tier busy ({:.2}x), {:.1} us under the same load without a disk tier",
+            r["idle_us"]["p99"].as_f64().unwrap_or(f64::NAN),
+            r["disk_busy_us"]["p99"].as_f64().unwrap_or(f64::NAN),
+            r["ratios"]["disk_busy_p99_over_idle"].as_f64().unwrap_or(f64::NAN),
+            r["load_no_disk_us"]["p99"].as_f64().unwrap_or(f64::NAN),
+        );
+    }
     if o.json {
         println!("{out}");
     }

@@ -6,6 +6,7 @@
 //! forked child; the parent is single-threaded at every fork.
 
 mod disk;
+mod disk_rings;
 mod iceoryx;
 mod jobs;
 mod kv;
@@ -108,6 +109,12 @@ enum Cmd {
         /// The HTTP endpoint's address (none without it).
         #[arg(long)]
         http: Option<String>,
+        /// A write-through disk tier in this directory (the `disk`
+        /// benchmark's rings under load).
+        #[arg(long)]
+        disk: Option<std::path::PathBuf>,
+        #[arg(long, default_value_t = 1 << 30)]
+        disk_bytes: u64,
         /// A write-through second tier at this URL (the `l2` benchmark).
         #[arg(long)]
         l2: Option<String>,
@@ -252,6 +259,8 @@ fn main() {
             backend,
             cuda_zero_copy_ctas,
             http,
+            disk,
+            disk_bytes,
             ..
         } => peers::serve_child(
             &name,
@@ -263,6 +272,7 @@ fn main() {
             &backend,
             cuda_zero_copy_ctas,
             http.as_deref(),
+            disk.map(|d| (d, disk_bytes)),
         ),
     }
 }

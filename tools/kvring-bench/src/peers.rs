@@ -201,8 +201,13 @@ pub fn serve_child(
     backend: &str,
     cuda_zero_copy_ctas: u32,
     http: Option<&str>,
+    disk: Option<(std::path::PathBuf, u64)>,
 ) {
     let mut cfg = kvring_server::ServerConfig::new(name);
+    cfg.disk = disk.map(|(dir, bytes)| kvring_server::DiskConfig {
+        mode: kvring_server::L2WriteMode::Through,
+        ..kvring_server::DiskConfig::new(dir, bytes)
+    });
     // No HTTP thread unless the benchmark measures it.
     cfg.http = http.map(|a| kvring_server::HttpConfig {
         addr: a.parse().expect("--http ADDR:PORT"),
