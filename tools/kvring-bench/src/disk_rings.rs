@@ -74,7 +74,7 @@ fn load(name: &str, stop: &AtomicBool, done: &Load) {
     let blocks: Vec<u32> = (0..BLOCKS).collect();
     let prompt = |seed: u64| -> Vec<ChunkHash> {
         let tokens: Vec<u32> = (0..CHUNK)
-            .map(|i| (u64::from(i) * 2_654_435_761 ^ seed) as u32)
+            .map(|i| ((u64::from(i) * 2_654_435_761) ^ seed) as u32)
             .collect();
         chunk_hashes(&tokens, CHUNK)
     };
