@@ -1,18 +1,32 @@
-//! One segment file of the disk store (`seg-ID.kvd`, ID in hex): values
-//! appended at block-aligned offsets, each the remote tier's value format
-//! (a 64-byte header that binds the object to its key, then the object),
-//! padded to whole blocks. The file is allocated whole when it is made, so
-//! what was never written reads as zeros, which no header matches; it is
-//! written and read with direct I/O, so a read comes from the disk and a
-//! write does not fill the page cache with KV nobody reads twice.
+//! One segment file of the disk store (`seg-ID.kvd`, ID in hex): records
+//! at block-aligned offsets, each the remote tier's value format split in
+//! two: one block that holds the value's 64-byte header (which binds the
+//! object to its key, size and seal; the rest of the block zeros), then
+//! the object from the next block on, padded with zeros to whole blocks.
+//! The object starting on a block of its own is what lets it be read and
+//! written with direct I/O straight from and into the caller's memory.
 //!
-//! A record is written with one positioned write; a crash can leave it
-//! torn, which its seal catches when it is read (a miss, never KV).
+//! | record offset | bytes | what |
+//! |---|---|---|
+//! | 0 | 64 | the value's header (`l2::value`) |
+//! | 64 | 4032 | zeros |
+//! | 4096 | n | the object |
+//! | 4096 + n | to a block's end | zeros |
+//!
+//! The file is allocated whole when it is made, so what was never written
+//! reads as zeros, which no header matches; it is written and read with
+//! direct I/O, so a read comes from the disk and a write does not fill the
+//! page cache with KV nobody reads twice.
+//!
+//! A record is written with one positioned write (header block and object
+//! gathered); a crash can leave it torn, which its seal catches when it is
+//! read (a miss, never KV).
 
 use super::aligned::{round_up, AlignedBuf, BLOCK};
-use crate::l2::value::{self, Value, HEADER};
+use crate::l2::value;
 use std::fs::{File, OpenOptions};
 use std::io;
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
@@ -27,11 +41,18 @@ pub struct Segment {
     size: u64,
 }
 
-/// A record's place: its offset and its value's bytes (header included).
+/// A record's place: the offset of its header block, and its object's
+/// bytes (which start one block further).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Record {
     pub off: u64,
     pub len: u64,
+}
+
+/// Bytes a record of an object of `len` bytes takes: its header block and
+/// the object in whole blocks.
+pub fn record_bytes(len: u64) -> u64 {
+    BLOCK as u64 + round_up(len)
 }
 
 /// The file name of segment `id`.
@@ -118,12 +139,11 @@ impl Segment {
             };
             // The length is the file's word: a record that would end past
             // the file (or overflow) ends the scan.
-            let bytes = HEADER as u64 + len.min(size);
-            let next = off + round_up(bytes);
+            let next = off + record_bytes(len.min(size));
             if next > size {
                 break;
             }
-            found(digest, Record { off, len: bytes });
+            found(digest, Record { off, len });
             off = next;
         }
         seg.end = size; // read-only from now on
@@ -138,38 +158,24 @@ impl Segment {
         &self.path
     }
 
-    /// Whether a value of `bytes` fits after the last record.
-    pub fn has_room(&self, bytes: u64) -> bool {
-        self.end + round_up(bytes) <= self.size
+    /// The file, for transfers to and from it.
+    pub fn fd(&self) -> RawFd {
+        self.file.as_raw_fd()
     }
 
-    /// Appends `v` (caller checked [`Self::has_room`]); its record.
-    pub fn append(&mut self, v: &Value<'_>, scratch: &mut AlignedBuf) -> io::Result<Record> {
-        let bytes = v.len() as u64;
-        assert!(self.has_room(bytes), "a record that fits");
-        let padded = round_up(bytes) as usize;
-        if scratch.len() < padded {
-            *scratch = AlignedBuf::zeroed(padded);
-        }
-        v.write_into(&mut scratch[..v.len()]);
-        // The padding: zeros, so no stale bytes of an earlier record follow.
-        scratch[v.len()..padded].fill(0);
-        self.file.write_all_at(&scratch[..padded], self.end)?;
-        let r = Record {
-            off: self.end,
-            len: bytes,
-        };
-        self.end += padded as u64;
-        Ok(r)
+    /// Whether a record of an object of `len` bytes fits after the last
+    /// record.
+    pub fn has_room(&self, len: u64) -> bool {
+        self.end + record_bytes(len) <= self.size
     }
 
-    /// Reads record `r` into `buf` (grown as needed); the value is
-    /// `buf[..r.len]`.
-    pub fn read(&self, r: Record, buf: &mut AlignedBuf) -> io::Result<()> {
-        let padded = round_up(r.len) as usize;
-        if buf.len() < padded {
-            *buf = AlignedBuf::zeroed(padded);
-        }
-        self.file.read_exact_at(&mut buf[..padded], r.off)
+    /// The place of the next record, an object of `len` bytes (caller
+    /// checked [`Self::has_room`]), taken: the record after it goes past
+    /// it, whether or not its write succeeds.
+    pub fn reserve(&mut self, len: u64) -> Record {
+        assert!(self.has_room(len), "a record that fits");
+        let r = Record { off: self.end, len };
+        self.end += record_bytes(len);
+        r
     }
 }
