@@ -147,16 +147,14 @@ fn run(
                 Err(_) => break,
             }
         }
-        // Relaxed: a gauge.
-        tier.counters
-            .queue
-            .fetch_sub(ops.len() as u64, Ordering::Relaxed);
         serve(tier, &mut store, pool, ops, finished);
     }
 }
 
 /// Serves `ops` in order, each one's end reported as it comes: a run of
-/// writes is one batch of the store's.
+/// writes is one batch of the store's. An operation leaves the queue's
+/// gauge when its end is sent, so that a drained queue means every
+/// write's pool range is back with the owner.
 fn serve(
     tier: &DiskTier,
     store: &mut DiskStore,
@@ -188,6 +186,8 @@ fn serve(
                 keep,
                 drop,
             });
+            // Relaxed: a gauge.
+            c.queue.fetch_sub(1, r);
             continue;
         };
         let mut writes = vec![(key, off, len, then)];
@@ -232,6 +232,8 @@ fn serve(
                 }
             };
             finished.send(TierDone::Written { then, ok });
+            // Relaxed: a gauge.
+            c.queue.fetch_sub(1, r);
         }
     }
 }
