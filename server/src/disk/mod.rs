@@ -8,6 +8,7 @@
 
 mod aligned;
 pub mod io;
+mod seg_index;
 mod segment;
 mod store;
 pub(crate) mod tier;

@@ -20,9 +20,12 @@
 //!
 //! A record is written with one positioned write (header block and object
 //! gathered); a crash can leave it torn, which its seal catches when it is
-//! read (a miss, never KV).
+//! read (a miss, never KV). When a segment takes no more records its index
+//! goes into its last blocks ([`seg_index`]); records are never placed
+//! there (room for the index is kept as records are placed).
 
 use super::aligned::{round_up, AlignedBuf, BLOCK};
+use super::seg_index::{self, Entry};
 use crate::l2::value;
 use std::fs::{File, OpenOptions};
 use std::io;
@@ -30,7 +33,8 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
-/// A segment file: records from offset 0 to `end`.
+/// A segment file: records from offset 0 to `end`, and, once no record
+/// will be added, its index at the end ([`seg_index`]).
 pub struct Segment {
     id: u64,
     path: PathBuf,
@@ -39,6 +43,10 @@ pub struct Segment {
     end: u64,
     /// The file's size.
     size: u64,
+    /// The records placed in it by this start, for its index; `None` for
+    /// a segment that takes no more records (one from before this start,
+    /// or one whose index is written).
+    placed: Option<Vec<Entry>>,
 }
 
 /// A record's place: the offset of its header block, and its object's
@@ -53,6 +61,12 @@ pub struct Record {
 /// the object in whole blocks.
 pub fn record_bytes(len: u64) -> u64 {
     BLOCK as u64 + round_up(len)
+}
+
+/// Whether a record of an object of `len` bytes fits an empty segment of
+/// `size` bytes (with the index that would list it).
+pub fn fits_empty(size: u64, len: u64) -> bool {
+    record_bytes(len).saturating_add(seg_index::room(1)) <= size
 }
 
 /// The file name of segment `id`.
@@ -107,29 +121,39 @@ impl Segment {
             file,
             end: 0,
             size,
+            placed: Some(Vec::new()),
         })
     }
 
     /// Opens segment `id` in `dir` as it was left, and finds its records:
-    /// `found` is called with each header's key digest and record, in file
-    /// order, up to the first block that is not a header (the end of what
-    /// was written, or a record torn before its header landed). No record
-    /// is appended to it after.
+    /// `found` is called with each one's key digest and record, in file
+    /// order: those its index lists, where it has one that passes its
+    /// checks; else those whose headers a scan finds, up to the first
+    /// block that is not a header (the end of what was written, or a
+    /// record torn before its header landed). No record is appended to it
+    /// after. Whether the index was taken.
     pub fn open_existing(
         dir: &Path,
         id: u64,
         mut found: impl FnMut([u8; 16], Record),
-    ) -> io::Result<Segment> {
+    ) -> io::Result<(Segment, bool)> {
         let path = dir.join(file_name(id));
         let file = open(&path, false)?;
         let size = file.metadata()?.len() / BLOCK as u64 * BLOCK as u64;
-        let mut seg = Segment {
+        let seg = Segment {
             id,
             path,
             file,
-            end: 0,
+            end: size, // read-only from now on
             size,
+            placed: None,
         };
+        if let Some(entries) = seg_index::read(&seg.file, size) {
+            for (digest, rec) in entries {
+                found(digest, rec);
+            }
+            return Ok((seg, true));
+        }
         let mut head = AlignedBuf::zeroed(BLOCK);
         let mut off = 0;
         while off + BLOCK as u64 <= size {
@@ -146,8 +170,7 @@ impl Segment {
             found(digest, Record { off, len });
             off = next;
         }
-        seg.end = size; // read-only from now on
-        Ok(seg)
+        Ok((seg, false))
     }
 
     pub fn id(&self) -> u64 {
@@ -164,18 +187,34 @@ impl Segment {
     }
 
     /// Whether a record of an object of `len` bytes fits after the last
-    /// record.
+    /// record (with the index that would list it).
     pub fn has_room(&self, len: u64) -> bool {
-        self.end + record_bytes(len) <= self.size
+        let Some(placed) = &self.placed else {
+            return false;
+        };
+        self.end + record_bytes(len) + seg_index::room(placed.len() + 1) <= self.size
     }
 
-    /// The place of the next record, an object of `len` bytes (caller
-    /// checked [`Self::has_room`]), taken: the record after it goes past
-    /// it, whether or not its write succeeds.
-    pub fn reserve(&mut self, len: u64) -> Record {
+    /// The place of the next record, `digest`'s object of `len` bytes
+    /// (caller checked [`Self::has_room`]), taken: the record after it goes
+    /// past it, whether or not its write succeeds (the index lists it
+    /// either way; a record that never landed is a miss when read).
+    pub fn reserve(&mut self, digest: [u8; 16], len: u64) -> Record {
         assert!(self.has_room(len), "a record that fits");
         let r = Record { off: self.end, len };
         self.end += record_bytes(len);
+        self.placed.as_mut().expect("has room").push((digest, r));
         r
+    }
+
+    /// Writes the segment's index and takes no more records. A segment
+    /// from before this start, or one already indexed, is left as it is.
+    pub fn finish(&mut self) -> io::Result<()> {
+        let Some(placed) = self.placed.take() else {
+            return Ok(());
+        };
+        let index = seg_index::encode(&placed);
+        self.file
+            .write_all_at(&index, self.size - index.len() as u64)
     }
 }

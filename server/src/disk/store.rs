@@ -6,8 +6,10 @@
 //! One server owns a directory at a time: a lock file (`kvring-disk.lock`,
 //! an OFD lock the kernel drops when the server dies) refuses a second.
 //! A server started on a directory that holds segments serves what they
-//! hold: each segment's record headers are read once (one block per
-//! record, in file order), and new records go to a new segment. Every read
+//! hold: each segment's index is read (written when the segment took its
+//! last record), or, for a segment without one that passes its checks
+//! (a crash came first), its record headers (one block per record, in
+//! file order); new records go to a new segment. Every read
 //! checks the value against the key it was asked under (its key digest,
 //! size and seal): a torn, truncated, foreign or swapped record is a miss,
 //! counted, and leaves the index.
@@ -23,7 +25,7 @@
 
 use super::aligned::{round_up, AlignedBuf, BLOCK};
 use super::io::{self as disk_io, DiskIo, Done, IoOp, Way};
-use super::segment::{self, record_bytes, Record, Segment};
+use super::segment::{self, Record, Segment};
 use crate::l2::value::{self, Seal, Value, HEADER};
 use std::collections::{HashMap, VecDeque};
 use std::fs::File;
@@ -53,6 +55,9 @@ pub struct DiskStats {
     pub corrupt: u64,
     /// Objects dropped with the oldest segment.
     pub evicted: u64,
+    /// Segments whose records were found through their index when the
+    /// store was opened (the others' headers were scanned).
+    pub indexed_segments: u64,
 }
 
 /// Transfers in flight when the store is opened with [`DiskStore::open`].
@@ -226,10 +231,11 @@ impl DiskStore {
         };
         for id in ids {
             let index = &mut store.index;
-            let seg = Segment::open_existing(dir, id, |digest, rec| {
+            let (seg, indexed) = Segment::open_existing(dir, id, |digest, rec| {
                 // A later record of the same key supersedes an earlier one.
                 index.insert(digest, Loc { seg: id, rec });
             })?;
+            store.stats.indexed_segments += u64::from(indexed);
             store.segments.push_back(seg);
         }
         while store.segments.len() >= store.max_segments {
@@ -324,7 +330,7 @@ impl DiskStore {
                 out[item] = Some(Ok(false));
                 continue;
             }
-            if record_bytes(object.len() as u64) > self.segment_bytes {
+            if !segment::fits_empty(self.segment_bytes, object.len() as u64) {
                 out[item] = Some(Err(io::Error::new(
                     io::ErrorKind::InvalidInput,
                     format!(
@@ -385,7 +391,7 @@ impl DiskStore {
             }
         }
         let seg = self.segments.back_mut().expect("a segment to write");
-        let rec = seg.reserve(len);
+        let rec = seg.reserve(r.digest, len);
         let loc = Loc { seg: seg.id(), rec };
         let op = IoOp::new(r.slot as u64, Way::Write, seg.fd(), rec.off)
             .buf(self.slots[r.slot].head.as_ptr(), BLOCK);
@@ -674,6 +680,7 @@ impl DiskStore {
     }
 
     fn add_segment(&mut self) -> io::Result<()> {
+        self.finish_tail();
         while self.segments.len() + 1 > self.max_segments {
             self.drop_oldest();
         }
@@ -681,6 +688,19 @@ impl DiskStore {
         self.next_id += 1;
         self.segments.push_back(seg);
         Ok(())
+    }
+
+    /// Writes the last segment's index: it takes no more records (a new
+    /// segment follows, or the store closes). Writes still in flight to it
+    /// go to the records before the index, which lists them. Without the
+    /// index (it failed) a restart scans the segment's headers instead.
+    fn finish_tail(&mut self) {
+        let Some(tail) = self.segments.back_mut() else {
+            return;
+        };
+        if let Err(e) = tail.finish() {
+            tracing::warn!(path = %tail.path().display(), error = %e, "disk tier: writing a segment's index (a restart scans it)");
+        }
     }
 
     /// Drops the oldest segment and every object in it.
@@ -695,6 +715,14 @@ impl DiskStore {
         if let Err(e) = std::fs::remove_file(seg.path()) {
             tracing::warn!(path = %seg.path().display(), error = %e, "disk tier: removing a segment");
         }
+    }
+}
+
+impl Drop for DiskStore {
+    fn drop(&mut self) {
+        // Nothing is in flight between batches: the index is the last
+        // write.
+        self.finish_tail();
     }
 }
 
