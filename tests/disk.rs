@@ -86,8 +86,9 @@ fn a_restarted_server_serves_what_its_disk_holds() {
     assert_eq!(stats(&mut e).disk_loaded_objects, 8);
 }
 
-/// Flips one byte inside every record slot of the segment at `path`
-/// (records of `record` bytes from offset 0).
+/// Flips one byte of the object of every record slot of the segment at
+/// `path` (records of `record` bytes from offset 0, each a header block
+/// and then the object).
 fn damage(path: &Path, record: u64) {
     use std::os::unix::fs::FileExt;
     let f = std::fs::OpenOptions::new()
@@ -99,8 +100,8 @@ fn damage(path: &Path, record: u64) {
     let mut off = 0;
     while off + record <= len {
         let mut b = [0u8; 1];
-        f.read_exact_at(&mut b, off + 64 + 100).unwrap();
-        f.write_all_at(&[!b[0]], off + 64 + 100).unwrap();
+        f.read_exact_at(&mut b, off + 4096 + 100).unwrap();
+        f.write_all_at(&[!b[0]], off + 4096 + 100).unwrap();
         off += record;
     }
     f.sync_all().unwrap();
@@ -117,8 +118,7 @@ fn a_damaged_record_is_a_miss_never_kv() {
         h
     };
     a.srv.kill();
-    // 32 KiB objects: a record is the 64-byte header and the object,
-    // padded to 4 KiB blocks.
+    // 32 KiB objects: a record is a 4 KiB header block and the object.
     for seg in dir.segments() {
         damage(&seg, 9 * 4096);
     }

@@ -264,7 +264,8 @@ impl KvState {
         for t in self.tiers.iter().flat_map(Tiers::all) {
             t.tier.fill(stats);
             let (queue, dropped) = super::tier::queue_and_dropped(t.level, stats);
-            *queue += pending[t.level as usize];
+            // Relaxed (both): counters.
+            *queue = t.in_flight.load(Ordering::Relaxed) + pending[t.level as usize];
             // Relaxed: a counter.
             *dropped += t.refused.load(Ordering::Relaxed);
         }

@@ -1,22 +1,40 @@
-//! One segment file of the disk store (`seg-ID.kvd`, ID in hex): values
-//! appended at block-aligned offsets, each the remote tier's value format
-//! (a 64-byte header that binds the object to its key, then the object),
-//! padded to whole blocks. The file is allocated whole when it is made, so
-//! what was never written reads as zeros, which no header matches; it is
-//! written and read with direct I/O, so a read comes from the disk and a
-//! write does not fill the page cache with KV nobody reads twice.
+//! One segment file of the disk store (`seg-ID.kvd`, ID in hex): records
+//! at block-aligned offsets, each the remote tier's value format split in
+//! two: one block that holds the value's 64-byte header (which binds the
+//! object to its key, size and seal; the rest of the block zeros), then
+//! the object from the next block on, padded with zeros to whole blocks.
+//! The object starting on a block of its own is what lets it be read and
+//! written with direct I/O straight from and into the caller's memory.
 //!
-//! A record is written with one positioned write; a crash can leave it
-//! torn, which its seal catches when it is read (a miss, never KV).
+//! | record offset | bytes | what |
+//! |---|---|---|
+//! | 0 | 64 | the value's header (`l2::value`) |
+//! | 64 | 4032 | zeros |
+//! | 4096 | n | the object |
+//! | 4096 + n | to a block's end | zeros |
+//!
+//! The file is allocated whole when it is made, so what was never written
+//! reads as zeros, which no header matches; it is written and read with
+//! direct I/O, so a read comes from the disk and a write does not fill the
+//! page cache with KV nobody reads twice.
+//!
+//! A record is written with one positioned write (header block and object
+//! gathered); a crash can leave it torn, which its seal catches when it is
+//! read (a miss, never KV). When a segment takes no more records its index
+//! goes into its last blocks ([`seg_index`]); records are never placed
+//! there (room for the index is kept as records are placed).
 
 use super::aligned::{round_up, AlignedBuf, BLOCK};
-use crate::l2::value::{self, Value, HEADER};
+use super::seg_index::{self, Entry};
+use crate::l2::value;
 use std::fs::{File, OpenOptions};
 use std::io;
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
-/// A segment file: records from offset 0 to `end`.
+/// A segment file: records from offset 0 to `end`, and, once no record
+/// will be added, its index at the end ([`seg_index`]).
 pub struct Segment {
     id: u64,
     path: PathBuf,
@@ -25,13 +43,30 @@ pub struct Segment {
     end: u64,
     /// The file's size.
     size: u64,
+    /// The records placed in it by this start, for its index; `None` for
+    /// a segment that takes no more records (one from before this start,
+    /// or one whose index is written).
+    placed: Option<Vec<Entry>>,
 }
 
-/// A record's place: its offset and its value's bytes (header included).
+/// A record's place: the offset of its header block, and its object's
+/// bytes (which start one block further).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Record {
     pub off: u64,
     pub len: u64,
+}
+
+/// Bytes a record of an object of `len` bytes takes: its header block and
+/// the object in whole blocks.
+pub fn record_bytes(len: u64) -> u64 {
+    BLOCK as u64 + round_up(len)
+}
+
+/// Whether a record of an object of `len` bytes fits an empty segment of
+/// `size` bytes (with the index that would list it).
+pub fn fits_empty(size: u64, len: u64) -> bool {
+    record_bytes(len).saturating_add(seg_index::room(1)) <= size
 }
 
 /// The file name of segment `id`.
@@ -86,29 +121,39 @@ impl Segment {
             file,
             end: 0,
             size,
+            placed: Some(Vec::new()),
         })
     }
 
     /// Opens segment `id` in `dir` as it was left, and finds its records:
-    /// `found` is called with each header's key digest and record, in file
-    /// order, up to the first block that is not a header (the end of what
-    /// was written, or a record torn before its header landed). No record
-    /// is appended to it after.
+    /// `found` is called with each one's key digest and record, in file
+    /// order: those its index lists, where it has one that passes its
+    /// checks; else those whose headers a scan finds, up to the first
+    /// block that is not a header (the end of what was written, or a
+    /// record torn before its header landed). No record is appended to it
+    /// after. Whether the index was taken.
     pub fn open_existing(
         dir: &Path,
         id: u64,
         mut found: impl FnMut([u8; 16], Record),
-    ) -> io::Result<Segment> {
+    ) -> io::Result<(Segment, bool)> {
         let path = dir.join(file_name(id));
         let file = open(&path, false)?;
         let size = file.metadata()?.len() / BLOCK as u64 * BLOCK as u64;
-        let mut seg = Segment {
+        let seg = Segment {
             id,
             path,
             file,
-            end: 0,
+            end: size, // read-only from now on
             size,
+            placed: None,
         };
+        if let Some(entries) = seg_index::read(&seg.file, size) {
+            for (digest, rec) in entries {
+                found(digest, rec);
+            }
+            return Ok((seg, true));
+        }
         let mut head = AlignedBuf::zeroed(BLOCK);
         let mut off = 0;
         while off + BLOCK as u64 <= size {
@@ -118,16 +163,14 @@ impl Segment {
             };
             // The length is the file's word: a record that would end past
             // the file (or overflow) ends the scan.
-            let bytes = HEADER as u64 + len.min(size);
-            let next = off + round_up(bytes);
+            let next = off + record_bytes(len.min(size));
             if next > size {
                 break;
             }
-            found(digest, Record { off, len: bytes });
+            found(digest, Record { off, len });
             off = next;
         }
-        seg.end = size; // read-only from now on
-        Ok(seg)
+        Ok((seg, false))
     }
 
     pub fn id(&self) -> u64 {
@@ -138,38 +181,40 @@ impl Segment {
         &self.path
     }
 
-    /// Whether a value of `bytes` fits after the last record.
-    pub fn has_room(&self, bytes: u64) -> bool {
-        self.end + round_up(bytes) <= self.size
+    /// The file, for transfers to and from it.
+    pub fn fd(&self) -> RawFd {
+        self.file.as_raw_fd()
     }
 
-    /// Appends `v` (caller checked [`Self::has_room`]); its record.
-    pub fn append(&mut self, v: &Value<'_>, scratch: &mut AlignedBuf) -> io::Result<Record> {
-        let bytes = v.len() as u64;
-        assert!(self.has_room(bytes), "a record that fits");
-        let padded = round_up(bytes) as usize;
-        if scratch.len() < padded {
-            *scratch = AlignedBuf::zeroed(padded);
-        }
-        v.write_into(&mut scratch[..v.len()]);
-        // The padding: zeros, so no stale bytes of an earlier record follow.
-        scratch[v.len()..padded].fill(0);
-        self.file.write_all_at(&scratch[..padded], self.end)?;
-        let r = Record {
-            off: self.end,
-            len: bytes,
+    /// Whether a record of an object of `len` bytes fits after the last
+    /// record (with the index that would list it).
+    pub fn has_room(&self, len: u64) -> bool {
+        let Some(placed) = &self.placed else {
+            return false;
         };
-        self.end += padded as u64;
-        Ok(r)
+        self.end + record_bytes(len) + seg_index::room(placed.len() + 1) <= self.size
     }
 
-    /// Reads record `r` into `buf` (grown as needed); the value is
-    /// `buf[..r.len]`.
-    pub fn read(&self, r: Record, buf: &mut AlignedBuf) -> io::Result<()> {
-        let padded = round_up(r.len) as usize;
-        if buf.len() < padded {
-            *buf = AlignedBuf::zeroed(padded);
-        }
-        self.file.read_exact_at(&mut buf[..padded], r.off)
+    /// The place of the next record, `digest`'s object of `len` bytes
+    /// (caller checked [`Self::has_room`]), taken: the record after it goes
+    /// past it, whether or not its write succeeds (the index lists it
+    /// either way; a record that never landed is a miss when read).
+    pub fn reserve(&mut self, digest: [u8; 16], len: u64) -> Record {
+        assert!(self.has_room(len), "a record that fits");
+        let r = Record { off: self.end, len };
+        self.end += record_bytes(len);
+        self.placed.as_mut().expect("has room").push((digest, r));
+        r
+    }
+
+    /// Writes the segment's index and takes no more records. A segment
+    /// from before this start, or one already indexed, is left as it is.
+    pub fn finish(&mut self) -> io::Result<()> {
+        let Some(placed) = self.placed.take() else {
+            return Ok(());
+        };
+        let index = seg_index::encode(&placed);
+        self.file
+            .write_all_at(&index, self.size - index.len() as u64)
     }
 }

@@ -8,7 +8,7 @@
 //! (writes) or answered empty (lookups), counted.
 
 use super::health::{Backoff, Health};
-use super::store::DiskStore;
+use super::store::{DiskStore, Get};
 use crate::cache::{Cache, Level, ObjectKey};
 use crate::tier::link::Finished;
 use crate::tier::{Fetch, Placement, PoolView, Tier, TierCounters, TierDone, TierOp};
@@ -25,6 +25,13 @@ pub const QUEUE: usize = 1024;
 /// The longest a lookup's reads go on: chunks not read by then are
 /// misses (a read under way when it passes still ends first).
 pub const LOOKUP_WAIT: Duration = Duration::from_secs(2);
+
+/// Operations taken off the queue at once: the writes among them go to the
+/// store together, several in flight.
+const BATCH: usize = 16;
+
+/// Chunks of a lookup whose objects are read together, several in flight.
+const WINDOW: usize = 8;
 
 /// The prefix of the keys records are bound to (the remote tier's key
 /// format: model, world size, rank, layout fingerprint, salt, chunk hash).
@@ -84,17 +91,10 @@ impl Tier for DiskTier {
     }
 
     fn submit(&self, op: TierOp) -> Result<(), TierOp> {
-        match self.tx.try_send(op) {
-            Ok(()) => {
-                // Relaxed: a gauge for observers.
-                self.counters.queue.fetch_add(1, Ordering::Relaxed);
-                Ok(())
-            }
-            // A refused write is counted by its owner (which gives it back).
-            Err(e) => Err(match e {
-                mpsc::TrySendError::Full(op) | mpsc::TrySendError::Disconnected(op) => op,
-            }),
-        }
+        // A refused write is counted by its owner (which gives it back).
+        self.tx.try_send(op).map_err(|e| match e {
+            mpsc::TrySendError::Full(op) | mpsc::TrySendError::Disconnected(op) => op,
+        })
     }
 
     fn fill(&self, s: &mut StatsReply) {
@@ -147,7 +147,7 @@ impl DiskThread {
         })
     }
 
-    /// Stops the thread after the operation under way; queued ones are
+    /// Stops the thread after the batch under way; queued operations are
     /// dropped (the server is shutting down). An operation the disk does
     /// not end within [`STOP_WAIT`] is left behind with its thread (which
     /// holds what it uses, the pool included, until it ends), said once.
@@ -192,20 +192,28 @@ fn run(
             Err(RecvTimeoutError::Timeout) => continue,
             Err(RecvTimeoutError::Disconnected) => break,
         };
-        // Relaxed: a gauge.
-        tier.counters.queue.fetch_sub(1, Ordering::Relaxed);
+        let mut ops = vec![op];
+        while ops.len() < BATCH {
+            match rx.try_recv() {
+                Ok(op) => ops.push(op),
+                Err(_) => break,
+            }
+        }
         if tier.health.is_down() {
-            finished.send(refuse(tier, op));
+            for op in ops {
+                finished.send(refuse(tier, op));
+            }
             continue;
         }
-        let (done, io_failed) = tier.health.during(|| serve(tier, &mut store, pool, op));
+        let io_failed = tier
+            .health
+            .during(|| serve(tier, &mut store, pool, ops, finished));
         if io_failed {
             backoff.failed(&tier.health);
         } else {
             backoff.succeeded();
         }
         tier.gauge(&store);
-        finished.send(done);
     }
 }
 
@@ -231,28 +239,71 @@ fn refuse(tier: &DiskTier, op: TierOp) -> TierDone {
     }
 }
 
-/// Serves `op`; whether an I/O error happened.
+/// Serves `ops` in order, each one's end reported as it comes: a run of
+/// writes is one batch of the store's. Whether an I/O error happened.
 fn serve(
     tier: &DiskTier,
     store: &mut DiskStore,
     pool: &dyn PoolView,
-    op: TierOp,
-) -> (TierDone, bool) {
+    ops: Vec<TierOp>,
+    finished: &Finished,
+) -> bool {
     // Relaxed (all counters here): no access pairs with them.
     let r = Ordering::Relaxed;
     let c = &tier.counters;
-    match op {
-        TierOp::Write {
+    let mut failed = false;
+    let mut ops = ops.into_iter().peekable();
+    while let Some(op) = ops.next() {
+        let TierOp::Write {
             key,
             off,
             len,
             then,
             ..
-        } => {
-            // SAFETY: the range of an object the owner keeps for this write
-            // until it applies the write's end (`PoolView::bytes`).
-            let bytes = unsafe { pool.bytes(off, len) };
-            let (ok, failed) = match store.put(&crate::l2::key::key(PREFIX, &key), bytes) {
+        } = op
+        else {
+            let TierOp::Fetch(fetch) = op else {
+                unreachable!("not a write")
+            };
+            let (hits, keep, drop, read_failed) = fetch_chunks(tier, store, pool, &fetch);
+            failed |= read_failed;
+            c.loaded.fetch_add(keep.len() as u64, r);
+            finished.send(TierDone::Fetched {
+                fetch,
+                hits,
+                keep,
+                drop,
+            });
+            continue;
+        };
+        let mut writes = vec![(key, off, len, then)];
+        while let Some(TierOp::Write { .. }) = ops.peek() {
+            if let Some(TierOp::Write {
+                key,
+                off,
+                len,
+                then,
+                ..
+            }) = ops.next()
+            {
+                writes.push((key, off, len, then));
+            }
+        }
+        let names: Vec<String> = writes
+            .iter()
+            .map(|w| crate::l2::key::key(PREFIX, &w.0))
+            .collect();
+        let items: Vec<(&str, &[u8])> = writes
+            .iter()
+            .zip(&names)
+            // SAFETY: the range of an object the owner keeps for this
+            // write until it applies the write's end (`PoolView::bytes`),
+            // which is sent below, after the batch.
+            .map(|(w, n)| (n.as_str(), unsafe { pool.bytes(w.1, w.2) }))
+            .collect();
+        let results = store.put_many(&items);
+        for ((_, _, len, then), result) in writes.into_iter().zip(results) {
+            let (ok, write_failed) = match result {
                 Ok(true) => {
                     c.written.fetch_add(1, r);
                     c.bytes_out.fetch_add(len, r);
@@ -266,25 +317,24 @@ fn serve(
                     (false, true)
                 }
             };
-            (TierDone::Written { then, ok }, failed)
-        }
-        TierOp::Fetch(fetch) => {
-            let (hits, keep, drop, failed) = fetch_chunks(tier, store, pool, &fetch);
-            c.loaded.fetch_add(keep.len() as u64, r);
-            let done = TierDone::Fetched {
-                fetch,
-                hits,
-                keep,
-                drop,
-            };
-            (done, failed)
+            failed |= write_failed;
+            finished.send(TierDone::Written { then, ok });
         }
     }
+    failed
+}
+
+/// A chunk of a window: its objects placed in the pool, and the range of
+/// the window's reads that fill them.
+struct Chunk {
+    placed: Vec<u32>,
+    reads: std::ops::Range<usize>,
 }
 
 /// Reads the leading chunks of `f.hashes[f.start()..]` the store has (every
-/// rank's object) into the pool: how many, the objects placed for them,
-/// the objects placed but not kept (a record that failed its check), and
+/// rank's object) into the pool, a window of chunks at a time: how many,
+/// the objects placed for them, and the objects placed but not kept (a
+/// record that failed its check, or a chunk after it in its window), and
 /// whether a read failed.
 fn fetch_chunks(
     tier: &DiskTier,
@@ -299,58 +349,97 @@ fn fetch_chunks(
     let mut hits = 0;
     let mut failed = false;
     let deadline = Instant::now() + LOOKUP_WAIT;
-    'chunks: for h in &f.hashes[f.start()..] {
-        if Instant::now() >= deadline {
-            break;
-        }
-        let mut keys: Vec<ObjectKey> = Cache::rank_keys(&f.meta, f.group, *h);
-        keys.dedup();
-        let names: Vec<String> = keys
-            .iter()
-            .map(|k| crate::l2::key::key(PREFIX, k))
-            .collect();
-        // Only a chunk with every rank's object is a hit: none is placed
-        // unless all are there.
-        if !names.iter().all(|n| store.contains(n)) {
-            tier.counters.missed.fetch_add(1, r);
-            break;
-        }
-        let mut placed = Vec::new();
-        for (k, name) in keys.iter().zip(&names) {
-            let (obj, off) = match pool.place(*k, len) {
-                Placement::Room { obj, off } => (obj, off),
-                Placement::Present => continue,
-                Placement::NoRoom => {
-                    drop.extend(placed);
-                    break 'chunks;
-                }
+    let mut rest = f.hashes[f.start()..].iter();
+    let mut last = false;
+    while !last && Instant::now() < deadline {
+        let mut chunks: Vec<Chunk> = Vec::new();
+        // Each read: the object's name and its room in the pool.
+        let mut reads: Vec<(String, u64)> = Vec::new();
+        while chunks.len() < WINDOW {
+            let Some(h) = rest.next() else {
+                last = true;
+                break;
             };
-            // SAFETY: the room `place` just gave this read alone, a
-            // `Writing` object of `len` bytes, until the fetch reports it.
-            let dst = unsafe { pool.bytes_mut(off, len) };
-            match store.get(name, len, dst) {
-                Ok(true) => {
-                    tier.counters.bytes_in.fetch_add(len, r);
-                    placed.push(obj);
-                }
-                Ok(false) => {
-                    tier.counters.corrupt.fetch_add(1, r);
-                    drop.push(obj);
-                    drop.extend(placed);
-                    break 'chunks;
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "disk tier: a read failed (a miss)");
-                    tier.counters.errors.fetch_add(1, r);
-                    failed = true;
-                    drop.push(obj);
-                    drop.extend(placed);
-                    break 'chunks;
+            let mut keys: Vec<ObjectKey> = Cache::rank_keys(&f.meta, f.group, *h);
+            keys.dedup();
+            let names: Vec<String> = keys
+                .iter()
+                .map(|k| crate::l2::key::key(PREFIX, k))
+                .collect();
+            // Only a chunk with every rank's object is a hit: none is
+            // placed unless all are there.
+            if !names.iter().all(|n| store.contains(n)) {
+                tier.counters.missed.fetch_add(1, r);
+                last = true;
+                break;
+            }
+            let mut chunk = Chunk {
+                placed: Vec::new(),
+                reads: reads.len()..reads.len(),
+            };
+            for (k, name) in keys.iter().zip(names) {
+                match pool.place(*k, len) {
+                    Placement::Room { obj, off } => {
+                        chunk.placed.push(obj);
+                        reads.push((name, off));
+                    }
+                    Placement::Present => {}
+                    Placement::NoRoom => {
+                        last = true;
+                        break;
+                    }
                 }
             }
+            if last {
+                // Not read: its rooms go back as they are.
+                drop.extend(chunk.placed);
+                reads.truncate(chunk.reads.start);
+                break;
+            }
+            chunk.reads.end = reads.len();
+            chunks.push(chunk);
         }
-        keep.extend(placed);
-        hits += 1;
+        let mut gets: Vec<Get<'_>> = reads
+            .iter()
+            .map(|(name, off)| Get {
+                key: name,
+                len,
+                // SAFETY: the room `place` just gave this read alone, a
+                // `Writing` object of `len` bytes, until the fetch
+                // reports it; each read's room is another object's.
+                dst: unsafe { pool.bytes_mut(*off, len) },
+            })
+            .collect();
+        let results = store.get_many(&mut gets);
+        // The leading whole chunks are hits: from the first that is not
+        // whole on, what was placed is dropped.
+        let mut broken = false;
+        for chunk in chunks {
+            for result in &results[chunk.reads] {
+                match result {
+                    Ok(true) => {
+                        tier.counters.bytes_in.fetch_add(len, r);
+                        continue;
+                    }
+                    Ok(false) => {
+                        tier.counters.corrupt.fetch_add(1, r);
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "disk tier: a read failed (a miss)");
+                        tier.counters.errors.fetch_add(1, r);
+                        failed = true;
+                    }
+                }
+                broken = true;
+            }
+            if broken {
+                drop.extend(chunk.placed);
+            } else {
+                keep.extend(chunk.placed);
+                hits += 1;
+            }
+        }
+        last |= broken;
     }
     (hits, keep, drop, failed)
 }

@@ -227,14 +227,7 @@ impl Tier for L2 {
         let refused = if !self.up() {
             Err(op)
         } else {
-            match self.tx.try_send(op) {
-                Ok(()) => {
-                    // Relaxed: a gauge for observers.
-                    self.counters.queue.fetch_add(1, Ordering::Relaxed);
-                    Ok(())
-                }
-                Err(e) => Err(e.into_inner()),
-            }
+            self.tx.try_send(op).map_err(|e| e.into_inner())
         };
         // A refused write is counted by its owner (which gives it back).
         refused
@@ -359,8 +352,6 @@ async fn serve(
         let finished = finished.clone();
         tokio::spawn(async move {
             finished.send(run_op(&pool, &l2, &conn, op).await);
-            // Relaxed: a gauge.
-            l2.counters.queue.fetch_sub(1, Ordering::Relaxed);
             drop(permit);
         });
     }

@@ -244,6 +244,11 @@ impl<'a> Value<'a> {
         false
     }
 
+    /// The header (what precedes the object in the value).
+    pub fn header(&self) -> &[u8; HEADER] {
+        &self.header
+    }
+
     /// Writes the value into `dst` (exactly [`Self::len`] bytes).
     pub fn write_into(&self, dst: &mut [u8]) {
         dst[..HEADER].copy_from_slice(&self.header);
@@ -281,6 +286,24 @@ pub fn open<'v>(value: &'v [u8], key: &str, len: u64, seal: &Seal) -> Result<Ope
     if value.len() < HEADER {
         return Err(BadValue::Short(value.len()));
     }
+    open_parts(&value[..HEADER], &value[HEADER..], key, len, seal)
+}
+
+/// [`open`] of a value whose header (`head`, [`HEADER`] bytes) and object
+/// (`body`) are not next to each other in memory (a store that keeps the
+/// header apart from the object, so the object can be read straight
+/// where it goes): the same checks.
+pub fn open_parts<'v>(
+    head: &'v [u8],
+    body: &'v [u8],
+    key: &str,
+    len: u64,
+    seal: &Seal,
+) -> Result<Opened<'v>, BadValue> {
+    if head.len() != HEADER {
+        return Err(BadValue::Short(head.len()));
+    }
+    let value = head;
     let word = |at: usize| u64::from_le_bytes(value[at..at + 8].try_into().expect("8 bytes"));
     let half = |at: usize| u32::from_le_bytes(value[at..at + 4].try_into().expect("4 bytes"));
     let magic = word(0);
@@ -305,7 +328,6 @@ pub fn open<'v>(value: &'v [u8], key: &str, len: u64, seal: &Seal) -> Result<Ope
             said,
         });
     }
-    let body = &value[HEADER..];
     if body.len() as u64 != said {
         return Err(BadValue::Length {
             said,

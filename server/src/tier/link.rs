@@ -48,6 +48,10 @@ pub(crate) struct TierLink {
     /// Objects the tier was not handed (too many bytes waiting, its queue
     /// full, or down): counted with its dropped writes.
     pub refused: AtomicU64,
+    /// Operations handed to the tier whose end the owner has not applied
+    /// yet (its queue, as STATS shows it: once it reads 0, every write's
+    /// pool range or hold is back with the cache).
+    pub in_flight: AtomicU64,
 }
 
 impl TierLink {
@@ -57,11 +61,28 @@ impl TierLink {
             mode,
             level,
             refused: AtomicU64::new(0),
+            in_flight: AtomicU64::new(0),
         }
     }
 
     pub fn up(&self) -> bool {
         self.tier.state() == TierState::Up
+    }
+
+    /// Hands `op` to the tier (counted in flight), or gives it back.
+    #[allow(clippy::result_large_err)]
+    pub fn submit(&self, op: super::TierOp) -> Result<(), super::TierOp> {
+        // Relaxed (both): a gauge for observers; the owner alone writes it.
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        self.tier.submit(op).inspect_err(|_| {
+            self.in_flight.fetch_sub(1, Ordering::Relaxed);
+        })
+    }
+
+    /// The owner applied the end of an operation of this tier's.
+    pub fn applied(&self) {
+        // Relaxed: see `submit`.
+        self.in_flight.fetch_sub(1, Ordering::Relaxed);
     }
 }
 

@@ -78,8 +78,6 @@ pub(crate) struct TierCounters {
     pub bytes_out: AtomicU64,
     pub bytes_in: AtomicU64,
     pub errors: AtomicU64,
-    /// Operations submitted and not yet taken by the tier's thread.
-    pub queue: AtomicU64,
 }
 
 impl TierCounters {
@@ -123,7 +121,8 @@ impl TierCounters {
             self.bytes_out.load(r),
             self.bytes_in.load(r),
             self.errors.load(r),
-            self.queue.load(r),
+            // The queue: the owner's count (`TierLink::in_flight`).
+            0,
         ];
         for (w, v) in words.into_iter().zip(values) {
             *w = v;
@@ -132,7 +131,7 @@ impl TierCounters {
 }
 
 /// Where a tier's counters go: its queue and its dropped writes, as the
-/// request path adds to them.
+/// owner counts them.
 pub(crate) fn queue_and_dropped(level: Level, s: &mut StatsReply) -> (&mut u64, &mut u64) {
     match level {
         Level::Remote => (&mut s.l2_queue, &mut s.l2_write_dropped_objects),
@@ -187,8 +186,17 @@ pub(crate) enum TierOp {
 pub(crate) enum AfterWrite {
     /// Drop the hold on object `obj` for its write-through to `level`.
     Release { obj: u32, level: Level },
-    /// This tier is done with an evicted object (write-back).
-    Free(Drained),
+    /// The tier at `level` is done with an evicted object (write-back).
+    Free { d: Drained, level: Level },
+}
+
+impl AfterWrite {
+    /// The tier the write went to.
+    pub fn level(&self) -> Level {
+        match self {
+            AfterWrite::Release { level, .. } | AfterWrite::Free { level, .. } => *level,
+        }
+    }
 }
 
 /// A lookup that missed the pool after `l1` chunks, on its way down the

@@ -121,7 +121,7 @@ fn fetch_from(
     while let Some(link) = next.and_then(|l| tiers.up_from(l)) {
         f.at = link.level;
         let copy = f.clone();
-        match link.tier.submit(TierOp::Fetch(f)) {
+        match link.submit(TierOp::Fetch(f)) {
             Ok(()) => {
                 let at = Instant::now() + link.tier.lookup_wait() + GRACE;
                 waiting.0.insert(copy.id, (copy, at));
@@ -139,10 +139,16 @@ fn fetch_from(
 /// Applies finished work to the cache.
 fn apply(shared: &Shared, tiers: &Tiers, waiting: &mut Waiting, done: TierDone) {
     match done {
-        TierDone::Written { then, ok } => shared.kv.with_cache(|c| match &then {
-            AfterWrite::Release { obj, level } => c.tier_written(*obj, *level, ok),
-            AfterWrite::Free(d) => c.free_drained(d),
-        }),
+        TierDone::Written { then, ok } => {
+            shared.kv.with_cache(|c| match &then {
+                AfterWrite::Release { obj, level } => c.tier_written(*obj, *level, ok),
+                AfterWrite::Free { d, .. } => c.free_drained(d),
+            });
+            // After the cache has the range or hold back (see `in_flight`).
+            if let Some(link) = tiers.at(then.level()) {
+                link.applied();
+            }
+        }
         TierDone::Fetched {
             mut fetch,
             hits,
@@ -153,6 +159,9 @@ fn apply(shared: &Shared, tiers: &Tiers, waiting: &mut Waiting, done: TierDone) 
                 c.finish_objects(&keep, true, Levels::of(fetch.at));
                 c.finish_objects(&drop, false, Levels::NONE);
             });
+            if let Some(link) = tiers.at(fetch.at) {
+                link.applied();
+            }
             // Its reads settled objects other lookups may wait for.
             wake_lookups(shared);
             if waiting.0.remove(&fetch.id).is_none() {
@@ -196,7 +205,7 @@ fn feed(shared: &Shared, tiers: &Tiers) {
                     off: d.off,
                     len: d.len,
                     check: d.had.has(level),
-                    then: AfterWrite::Free(d),
+                    then: AfterWrite::Free { d, level },
                 };
                 (level, op)
             })
@@ -218,14 +227,14 @@ fn feed(shared: &Shared, tiers: &Tiers) {
     for (level, op) in writes {
         let link = tiers.at(level).filter(|l| l.up());
         let back = match link {
-            Some(l) => l.tier.submit(op).err(),
+            Some(l) => l.submit(op).err(),
             None => Some(op),
         };
         if let Some(TierOp::Write { then, .. }) = back {
             dropped[level as usize] += 1;
             match &then {
                 AfterWrite::Release { obj, level } => c.tier_written(*obj, *level, false),
-                AfterWrite::Free(d) => c.free_drained(d),
+                AfterWrite::Free { d, .. } => c.free_drained(d),
             }
         }
     }
