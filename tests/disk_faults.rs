@@ -1,7 +1,8 @@
 //! The disk tier when the disk fails, with the real `kvring` binary on
 //! real file systems: a segment cut short under the server (a read that
 //! fails), a full disk (a tmpfs smaller than the tier's budget), a disk
-//! that stops answering (an ext4 image on a loop device, frozen). Each
+//! that fails every read and write with EIO (an ext4 image on a loop
+//! device, shut down) and one that stops answering (the same, frozen). Each
 //! ends in misses and dropped writes, counted; the tier is down and
 //! `/healthz` says degraded (200), the rings keep answering, no lookup
 //! waits past its bound, and the tier comes back when the disk does.
@@ -189,4 +190,57 @@ fn a_disk_that_stops_answering_never_stalls_the_rings_or_a_lookup() {
     });
     assert_eq!(fetch_and_check(&mut e, &on_disk), 4);
     assert_eq!(health(port).1, "ok");
+}
+
+/// Shuts the file system mounted at `dir` down as a failing disk would
+/// leave it: every read and write on it fails with EIO from now on
+/// (ext4's `EXT4_IOC_SHUTDOWN`, without flushing its journal).
+fn shut_down(dir: &std::path::Path) {
+    // _IOR('X', 125, __u32), as the kernel's ext4 (and XFS) define it.
+    const EXT4_IOC_SHUTDOWN: libc::c_ulong =
+        (2 << 30) | (4 << 16) | ((b'X' as libc::c_ulong) << 8) | 125;
+    const NOLOGFLUSH: u32 = 2;
+    let f = std::fs::File::open(dir).unwrap();
+    let flags = NOLOGFLUSH;
+    // SAFETY: the ioctl reads one u32 from the pointer, which lives
+    // through the call; the descriptor is open.
+    let rc = unsafe {
+        libc::ioctl(
+            std::os::fd::AsRawFd::as_raw_fd(&f),
+            EXT4_IOC_SHUTDOWN as _,
+            &flags,
+        )
+    };
+    assert_eq!(rc, 0, "{}", std::io::Error::last_os_error());
+}
+
+#[test]
+#[ignore = "needs root: a loop-device ext4, shut down (cargo test --test disk_faults -- --ignored)"]
+fn a_disk_that_fails_with_eio_is_down_until_it_answers() {
+    need_root();
+    let fs = Mounted::ext4("disk-eio", 96);
+    let d = fs.dir.join("kv").display().to_string();
+    let (a, port) = disk_server("disk-eio", &d, "32MiB");
+    let mut e = engine(&a);
+    let on_disk = store(&mut e, 89, 4);
+    until(&mut e, "written through", |s| s.disk_written_objects == 4);
+    e.c.clear().unwrap();
+    shut_down(&fs.dir);
+    // Reads fail: a miss, counted, the tier down.
+    assert_eq!(fetch_and_check(&mut e, &on_disk), 0);
+    let s = stats(&mut e);
+    assert!(s.disk_errors >= 1, "{s:?}");
+    assert_eq!(s.disk_tier_state(), Ok(TierState::Down), "{s:?}");
+    // Writes are dropped while down; the probes fail too, so it stays
+    // down past the first pause (2 s) and the pool keeps serving.
+    let again = store(&mut e, 90, 4);
+    std::thread::sleep(Duration::from_secs(3));
+    let s = stats(&mut e);
+    assert_eq!(s.disk_tier_state(), Ok(TierState::Down), "{s:?}");
+    assert!(s.disk_write_dropped_objects >= 4, "{s:?}");
+    assert_eq!(s.disk_loaded_objects, 0, "{s:?}");
+    assert_eq!(fetch_and_check(&mut e, &again), 4, "from the pool");
+    let (code, status, kinds) = health(port);
+    assert_eq!((code, status.as_str()), (200, "degraded"), "{kinds:?}");
+    assert!(slowest_round_trip(&mut e, 50) < Duration::from_secs(1));
 }
