@@ -33,6 +33,9 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
+/// Bytes a restart's scan of a segment without its index reads at once.
+const SCAN_WINDOW: usize = 1 << 20;
+
 /// A segment file: records from offset 0 to `end`, and, once no record
 /// will be added, its index at the end ([`seg_index`]).
 pub struct Segment {
@@ -154,21 +157,31 @@ impl Segment {
             }
             return Ok((seg, true));
         }
-        let mut head = AlignedBuf::zeroed(BLOCK);
+        // The scan reads the file a window at a time and looks for a
+        // header at every block a record could start at: past a record it
+        // jumps to the next, past anything else (a write that failed or
+        // never landed, the tail nothing was written to) it tries the next
+        // block, so a gap loses no record after it.
+        let mut win = AlignedBuf::zeroed(SCAN_WINDOW);
+        let mut win_at = (0u64, 0u64); // the window's file range
         let mut off = 0;
         while off + BLOCK as u64 <= size {
-            seg.file.read_exact_at(&mut head, off)?;
-            let Some((len, digest)) = value::peek(&head) else {
-                break;
-            };
-            // The length is the file's word: a record that would end past
-            // the file (or overflow) ends the scan.
-            let next = off + record_bytes(len.min(size));
-            if next > size {
-                break;
+            if off < win_at.0 || off + BLOCK as u64 > win_at.1 {
+                let n = (size - off).min(SCAN_WINDOW as u64);
+                seg.file.read_exact_at(&mut win[..n as usize], off)?;
+                win_at = (off, off + n);
             }
-            found(digest, Record { off, len });
-            off = next;
+            let at = (off - win_at.0) as usize;
+            let header = value::peek(&win[at..at + BLOCK]);
+            // The length is the file's word: a record that would end past
+            // the file (or overflow) is not one.
+            match header.map(|(len, digest)| (len, digest, off + record_bytes(len.min(size)))) {
+                Some((len, digest, next)) if next <= size => {
+                    found(digest, Record { off, len });
+                    off = next;
+                }
+                _ => off += BLOCK as u64,
+            }
         }
         Ok((seg, false))
     }
