@@ -250,7 +250,7 @@ impl KvState {
             t.kick();
         }
         let mut stats = c.stats;
-        let pending = Level::ALL.map(|l| c.tier_pending(l));
+        let pending = c.tier_pending();
         drop(c);
         self.fill(&mut stats, pending);
         self.publish_read(&stats);
@@ -294,7 +294,7 @@ impl KvState {
     /// The cache's counters now.
     pub fn stats(&self) -> StatsReply {
         let c = self.cache();
-        let (mut s, pending) = (c.stats, Level::ALL.map(|l| c.tier_pending(l)));
+        let (mut s, pending) = (c.stats, c.tier_pending());
         drop(c);
         self.fill(&mut s, pending);
         s

@@ -202,12 +202,20 @@ impl Cache {
         std::mem::take(&mut self.handoff.through)
     }
 
-    /// Objects waiting to be handed to the tier at `level`.
-    pub fn tier_pending(&self, level: Level) -> u64 {
+    /// Objects waiting to be handed to each tier, by level (one pass over
+    /// what waits: this runs after every cache operation).
+    pub fn tier_pending(&self) -> [u64; Level::ALL.len()] {
         let h = &self.handoff;
-        let drained = h.drained.iter().filter(|d| d.write.has(level)).count();
-        let held = h.through.iter().filter(|t| t.level == level).count();
-        (drained + held) as u64
+        let mut n = [0; Level::ALL.len()];
+        for d in &h.drained {
+            for l in d.write.iter() {
+                n[l as usize] += 1;
+            }
+        }
+        for t in &h.through {
+            n[t.level as usize] += 1;
+        }
+        n
     }
 
     /// Whether evicted or stored objects wait to be handed to a tier.

@@ -434,7 +434,7 @@ fn an_evicted_range_comes_back_when_the_last_write_back_tier_is_done() {
     let (drained, refused) = c.take_drained();
     assert_eq!((drained.len(), refused), (2, [0, 0]));
     assert!(drained.iter().all(|d| d.write == both && d.had.is_empty()));
-    assert_eq!(c.tier_pending(Level::Disk), 0, "taken");
+    assert_eq!(c.tier_pending()[Level::Disk as usize], 0, "taken");
     // One tier done with each: the ranges stay.
     for d in &drained {
         c.free_drained(d);

@@ -244,7 +244,7 @@ fn feed(shared: &Shared, tiers: &Tiers) {
             .fetch_add(dropped[link.level as usize], Ordering::Relaxed);
     }
     let mut stats = c.stats;
-    let pending = Level::ALL.map(|l| c.tier_pending(l));
+    let pending = c.tier_pending();
     drop(c);
     shared.kv.fill(&mut stats, pending);
     shared.kv.publish_read(&stats);
