@@ -53,19 +53,6 @@ impl Drop for StoppedThread {
     }
 }
 
-/// `/healthz`'s status and its reasons' kinds.
-fn health(port: u16) -> (u16, Vec<String>, Value) {
-    let (code, body) = http_get(port, "/healthz");
-    let v: Value = serde_json::from_str(&body).unwrap_or_else(|_| panic!("{body}"));
-    let kinds = v["reasons"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| r["kind"].as_str().unwrap().to_string())
-        .collect();
-    (code, kinds, v)
-}
-
 /// The value of the sample of `name` whose labels include `labels`.
 fn sample(scrape: &prometheus_parse::Scrape, name: &str, labels: &[(&str, &str)]) -> f64 {
     scrape

@@ -18,7 +18,6 @@ use common::disk::{DiskDir, Mounted};
 use common::tier::{engine, fetch_and_check, stats, store, until};
 use common::*;
 use kvring::proto::kv::TierState;
-use serde_json::Value;
 use std::time::{Duration, Instant};
 
 /// A server with 64-token chunks, HTTP on a free port, and a disk tier in
@@ -45,14 +44,7 @@ fn disk_server(tag: &str, dir: &str, budget: &str) -> (Fixture, u16) {
 
 /// `/healthz`'s code, status and reasons' kinds.
 fn health(port: u16) -> (u16, String, Vec<String>) {
-    let (code, body) = http_get(port, "/healthz");
-    let v: Value = serde_json::from_str(&body).unwrap_or_else(|_| panic!("{body}"));
-    let kinds = v["reasons"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| r["kind"].as_str().unwrap().to_string())
-        .collect();
+    let (code, kinds, v) = common::health(port);
     (code, v["status"].as_str().unwrap().to_string(), kinds)
 }
 

@@ -833,6 +833,19 @@ pub fn http_get(port: u16, path: &str) -> (u16, String) {
     )
 }
 
+/// `/healthz`'s code, its reasons' kinds, and the whole answer.
+pub fn health(port: u16) -> (u16, Vec<String>, serde_json::Value) {
+    let (code, body) = http_get(port, "/healthz");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_else(|_| panic!("{body}"));
+    let kinds = v["reasons"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["kind"].as_str().unwrap().to_string())
+        .collect();
+    (code, kinds, v)
+}
+
 /// A server with its HTTP endpoint on a free loopback port and a 64 MiB
 /// pool, plus `extra` arguments. Its admin token is known to
 /// [`admin_header`] by the port.
