@@ -43,6 +43,8 @@ pub struct ServerConfig {
     pub tier: Option<L2Config>,
     /// A tier below the pool on a local disk, if any.
     pub disk: Option<DiskConfig>,
+    /// The node's KV event stream, if published.
+    pub events: Option<crate::events::EventsConfig>,
 }
 
 /// The local disk tier's settings.
@@ -102,6 +104,7 @@ impl ServerConfig {
             http: Some(HttpConfig::default_endpoint()),
             tier: None,
             disk: None,
+            events: None,
         }
     }
 
@@ -117,6 +120,17 @@ impl ServerConfig {
         }
         if let Some(d) = &self.disk {
             d.validate()?;
+        }
+        if let Some(e) = &self.events {
+            e.validate().map_err(ConfigError::Events)?;
+            // A DESCRIBE of one chunk, or of DESCRIBE_TOKEN_BYTES of tokens.
+            let one = 56 + 4 * u64::from(self.cache.chunk_tokens);
+            let need = one.max(56 + kvring::client::DESCRIBE_TOKEN_BYTES as u64);
+            if u64::from(self.cache.max_request_bytes) < need {
+                return Err(ConfigError::Events(format!(
+                    "--kv-events needs --max-request-bytes of at least {need} (engines describe chunks in requests that large)"
+                )));
+            }
         }
         Ok(())
     }
@@ -356,6 +370,8 @@ pub enum ConfigError {
     Tier(String),
     #[error("disk tier: {0}")]
     Disk(String),
+    #[error("KV events: {0}")]
+    Events(String),
 }
 
 /// The parsers of settings given as text (flags, environment variables).

@@ -6,6 +6,7 @@
 use super::cache::Level;
 use super::cache::{Cache, LeaseError, LeaseMeta, ObjectKey};
 use super::disk::{tier::DiskTier, DiskStore};
+use super::events::{EventQueue, Record};
 use super::l2::value::Seal;
 use super::pool::PoolMemory;
 use super::registry::{Registration, Registry};
@@ -17,8 +18,8 @@ use kvring::jobs::{JobId, JobKind, JobResult, NewJob};
 use kvring::kv::{ChunkHash, LayerGroups};
 use kvring::liveness::monotonic_ns;
 use kvring::proto::kv::{
-    split_header, u32s, ClearReply, ConfigReply, EndSessionRequest, FreeLocksRequest,
-    LookupRequest, RetrieveRequest, StatsReply, StoreRequest,
+    split_header, u32s, ClearReply, ConfigFlags, ConfigReply, DescribeRequest, EndSessionRequest,
+    FreeLocksRequest, LookupRequest, RetrieveRequest, StatsReply, StoreRequest,
 };
 use kvring::proto::Status;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -61,6 +62,8 @@ pub struct KvState {
     /// Where the counters are published for observers: set once the
     /// segment exists, before any thread of the server starts.
     board: OnceLock<super::board::Board>,
+    /// The event stream's queue, if the server publishes events.
+    pub events: Option<Arc<EventQueue>>,
 }
 
 /// A lookup that stopped at a chunk being written: answered once that
@@ -191,7 +194,14 @@ impl KvState {
             tier_start: Mutex::new(tier_start),
             inflight_wait: cfg.inflight_wait,
             parked: Mutex::new(Vec::new()),
+            events: server
+                .events
+                .as_ref()
+                .map(|e| Arc::new(EventQueue::new(e.queue, cfg.chunk_tokens))),
         };
+        if let Some(q) = &kv.events {
+            kv.cache().set_events(q.clone());
+        }
         {
             // The cache's bytes bound (half its pool) unless one is given.
             let mut cache = kv.cache();
@@ -261,6 +271,12 @@ impl KvState {
     /// holds for each tier, not yet handed to it, counted in its queue).
     pub(super) fn fill(&self, stats: &mut StatsReply, pending: [u64; Level::ALL.len()]) {
         stats.instances = self.instances.load(Ordering::Relaxed);
+        if let Some(q) = &self.events {
+            // Relaxed (all): counters.
+            stats.events_published = q.published.load(Ordering::Relaxed);
+            stats.events_dropped = q.dropped.load(Ordering::Relaxed);
+            stats.events_resyncs = q.resyncs.load(Ordering::Relaxed);
+        }
         for t in self.tiers.iter().flat_map(Tiers::all) {
             t.tier.fill(stats);
             let (queue, dropped) = super::tier::queue_and_dropped(t.level, stats);
@@ -788,6 +804,29 @@ pub fn clear(shared: &Shared, req: &[u8]) -> Outcome {
     Ok(bytemuck::bytes_of(&ClearReply { objects, bytes }).to_vec())
 }
 
+/// DESCRIBE: the token ids of chunks about to be stored, queued for the
+/// event stream (which hashes them itself); ignored by a server without
+/// one.
+pub fn describe(shared: &Shared, req: &[u8]) -> Outcome {
+    let (h, rest) = split_header::<DescribeRequest>(req).ok_or(Status::BadLength)?;
+    let Some(q) = &shared.kv.events else {
+        return Ok(Vec::new());
+    };
+    let want = (h.n_chunks as usize)
+        .checked_mul(q.chunk_tokens as usize * 4)
+        .ok_or(Status::BadLength)?;
+    if rest.len() != want || h.n_chunks == 0 {
+        return Err(Status::BadLength);
+    }
+    q.push(Record::Describe {
+        model_id: h.model_id,
+        salt: h.salt,
+        prev: h.prev,
+        tokens: u32s(rest).collect(),
+    });
+    Ok(Vec::new())
+}
+
 pub fn stats(shared: &Shared, req: &[u8]) -> Outcome {
     if !req.is_empty() {
         return Err(Status::BadLength);
@@ -807,7 +846,11 @@ pub fn config(shared: &Shared, req: &[u8]) -> Outcome {
         max_request_bytes: kv.max_request_bytes,
         lease_ttl_ms: kv.lease_ttl.as_millis().min(u128::from(u32::MAX)) as u32,
         backend: kv.copier.backend.kind().raw(),
-        _reserved: 0,
+        flags: if kv.events.is_some() {
+            ConfigFlags::EVENTS.bits()
+        } else {
+            0
+        },
     })
     .to_vec())
 }

@@ -30,6 +30,7 @@ mod capacity;
 pub mod config;
 mod delay;
 pub mod disk;
+pub mod events;
 pub(crate) mod http;
 mod kv_ops;
 pub mod l2;
@@ -143,6 +144,9 @@ pub struct ServerHandle {
     /// The tiers' owner and threads: stopped after the copy workers (the
     /// owner first, so nothing is handed to a tier after).
     tier: Option<(tier::owner::TierOwner, Vec<tier::TierThread>)>,
+    /// The KV event stream's publisher: stopped last (it reads the cache
+    /// for a resync).
+    events: Option<events::Publisher>,
     paths: ServerPaths,
     _lock: File,
 }
@@ -169,6 +173,12 @@ impl ServerHandle {
     /// Where the HTTP endpoint listens, if it runs.
     pub fn http_addr(&self) -> Option<std::net::SocketAddr> {
         self.http.as_ref().map(|h| h.addr)
+    }
+
+    /// Where the KV event stream is bound (the live socket, the replay
+    /// socket) and its topic, if the server publishes one.
+    pub fn events_endpoints(&self) -> Option<(String, Option<String>, String)> {
+        self.events.as_ref().map(|p| p.endpoints())
     }
 
     /// Whether a stop was requested or the threads ended.
@@ -227,6 +237,10 @@ impl ServerHandle {
         sh.stop_acceptor.store(true, Ordering::Release);
         for t in threads {
             let _ = t.join();
+        }
+        // What the stop evicted or dropped is sent before the stream ends.
+        if let Some(mut p) = self.events.take() {
+            p.stop();
         }
         h.server_state
             .store(ServerState::Stopped as u32, Ordering::Relaxed);
@@ -349,6 +363,14 @@ pub fn start(cfg: ServerConfig) -> Result<ServerHandle> {
         .store(shared.kv.pool_ready_bytes(), Ordering::Relaxed);
     h.server_state
         .store(ServerState::Running as u32, Ordering::Relaxed);
+    // Bound before any thread starts: an endpoint that cannot be bound
+    // fails the start.
+    let events = match (&cfg.events, &shared.kv.events) {
+        (Some(e), Some(q)) => {
+            Some(events::Publisher::start(e, q.clone(), shared.kv.clone()).map_err(Error::Config)?)
+        }
+        _ => None,
+    };
     let (threads, workers) = spawn_threads(&shared, &cfg, doorbells, listener, acceptor_bell_rx)?;
     shared.kv.publish();
     let http = match (http_bound, &cfg.http) {
@@ -368,6 +390,7 @@ pub fn start(cfg: ServerConfig) -> Result<ServerHandle> {
         workers,
         http,
         tier,
+        events,
         paths,
         _lock: lock,
     })

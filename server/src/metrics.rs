@@ -483,6 +483,29 @@ fn cache(x: &mut Out, s: &Snapshot) -> Result<(), Error> {
             if disk == Ok(TierState::Up) { 1.0 } else { 0.0 },
         )?;
     }
+    // A server with an event stream starts it with a resync.
+    if c.events_resyncs > 0 {
+        let counters: [(&str, &str, u64); 3] = [
+            (
+                "events_published",
+                "KV events published on the node's stream",
+                c.events_published,
+            ),
+            (
+                "events_dropped",
+                "KV event records dropped because the stream's queue was full (a resync follows)",
+                c.events_dropped,
+            ),
+            (
+                "events_resyncs",
+                "KV event resyncs published (all cleared, then every object the pool holds)",
+                c.events_resyncs,
+            ),
+        ];
+        for (name, help, v) in counters {
+            x.counter(name, help, None, v)?;
+        }
+    }
     x.gauge(
         "l2_queue",
         "operations queued for or running on the second tier",

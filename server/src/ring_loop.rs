@@ -203,6 +203,7 @@ fn execute<'b>(
         Some(Opcode::Clear) => kv_ops::clear(shared, req).into(),
         Some(Opcode::Stats) => kv_ops::stats(shared, req).into(),
         Some(Opcode::GetConfig) => kv_ops::config(shared, req).into(),
+        Some(Opcode::Describe) => kv_ops::describe(shared, req).into(),
         None => Reply::err(Status::UnknownOpcode),
     }
 }

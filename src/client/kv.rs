@@ -11,10 +11,7 @@ use super::{Client, Job};
 use super::registration::Registration;
 use crate::error::{Error, Result};
 use crate::kv::ChunkHash;
-use crate::proto::kv::{
-    KvFlags,
-    RetrieveRequest, StoreRequest,
-};
+use crate::proto::kv::{DescribeRequest, KvFlags, RetrieveRequest, StoreRequest};
 use crate::proto::Opcode;
 use std::time::Duration;
 
@@ -367,5 +364,58 @@ impl Client {
             };
             payload(&h, &[bytemuck::cast_slice(req.blocks)])
         })
+    }
+}
+
+/// Bytes of token ids a DESCRIBE carries at most (more chunks go in more
+/// requests; a server that publishes events accepts requests this large).
+pub const DESCRIBE_TOKEN_BYTES: usize = 64 << 10;
+
+impl Client {
+    /// DESCRIBE: tells a server that publishes KV events
+    /// ([`ConfigFlags::EVENTS`](crate::proto::kv::ConfigFlags) in
+    /// [`Client::server_config`]) the token ids of chunks `first_chunk ..`
+    /// of a prompt, ahead of their stores, so that its events carry them.
+    /// `tokens` is the prompt from its start (the chunks before
+    /// `first_chunk` continue the hash chain); its whole chunks from
+    /// `first_chunk` on are described, in requests of at most
+    /// [`DESCRIBE_TOKEN_BYTES`] of tokens each. `chunk_tokens` must be the
+    /// server's. A server without events refuses nothing: it ignores them.
+    pub fn describe(
+        &mut self,
+        model_id: u64,
+        salt: u64,
+        chunk_tokens: u32,
+        tokens: &[u32],
+        first_chunk: usize,
+    ) -> Result<()> {
+        if chunk_tokens == 0 {
+            return Err(Error::InvalidArgument("chunk_tokens is 0".into()));
+        }
+        let ct = chunk_tokens as usize;
+        let whole = tokens.len() / ct;
+        if first_chunk > whole {
+            return Err(Error::InvalidArgument(format!(
+                "chunk {first_chunk} of a prompt of {whole} whole chunks"
+            )));
+        }
+        let (_, mut prev) =
+            crate::kv::chunk_chain(crate::kv::chain_seed(), &tokens[..first_chunk * ct], chunk_tokens);
+        let per = (DESCRIBE_TOKEN_BYTES / (ct * 4)).max(1);
+        for piece in tokens[first_chunk * ct..whole * ct].chunks(per * ct) {
+            let h = DescribeRequest {
+                model_id,
+                salt,
+                prev,
+                n_chunks: (piece.len() / ct) as u32,
+                _reserved: 0,
+            };
+            self.call_now(
+                Opcode::Describe,
+                &payload(&h, &[bytemuck::cast_slice(piece)]),
+            )?;
+            prev = crate::kv::chunk_chain(prev, piece, chunk_tokens).1;
+        }
+        Ok(())
     }
 }

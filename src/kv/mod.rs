@@ -18,7 +18,9 @@ pub mod plan;
 pub mod preset;
 
 pub use geometry::{Dtype, GeometryError, GeometryFlags, KvGeometry, KvShape};
-pub use hash::{chunk_hashes, engine_key, model_id, salt_id, ChunkHash};
+pub use hash::{
+    chain_seed, chunk_chain, chunk_hashes, engine_key, model_id, salt_id, ChainState, ChunkHash,
+};
 pub use layer_groups::LayerGroups;
 pub use layout::{KvLayout, LayerPlacement, LayoutError, Part};
 pub use plan::CopyPlan;

@@ -54,6 +54,27 @@ bitflags::bitflags! {
 }
 
 shm_struct! {
+    /// DESCRIBE: the token ids of `n_chunks` consecutive chunks of a prompt
+    /// (`n_chunks * chunk_tokens` u32 follow), for the server's event stream
+    /// (`kvring serve --kv-events`): the server computes the chunks' hashes
+    /// itself, continuing the chain from `prev`, so what it publishes for a
+    /// chunk hash is always the tokens that hash names. Sent ahead of the
+    /// stores of those chunks, and only to a server whose
+    /// [`ConfigReply::flags`] has [`ConfigFlags::EVENTS`].
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, Pod, Zeroable)]
+    pub struct DescribeRequest {
+        [0] pub model_id: u64,
+        [8] pub salt: u64,
+        /// The chain's state after the chunk before the first of these
+        /// ([`crate::kv::ChainState`]); [`crate::kv::chain_seed`] for a
+        /// prompt's first chunk.
+        [16] pub prev: [u8; 32],
+        [48] pub n_chunks: u32,
+        [52] pub _reserved: u32,
+    }
+}
+
+shm_struct! {
     /// RETRIEVE: `n_chunks * blocks_per_chunk` block ids (u32) follow. Chunks
     /// `first_chunk ..` of the lookup `lease` are copied into them, layer
     /// group after layer group; the first `skip_tokens` tokens (a multiple
@@ -122,7 +143,18 @@ shm_struct! {
         [20] pub lease_ttl_ms: u32,
         /// [`BackendKind`] code.
         [24] pub backend: u32,
-        [28] pub _reserved: u32,
+        /// [`ConfigFlags`].
+        [28] pub flags: u32,
+    }
+}
+
+bitflags::bitflags! {
+    /// `ConfigReply::flags` bits (the field stays `u32`).
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+    pub struct ConfigFlags: u32 {
+        /// The server publishes KV events: engines DESCRIBE the chunks
+        /// they store, so the events carry their token ids.
+        const EVENTS = 1;
     }
 }
 
@@ -205,6 +237,15 @@ shm_struct! {
         [344] pub disk_used_bytes: u64,
         /// The disk tier's byte budget (`--disk-bytes`).
         [352] pub disk_capacity_bytes: u64,
+        /// KV events published on the node's event stream (`--kv-events`).
+        [360] pub events_published: u64,
+        /// Event records dropped because the stream's queue was full (a
+        /// resync follows).
+        [368] pub events_dropped: u64,
+        /// Resyncs published: "all cleared", then every object the pool
+        /// holds (at the start, after dropped records, at a subscriber's
+        /// request).
+        [376] pub events_resyncs: u64,
     }
 }
 
@@ -443,7 +484,8 @@ const _: () = {
     assert!(size_of::<EndSessionRequest>() == 16);
     assert!(size_of::<ClearReply>() == 16);
     assert!(size_of::<ConfigReply>() == 32);
-    assert!(size_of::<StatsReply>() == 45 * 8);
+    assert!(size_of::<StatsReply>() == 48 * 8);
+    assert!(size_of::<DescribeRequest>() == 56);
     assert!(size_of::<RegisterKv>() == 88);
     assert!(size_of::<AttachFds>() == 16);
     assert!(size_of::<UnregisterKv>() == 16);

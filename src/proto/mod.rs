@@ -52,6 +52,9 @@ wire_enum! {
         Stats = 16 => "stats", OpSpec::reply(Reply::Fixed(size_of::<kv::StatsReply>()));
         /// The server's configuration ([`kv::ConfigReply`]).
         GetConfig = 17 => "get_config", OpSpec::reply(Reply::Fixed(size_of::<kv::ConfigReply>()));
+        /// The token ids of chunks about to be stored, for the server's event
+        /// stream ([`kv::DescribeRequest`]).
+        Describe = 18 => "describe", OpSpec::reply(Reply::Empty);
     }
 }
 

@@ -16,7 +16,7 @@ pub fn field_tables() -> Vec<(&'static str, Vec<FieldRow>)> {
     use crate::jobs::{JobId, JobSlot};
     use crate::kv::{KvGeometry, LayerPlacement};
     use crate::proto::kv::{
-        AttachFds, ClearReply, ConfigReply, EndSessionRequest, FreeLocksRequest, KvAllocation,
+        AttachFds, ClearReply, ConfigReply, DescribeRequest, EndSessionRequest, FreeLocksRequest, KvAllocation,
         LookupRequest, MemoryPiece, RegisterKv, RegisterReply, RetrieveRequest, StatsReply,
         StoreRequest, UnregisterKv,
     };
@@ -54,6 +54,7 @@ pub fn field_tables() -> Vec<(&'static str, Vec<FieldRow>)> {
         rows::<LayerPlacement>(),
         rows::<LookupRequest>(),
         rows::<StoreRequest>(),
+        rows::<DescribeRequest>(),
         rows::<RetrieveRequest>(),
         rows::<FreeLocksRequest>(),
         rows::<EndSessionRequest>(),

@@ -39,7 +39,7 @@ pub const LINE: usize = 128;
 /// `"KVRINGSG"` as a little-endian u64.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"KVRINGSG");
 /// Version of this layout. Any change to a table in `shm_layout.md` bumps it.
-pub const LAYOUT_VERSION: u32 = 10;
+pub const LAYOUT_VERSION: u32 = 11;
 
 shm_struct! {
     /// Segment header, at offset 0. Written by the server only.
@@ -131,12 +131,12 @@ shm_struct! {
         /// reply (`proto::kv::StatsReply`), each stored Relaxed after every
         /// cache operation (each word is current; they are not one snapshot).
         [600] pub cache_stats: [AtomicU64; CACHE_STATS_WORDS],
-        [960] pub _reserved2: [AtomicU64; 8],
+        [984] pub _reserved2: [AtomicU64; 5],
     }
 }
 
 /// Words of `SegmentHeader::cache_stats`.
-pub const CACHE_STATS_WORDS: usize = 45;
+pub const CACHE_STATS_WORDS: usize = 48;
 
 const _: () = {
     assert!(size_of::<SegmentHeader>() == 1024);

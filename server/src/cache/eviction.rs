@@ -11,7 +11,10 @@ impl Cache {
     /// tiers below have it ([`Cache::drain`]).
     pub(super) fn evict_object(&mut self, id: u32) {
         let o = self.unlink_object(id);
-        self.drain(o.key, o.off, o.len, o.in_tiers);
+        let to = self.drain(o.key, o.off, o.len, o.in_tiers);
+        if o.state == super::ObjState::Ready {
+            self.event(|| super::Record::Removed { key: o.key, to });
+        }
         self.stats.pool_used_bytes = self.pool.used();
         self.stats.evicted_objects += 1;
         self.stats.evicted_bytes += o.len;

@@ -48,6 +48,11 @@ impl Levels {
         self.0 == 0
     }
 
+    /// The levels of both sets.
+    pub fn union(self, o: Levels) -> Levels {
+        Levels(self.0 | o.0)
+    }
+
     /// The levels in the set, in lookup order.
     pub fn iter(self) -> impl Iterator<Item = Level> {
         Level::ALL.into_iter().filter(move |l| self.has(*l))
@@ -115,11 +120,13 @@ impl Cache {
     /// and written again if that tier dropped it meanwhile; past the bound
     /// it is let go, counted as a dropped write only for the tiers that
     /// did not have it.
-    pub(super) fn drain(&mut self, key: ObjectKey, off: u64, len: u64, had: Levels) {
+    /// Returns the tiers that have the object or are given it.
+    pub(super) fn drain(&mut self, key: ObjectKey, off: u64, len: u64, had: Levels) -> Levels {
         let h = &mut self.handoff;
         let write = h.writeback;
         if write.is_empty() {
             self.pool.free(off, len);
+            had
         } else if h.draining_bytes + len <= h.budget {
             h.draining_bytes += len;
             h.draining.insert(off, write.iter().count() as u8);
@@ -130,11 +137,13 @@ impl Cache {
                 write,
                 had,
             });
+            had.union(write)
         } else {
             for l in write.iter().filter(|l| !had.has(*l)) {
                 h.refused[l as usize] += 1;
             }
             self.pool.free(off, len);
+            had
         }
     }
 

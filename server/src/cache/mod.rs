@@ -33,11 +33,13 @@
 //! one index probe each, never by walking every object: it holds the lock
 //! about as long as a lookup of as many chunks.
 
+use super::events::{EventQueue, Record};
 use super::pool::PoolAlloc;
 use kvring::jobs::JobId;
 use kvring::kv::ChunkHash;
 use kvring::proto::kv::StatsReply;
 use std::collections::HashMap;
+use std::sync::Arc;
 
 mod eviction;
 mod handoff;
@@ -118,6 +120,9 @@ pub struct Cache {
     pub stats: StatsReply,
     /// What goes to the tiers below, and what waits for them.
     handoff: handoff::Handoff,
+    /// The event stream's queue (`--kv-events`): an object that becomes
+    /// readable or leaves the pool is pushed there, under this lock.
+    events: Option<Arc<EventQueue>>,
 }
 
 impl Cache {
@@ -148,7 +153,30 @@ impl Cache {
             high_water: (cap * high) as u64,
             low_water: (cap * low) as u64,
             handoff: handoff::Handoff::default(),
+            events: None,
         }
+    }
+
+    /// Pushes what happens to objects to `events` from now on.
+    pub fn set_events(&mut self, events: Arc<EventQueue>) {
+        self.events = Some(events);
+    }
+
+    /// Tells the event stream, if any, of `r`.
+    fn event(&self, r: impl FnOnce() -> Record) {
+        if let Some(q) = &self.events {
+            q.push(r());
+        }
+    }
+
+    /// The keys of every readable object (an event stream's resync).
+    pub fn ready_keys(&self) -> Vec<ObjectKey> {
+        self.objects
+            .iter()
+            .flatten()
+            .filter(|o| o.state == ObjState::Ready)
+            .map(|o| o.key)
+            .collect()
     }
 
     fn obj(&self, id: u32) -> &Object {
@@ -161,6 +189,12 @@ impl Cache {
 
     fn remove_object(&mut self, id: u32) {
         let o = self.unlink_object(id);
+        if o.state == ObjState::Ready {
+            self.event(|| Record::Removed {
+                key: o.key,
+                to: o.in_tiers,
+            });
+        }
         self.pool.free(o.off, o.len);
         self.stats.pool_used_bytes = self.pool.used();
     }

@@ -113,6 +113,8 @@ impl Cache {
             }
             if ok {
                 self.obj_mut(id).state = ObjState::Ready;
+                let key = self.obj(id).key;
+                self.event(|| super::Record::Stored(key));
                 if !self.obj(id).pinned {
                     self.lru_push_back(id);
                 }

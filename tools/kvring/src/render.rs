@@ -256,6 +256,14 @@ fn pool_and_tier(o: &mut String, s: &Snapshot) {
             c.lookup_disk_hit_chunks
         );
     }
+    // A server with an event stream starts it with a resync.
+    if c.events_resyncs > 0 {
+        let _ = writeln!(
+            o,
+            "KV events: {} published, {} records dropped (queue full), {} resyncs",
+            c.events_published, c.events_dropped, c.events_resyncs
+        );
+    }
 }
 
 /// The copy lanes, and lookups by model.

@@ -34,6 +34,58 @@ pub struct ServeArgs {
     tier: TierArgs,
     #[command(flatten)]
     disk: DiskArgs,
+    #[command(flatten)]
+    events: EventsArgs,
+}
+
+/// The node's KV event stream.
+#[derive(Args, Debug)]
+struct EventsArgs {
+    /// Publish KV events (what the pool stores and drops, for every engine
+    /// of the node) on a ZeroMQ PUB socket bound here, in vLLM's format:
+    /// tcp://*:5557, tcp://127.0.0.1:0 (a free port, printed),
+    /// ipc:///path. docs/events.md has the schema.
+    #[arg(long = "kv-events", value_name = "ENDPOINT", env = "KVRING_KV_EVENTS")]
+    ev_endpoint: Option<String>,
+    /// The replay socket (ROUTER; clients use DEALER): a subscriber asks
+    /// for the batches from a sequence number on, or for a snapshot.
+    #[arg(
+        long = "kv-events-replay",
+        value_name = "ENDPOINT",
+        env = "KVRING_KV_EVENTS_REPLAY"
+    )]
+    ev_replay: Option<String>,
+    /// The topic of every message.
+    #[arg(
+        long = "kv-events-topic",
+        value_name = "TOPIC",
+        default_value = "kvring"
+    )]
+    ev_topic: String,
+    /// Event records queued for the publisher at most; past it records are
+    /// dropped (counted) and a resync follows.
+    #[arg(long = "kv-events-queue", value_name = "N", default_value_t = 1 << 16)]
+    ev_queue: usize,
+    /// Bytes of sent batches kept for replay (K, M, G, KiB, MiB, GiB).
+    #[arg(long = "kv-events-replay-bytes", value_name = "BYTES", default_value = "64MiB",
+        value_parser = kvring::units::parse_bytes)]
+    ev_replay_bytes: u64,
+    /// Messages queued for one subscriber at most (past it, that
+    /// subscriber misses messages; the rings never wait for it).
+    #[arg(long = "kv-events-hwm", value_name = "N", default_value_t = 100_000)]
+    ev_hwm: i32,
+}
+
+impl EventsArgs {
+    fn config(&self) -> Option<kvring_server::events::EventsConfig> {
+        let mut c = kvring_server::events::EventsConfig::new(self.ev_endpoint.as_deref()?);
+        c.replay = self.ev_replay.clone();
+        c.topic = self.ev_topic.clone();
+        c.queue = self.ev_queue;
+        c.replay_bytes = self.ev_replay_bytes;
+        c.hwm = self.ev_hwm;
+        Some(c)
+    }
 }
 
 /// The local disk tier.
@@ -42,7 +94,7 @@ struct DiskArgs {
     /// A tier below the pool on a local disk: objects the pool evicts are
     /// written to segment files in this directory (made if missing; one
     /// server per directory), and a server started on it serves what it
-    /// holds. Not with --l2 (yet).
+    /// holds. With --l2 too, lookups ask the disk first.
     #[arg(long = "disk", value_name = "DIR", env = "KVRING_DISK")]
     disk_dir: Option<std::path::PathBuf>,
     /// Bytes of the disk tier's files at most (K, M, G, KiB, MiB, GiB).
@@ -267,6 +319,7 @@ impl ServeArgs {
         cfg.http = self.http.config()?;
         cfg.tier = self.tier.config()?;
         cfg.disk = self.disk.config();
+        cfg.events = self.events.config();
         cfg.cache = self.cache;
         cfg.copy = self.copy;
         Ok(cfg)
@@ -350,6 +403,12 @@ pub fn run(args: ServeArgs) -> kvring::Result<()> {
             } else {
                 "through"
             }
+        );
+    }
+    if let Some((live, replay, topic)) = server.events_endpoints() {
+        println!(
+            "kvring: KV events on {live}{}, topic {topic:?}",
+            replay.map_or(String::new(), |r| format!(" (replay {r})"))
         );
     }
     if let Some(a) = server.http_addr() {
