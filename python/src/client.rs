@@ -188,7 +188,29 @@ impl PyClient {
             .map(kvring::wire::WireEnum::wire_name)
             .unwrap_or("unknown");
         d.set_item("backend", backend)?;
+        d.set_item(
+            "kv_events",
+            r.flags & kvring::proto::kv::ConfigFlags::EVENTS.bits() != 0,
+        )?;
         Ok(d)
+    }
+
+    /// Tells a server that publishes KV events (`server_config()["kv_events"]`)
+    /// the token ids of chunks `first_chunk ..` of a prompt, ahead of their
+    /// stores, so that its events carry them. `tokens` is the prompt from
+    /// its start; its whole chunks from `first_chunk` on are described.
+    #[pyo3(signature = (tokens, *, model_id, chunk_tokens, salt = 0, first_chunk = 0))]
+    fn describe(
+        &self,
+        py: Python<'_>,
+        tokens: Vec<u32>,
+        model_id: u64,
+        chunk_tokens: u32,
+        salt: u64,
+        first_chunk: usize,
+    ) -> PyResult<()> {
+        py.detach(|| self.with(|c| c.describe(model_id, salt, chunk_tokens, &tokens, first_chunk)))?;
+        Ok(())
     }
 
     /// The cache's counters (pool, objects, leases, lookups, hits, stores,
