@@ -76,18 +76,27 @@ cache group's chunks are objects of their own, stored and loaded with the
 group's blocks; a sliding-window group loads only its window
 (`kvring.vllm_cache_groups`, docs/vllm.md).
 
+With vLLM's KV events on (`--kv-events-config`), the chunks kvring holds
+for the engine's prompts are published with vLLM's own events, as blocks of
+medium "CPU" under vLLM's block hashes: `get_kv_connector_kv_cache_events`
+(worker) reports which chunks its stores left in the pool, and
+`take_events` (scheduler) hands vLLM the `BlockStored` and the lazily
+learned `BlockRemoved` events (`kvring.vllm.events`, docs/vllm.md).
+
 vLLM's scheduler and workers are separate (spawned) processes that import
 this package by name; each has its own kvring client.
 
 The package: `settings` (the keys above), `identity` (model id, ranks,
 salts), `link` and `launcher` (the server connection, the autostart),
 `metadata` (what the scheduler sends its workers each step), `scheduler`
-and `worker` (the two roles), `stats`, `versions` (what the running vLLM
-offers), and here the facade vLLM loads.
+and `worker` (the two roles), `events` (what vLLM's KV events are told),
+`stats`, `versions` (what the running vLLM offers), and here the facade
+vLLM loads.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -112,6 +121,7 @@ from kvring.vllm_cache_groups import cache_groups
 
 if TYPE_CHECKING:
     from vllm.config import KVTransferConfig, VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -174,7 +184,9 @@ class KvringConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: WorkerSide | None = None
         _ensure_recompute_policy(self._kv_transfer_config, say=role == KVConnectorRole.SCHEDULER)
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(vllm_config, settings, model_id, groups)
+            self._scheduler = SchedulerSide(
+                vllm_config, settings, model_id, groups, getattr(kv_cache_config, "hash_block_size", None)
+            )
             chunk = self._scheduler.chunk_tokens
         else:
             self._worker = WorkerSide(vllm_config, settings, model_id, groups)
@@ -230,6 +242,11 @@ class KvringConnector(KVConnectorBase_V1, SupportsHMA):
     def reset_cache(self) -> bool | None:
         return self._scheduler.reset_cache() if self._scheduler is not None else None
 
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """What kvring stored and lost of this engine's prompts, for vLLM's
+        KV events (`kvring.vllm.events`): nothing unless they are on."""
+        return self._scheduler.take_events() if self._scheduler is not None else ()
+
     # -- worker hooks
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -282,6 +299,11 @@ class KvringConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors()
+
+    def get_kv_connector_kv_cache_events(self) -> KVConnectorKVEvents | None:
+        """Which chunks this rank's stores left in the pool (vLLM carries
+        them to the scheduler, which turns them into KV events)."""
+        return self._worker.take_store_outcomes() if self._worker is not None else None
 
     # -- both roles
 

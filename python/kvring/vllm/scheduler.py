@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import kvring
 from kvring import Client, KvringError, Lease, PendingLookup
+from kvring.vllm.events import EventLedger, RequestBlocks, StoreOutcomes, kv_events_enabled
 from kvring.vllm.identity import request_salt, world_size
 from kvring.vllm.link import ServerLink, check_block_size, checked_chunk_tokens
 from kvring.vllm.log import logger, warn_throttled
@@ -23,6 +25,7 @@ from kvring.vllm_cache_groups import CacheGroup, load_span, storable_chunks
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
@@ -82,13 +85,20 @@ class _Tracked:
     stored_chunks: int = 0
     stores_issued: bool = False
     load_blocks: frozenset[int] = frozenset()
+    blocks: RequestBlocks | None = None
+    """vLLM's block hashes and tokens of its chunks (vLLM's KV events on)."""
 
 
 class SchedulerSide:
     """The scheduler role: lookups, leases, and each step's load and store plan."""
 
     def __init__(
-        self, vllm_config: VllmConfig, settings: KvringSettings, model_id: int, groups: list[CacheGroup]
+        self,
+        vllm_config: VllmConfig,
+        settings: KvringSettings,
+        model_id: int,
+        groups: list[CacheGroup],
+        hash_block_size: int | None = None,
     ) -> None:
         cfg = vllm_config.kv_transfer_config
         self._settings = settings
@@ -111,6 +121,12 @@ class SchedulerSide:
         if settings.chunk_tokens is not None:  # refused before a server is started for it
             check_block_size(self._block_size, settings.chunk_tokens)
         self.chunk_tokens: int | None = None
+        # What vLLM's KV events are told of kvring's contents (None: off).
+        self._hash_block_size = hash_block_size or self._block_size
+        self._ledger = (
+            EventLedger(self._world_size, self._block_size) if kv_events_enabled(vllm_config) and groups else None
+        )
+        self._server_pid: int | None = None
         self._link = ServerLink(settings, cfg.engine_id, self._on_connect)
         check_block_size(self._block_size, self.chunk_tokens)
         self._blocks_per_chunk = self.chunk_tokens // self._block_size
@@ -123,6 +139,18 @@ class SchedulerSide:
 
     def _on_connect(self, client: Client) -> None:
         self.chunk_tokens = checked_chunk_tokens(client, self._settings, self.chunk_tokens)
+        pid = getattr(client, "server_pid", None)
+        if self._ledger is not None and self._server_pid is not None and pid != self._server_pid:
+            # Another server: nothing reported is in it (a second tier it
+            # kept is found again by lookups, and reported then).
+            logger.info(
+                "kvring: the server %r restarted: the %d chunks reported to vLLM's KV events are "
+                "reported removed",
+                self._settings.name,
+                self._ledger.reported,
+            )
+            self._ledger.forget_all()
+        self._server_pid = pid
 
     # -- lookup
 
@@ -182,6 +210,8 @@ class SchedulerSide:
         if not hashes:
             return None
         t = _Tracked(hashes=hashes, salts=[request_salt(request, g) for g in self._groups])
+        if self._ledger is not None and getattr(request, "block_hashes", None) is not None:
+            t.blocks = RequestBlocks(request, self._block_size, self._hash_block_size, self.chunk_tokens)
         self._tracked[request.request_id] = t
         return t
 
@@ -250,6 +280,12 @@ class SchedulerSide:
 
     def _answered(self, t: _Tracked, leases: list[Lease]) -> None:
         """A hit is the chunks every KV cache group has."""
+        if t.blocks is not None:
+            # What the lookup found corrects what vLLM's KV events were told.
+            for g, lease in zip(self._groups, leases, strict=True):
+                self._ledger.looked_up(
+                    t.salts[g.index], t.hashes, lease.hits, lambda i, g=g: t.blocks.chunk(i, g.index)
+                )
         t.phase = Phase.ANSWERED
         t.hit_chunks = min(lease.hits for lease in leases)
         # Chunks present for every rank need no store.
@@ -397,6 +433,11 @@ class SchedulerSide:
         n = min(storable_chunks(g, first, complete, before, self._block_size, self.chunk_tokens) for g in self._groups)
         if n > 0:
             for g in self._groups:
+                if t.blocks is not None:
+                    for i in range(first, first + n):
+                        chunk = t.blocks.chunk(i, g.index)
+                        if chunk is not None:
+                            self._ledger.expect(t.salts[g.index], t.hashes[i], chunk)
                 meta.stores.append(
                     StoreOp(
                         req_id=req_id,
@@ -434,6 +475,14 @@ class SchedulerSide:
             t = self._tracked.get(req_id)
             if t is not None:
                 t.load_blocks = frozenset()
+        outcomes = getattr(connector_output, "kv_cache_events", None)
+        if self._ledger is not None and isinstance(outcomes, StoreOutcomes):
+            self._ledger.outcomes(outcomes.get_all_events())
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """What vLLM's KV events learn of kvring's contents since the last
+        call (`kvring.vllm.events`)."""
+        return self._ledger.take() if self._ledger is not None else ()
 
     def request_finished(self, request: Request) -> bool:
         """Ends the lease; True (keep the blocks) when stores were issued for
@@ -460,6 +509,8 @@ class SchedulerSide:
         except KvringError as e:
             self._link.failed("clear", e)
             return False
+        if self._ledger is not None:
+            self._ledger.forget_all()
         return True
 
     def shutdown(self) -> None:

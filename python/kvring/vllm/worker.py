@@ -23,6 +23,7 @@ from kvring.tensors import (
     describe_opaque_blocks,
     register_kv_cache_memory,
 )
+from kvring.vllm.events import StoreOutcome, StoreOutcomes, kv_events_enabled
 from kvring.vllm.identity import world_size
 from kvring.vllm.link import ServerLink, check_block_size, checked_chunk_tokens
 from kvring.vllm.log import logger
@@ -55,9 +56,16 @@ class _Transfer:
     first layer (`wait_for_layer_load`)."""
     next_group: int = 0
     """The first group not waited for yet."""
+    status: Any = None
+    """The job's final status, once read (a STORE's tells the chunks that
+    got no space)."""
+    keys: tuple[int, list[bytes]] | None = None
+    """A STORE's salt and chunk hashes, kept while vLLM's KV events are on
+    (`kvring.vllm.events`)."""
 
-    def settle(self, ok: bool, stats: KvringStats) -> None:
-        """Records the outcome once (the job released, the chunks counted)."""
+    def settle(self, ok: bool, stats: KvringStats, outcomes: list[StoreOutcome] | None = None, rank: int = 0) -> None:
+        """Records the outcome once (the job released, the chunks counted;
+        with `outcomes`, whether its chunks are all in the pool)."""
         if self.outcome is None:
             self.outcome = ok
             _release(self.job)
@@ -66,6 +74,12 @@ class _Transfer:
                 stats.count("store_chunks", self.chunks)
             else:
                 stats.count("store_failures")
+            if outcomes is not None and self.keys is not None:
+                # A store that found no room for some chunks does not say
+                # which: none of them is reported stored.
+                stored = ok and getattr(self.status, "aux", 0) == 0
+                salt, hashes = self.keys
+                outcomes.extend(StoreOutcome(rank, salt, h, stored) for h in hashes)
 
 
 class WorkerSide:
@@ -124,6 +138,9 @@ class WorkerSide:
         # Stores of sliding-window groups not known to have ended: the next
         # step's forward waits for them (`handle_preemptions`).
         self._fence: list[_Transfer] = []
+        # What this rank's stores left in the pool, for vLLM's KV events
+        # (None: they are off).
+        self._outcomes: list[StoreOutcome] | None = [] if kv_events_enabled(vllm_config) else None
         self.stats = KvringStats()
 
     def _on_connect(self, client: Client) -> None:
@@ -342,6 +359,8 @@ class WorkerSide:
             self._store_reqs.add(op.req_id)
             by_salt.setdefault(op.salt, []).append(op)
         if client is None or reg is None:
+            for salt, group in by_salt.items():
+                self._not_stored(salt, [h for op in group for h in op.hashes])
             return
         for salt, group in by_salt.items():
             hashes = [h for op in group for h in op.hashes]
@@ -350,16 +369,20 @@ class WorkerSide:
             # (`_wait_fence`): it gets a load's deadline, not a store's.
             windowed = any(op.windowed for op in group)
             timeout = self._settings.load_timeout_s if windowed else self._settings.timeout_s
+            if client is None:
+                self._not_stored(salt, hashes)
+                continue
             try:
                 job = client.store(reg, hashes, blocks, timeout=timeout, salt=salt, after=after)
             except KvringError as e:
                 self._link.failed("store", e)
                 self.stats.count("store_failures")
                 client = self._link.current
-                if client is None:
-                    return
+                self._not_stored(salt, hashes)
                 continue
             shared = _Transfer(job, time.monotonic() + timeout, len(hashes), event=event)
+            if self._outcomes is not None:
+                shared.keys = (salt, hashes)
             for op in group:
                 self._stores.setdefault(op.req_id, []).append(shared)
             if windowed:
@@ -375,13 +398,14 @@ class WorkerSide:
                 if tr.outcome is not None:
                     continue
                 try:
-                    ok = tr.job.wait(timeout=max(0.0, tr.deadline - time.monotonic())).ok
+                    tr.status = tr.job.wait(timeout=max(0.0, tr.deadline - time.monotonic()))
+                    ok = tr.status.ok
                 except kvring.ServerTimeout:
                     _give_up(tr.job)
                     ok = False
                 except KvringError:
                     ok = False
-                tr.settle(ok, self.stats)
+                self._settle_store(tr, ok)
         self._wait_fence()
 
     def _wait_fence(self) -> None:
@@ -505,11 +529,30 @@ class WorkerSide:
                     if ok is None:
                         running.append(tr)
                         continue
-                    tr.settle(ok, self.stats)
+                    self._settle_store(tr, ok)
             if running:
                 self._stores[req_id] = running
             else:
                 del self._stores[req_id]
+
+    def _settle_store(self, tr: _Transfer, ok: bool) -> None:
+        tr.settle(ok, self.stats, self._outcomes, self._rank)
+
+    def _not_stored(self, salt: int, hashes: list[bytes]) -> None:
+        """A STORE that could not be submitted: its chunks are reported not
+        stored by this rank (vLLM's KV events)."""
+        if self._outcomes is not None:
+            self._outcomes.extend(StoreOutcome(self._rank, salt, h, False) for h in hashes)
+
+    def take_store_outcomes(self) -> StoreOutcomes | None:
+        """What this rank's stores left in the pool since the last call, for
+        the scheduler's KV events (None: nothing, or KV events off). Called
+        by vLLM after `get_finished`, which polls the stores, in the same
+        step."""
+        if not self._outcomes:
+            return None
+        outcomes, self._outcomes = self._outcomes, []
+        return StoreOutcomes(outcomes)
 
     def _abandon_jobs(self) -> None:
         """Gives up every job still running (no copy of it lands afterwards)
@@ -529,7 +572,7 @@ class WorkerSide:
             for tr in transfers:
                 if tr.outcome is None:
                     _give_up(tr.job)
-                    tr.settle(False, self.stats)
+                    self._settle_store(tr, False)
         self._stores.clear()
 
     def shutdown(self) -> None:
@@ -550,6 +593,7 @@ def _outcome(tr: _Transfer, alive: bool) -> bool | None:
     except KvringError:
         return False
     if st.finished:
+        tr.status = st
         return st.ok
     if alive and time.monotonic() < tr.deadline:
         return None

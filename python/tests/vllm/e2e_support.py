@@ -347,7 +347,15 @@ class KvringServer:
         self.argv = cmd + ["serve", "--name", self.name, "--runtime-dir", self.runtime_dir,
                            "--pool-bytes", str(pool_bytes), "--chunk-tokens", str(chunk_tokens),
                            "--backend", "host"]
+        self._procs = procs
         self.proc = procs.popen(self.argv, self.log)
+        self._wait_ready()
+
+    def restart(self) -> None:
+        """Stops the server (SIGTERM) and starts a new one of the same name,
+        empty, returning once it answers."""
+        self.stop()
+        self.proc = self._procs.popen(self.argv, self.log)
         self._wait_ready()
 
     def _wait_ready(self):

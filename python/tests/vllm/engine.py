@@ -4,6 +4,7 @@ JSON. Run it as its own process with the vLLM environment's Python:
     VENV/bin/python engine.py --model DIR --prompts PROMPTS.json --out RESULT.json
         [--connector NAME --runtime-dir DIR [--timeout-s 10] [--extra K=V ...]]
         [--control-dir DIR --pause-after N ...]
+        [--prefix-caching] [--kv-events JSON] [--reset-connector-before N ...]
 
 PROMPTS.json: {"phases": [[{"name": "a0", "token_ids": [...]}, ...], ...]}.
 Each phase is one `LLM.generate()` call over its prompts (a batch), in order.
@@ -13,6 +14,11 @@ finished and the result so far is written, the driver creates D/paused-N and
 waits for D/resume-N before it starts phase N+1 (up to --pause-timeout
 seconds; past that it exits with status 3). A test uses the pause to act on
 the kvring server between two phases of one engine, e.g. SIGKILL it.
+
+--kv-events JSON turns vLLM's KV events on (its KVEventsConfig, e.g. a zmq
+publisher's endpoint); --prefix-caching turns vLLM's own prefix cache on
+(off by default, so that only the connector caches); --reset-connector-before
+N calls `LLM.reset_prefix_cache(reset_connector=True)` before phase N.
 
 RESULT.json is rewritten after every phase (so a crash leaves what was done):
 per request its prompt token ids, output token ids, num_cached_tokens,
@@ -51,6 +57,10 @@ def _parse_args(argv):
     ap.add_argument("--load-format", default="auto", help="dummy: vLLM's random weights (a config-only model)")
     ap.add_argument("--max-num-batched-tokens", type=int,
                     help="tokens a step computes at most (a long prompt's prefill is chunked)")
+    ap.add_argument("--prefix-caching", action="store_true", help="vLLM's own prefix cache on")
+    ap.add_argument("--kv-events", metavar="JSON", help="vLLM's KVEventsConfig as JSON (KV events on)")
+    ap.add_argument("--reset-connector-before", type=int, action="append", default=[], metavar="N",
+                    help="reset vLLM's prefix cache and the connector's before phase N")
     ap.add_argument("--control-dir")
     ap.add_argument("--pause-after", type=int, action="append", default=[])
     ap.add_argument("--pause-timeout", type=float, default=120.0)
@@ -219,6 +229,10 @@ def main(argv=None) -> int:
 
     if args.max_num_batched_tokens:
         kw["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.kv_events:
+        from vllm.config import KVEventsConfig
+
+        kw["kv_events_config"] = KVEventsConfig(**json.loads(args.kv_events))
     t1 = time.perf_counter()
     llm = LLM(
         model=args.model,
@@ -226,8 +240,8 @@ def main(argv=None) -> int:
         load_format=args.load_format,
         max_model_len=args.max_model_len,
         enforce_eager=True,
-        # Off, so that only the connector can produce cached tokens.
-        enable_prefix_caching=False,
+        # Off unless asked, so that only the connector can produce cached tokens.
+        enable_prefix_caching=args.prefix_caching,
         seed=0,
         # On, for RequestOutput.metrics and LLM.get_metrics().
         disable_log_stats=False,
@@ -240,6 +254,9 @@ def main(argv=None) -> int:
 
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     for i, phase in enumerate(phases):
+        if i in args.reset_connector_before:
+            result.setdefault("resets", []).append(
+                {"before_phase": i, "ok": llm.reset_prefix_cache(reset_connector=True)})
         inputs = [{"prompt_token_ids": list(p["token_ids"])} for p in phase]
         w0, t2 = time.time(), time.perf_counter()
         outs = llm.generate(inputs, sp, use_tqdm=False)
