@@ -199,6 +199,7 @@ impl PyClient {
     /// the token ids of chunks `first_chunk ..` of a prompt, ahead of their
     /// stores, so that its events carry them. `tokens` is the prompt from
     /// its start; its whole chunks from `first_chunk` on are described.
+    /// Posted, never waited for (a full ring raises).
     #[pyo3(signature = (tokens, *, model_id, chunk_tokens, salt = 0, first_chunk = 0))]
     fn describe(
         &self,
@@ -209,7 +210,9 @@ impl PyClient {
         salt: u64,
         first_chunk: usize,
     ) -> PyResult<()> {
-        py.detach(|| self.with(|c| c.describe(model_id, salt, chunk_tokens, &tokens, first_chunk)))?;
+        py.detach(|| {
+            self.with(|c| c.describe(model_id, salt, chunk_tokens, &tokens, first_chunk))
+        })?;
         Ok(())
     }
 

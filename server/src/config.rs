@@ -123,12 +123,11 @@ impl ServerConfig {
         }
         if let Some(e) = &self.events {
             e.validate().map_err(ConfigError::Events)?;
-            // A DESCRIBE of one chunk, or of DESCRIBE_TOKEN_BYTES of tokens.
-            let one = 56 + 4 * u64::from(self.cache.chunk_tokens);
-            let need = one.max(56 + kvring::client::DESCRIBE_TOKEN_BYTES as u64);
-            if u64::from(self.cache.max_request_bytes) < need {
+            // Engines describe chunks in requests of one ring frame.
+            let frame = self.geometry.max_frame_bytes;
+            if self.cache.max_request_bytes < frame {
                 return Err(ConfigError::Events(format!(
-                    "--kv-events needs --max-request-bytes of at least {need} (engines describe chunks in requests that large)"
+                    "--kv-events needs --max-request-bytes of at least the frame size ({frame}): engines describe chunks in requests of one frame"
                 )));
             }
         }

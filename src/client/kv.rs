@@ -367,10 +367,6 @@ impl Client {
     }
 }
 
-/// Bytes of token ids a DESCRIBE carries at most (more chunks go in more
-/// requests; a server that publishes events accepts requests this large).
-pub const DESCRIBE_TOKEN_BYTES: usize = 64 << 10;
-
 impl Client {
     /// DESCRIBE: tells a server that publishes KV events
     /// ([`ConfigFlags::EVENTS`](crate::proto::kv::ConfigFlags) in
@@ -378,9 +374,14 @@ impl Client {
     /// of a prompt, ahead of their stores, so that its events carry them.
     /// `tokens` is the prompt from its start (the chunks before
     /// `first_chunk` continue the hash chain); its whole chunks from
-    /// `first_chunk` on are described, in requests of at most
-    /// [`DESCRIBE_TOKEN_BYTES`] of tokens each. `chunk_tokens` must be the
-    /// server's. A server without events refuses nothing: it ignores them.
+    /// `first_chunk` on are described. `chunk_tokens` must be the server's.
+    ///
+    /// Posted, never waited for: each request (as many chunks as one ring
+    /// frame holds) is written to the ring and its completion dropped when
+    /// it arrives, so a stopped server costs the caller nothing. A ring
+    /// without room refuses the rest (`Error::Ring`); the server's events
+    /// then go without those token ids. A server without events ignores
+    /// them.
     pub fn describe(
         &mut self,
         model_id: u64,
@@ -399,23 +400,33 @@ impl Client {
                 "chunk {first_chunk} of a prompt of {whole} whole chunks"
             )));
         }
-        let (_, mut prev) =
-            crate::kv::chunk_chain(crate::kv::chain_seed(), &tokens[..first_chunk * ct], chunk_tokens);
-        let per = (DESCRIBE_TOKEN_BYTES / (ct * 4)).max(1);
-        for piece in tokens[first_chunk * ct..whole * ct].chunks(per * ct) {
-            let h = DescribeRequest {
-                model_id,
-                salt,
-                prev,
-                n_chunks: (piece.len() / ct) as u32,
-                _reserved: 0,
-            };
-            self.call_now(
-                Opcode::Describe,
-                &payload(&h, &[bytemuck::cast_slice(piece)]),
-            )?;
-            prev = crate::kv::chunk_chain(prev, piece, chunk_tokens).1;
+        let room = self.req.max_payload() - std::mem::size_of::<DescribeRequest>();
+        let per = room / (ct * 4);
+        if per == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "a chunk of {chunk_tokens} tokens does not fit one ring frame ({room} bytes)"
+            )));
         }
-        Ok(())
+        let seed = crate::kv::chain_seed();
+        let (_, mut prev) = crate::kv::chunk_chain(seed, &tokens[..first_chunk * ct], chunk_tokens);
+        let r = tokens[first_chunk * ct..whole * ct]
+            .chunks(per * ct)
+            .try_for_each(|piece| {
+                let h = DescribeRequest {
+                    model_id,
+                    salt,
+                    prev,
+                    n_chunks: (piece.len() / ct) as u32,
+                    _reserved: 0,
+                };
+                self.post(
+                    Opcode::Describe,
+                    &payload(&h, &[bytemuck::cast_slice(piece)]),
+                )?;
+                prev = crate::kv::chunk_chain(prev, piece, chunk_tokens).1;
+                Ok(())
+            });
+        self.flush();
+        r
     }
 }

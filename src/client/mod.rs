@@ -46,7 +46,7 @@ pub use channel::{Completion, RawChannel};
 pub use cuda_memory::CudaMemory;
 pub use host_cache::HostKvCache;
 pub use jobs::{DelayJob, Job, ToRelease};
-pub use kv::{Retrieve, Store, DEFAULT_JOB_TIMEOUT, DESCRIBE_TOKEN_BYTES};
+pub use kv::{Retrieve, Store, DEFAULT_JOB_TIMEOUT};
 pub use lease::{Lease, LeaseId, Lookup, LookupPoll, PendingLookup};
 pub use registration::{KvSpec, Memory, Registration};
 pub use words::{GaveUp, QUIESCE_BOUND};

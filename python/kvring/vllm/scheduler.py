@@ -87,6 +87,9 @@ class _Tracked:
     load_blocks: frozenset[int] = frozenset()
     blocks: RequestBlocks | None = None
     """vLLM's block hashes and tokens of its chunks (vLLM's KV events on)."""
+    tokens: list[int] = field(default_factory=list)
+    """The prompt's token ids (the request's own list), described to a
+    server that publishes KV events."""
 
 
 class SchedulerSide:
@@ -127,6 +130,9 @@ class SchedulerSide:
             EventLedger(self._world_size, self._block_size) if kv_events_enabled(vllm_config) and groups else None
         )
         self._server_pid: int | None = None
+        # The server publishes KV events: the chunks this engine stores are
+        # described to it (their token ids) before their stores.
+        self._describe = False
         self._link = ServerLink(settings, cfg.engine_id, self._on_connect)
         check_block_size(self._block_size, self.chunk_tokens)
         self._blocks_per_chunk = self.chunk_tokens // self._block_size
@@ -139,6 +145,7 @@ class SchedulerSide:
 
     def _on_connect(self, client: Client) -> None:
         self.chunk_tokens = checked_chunk_tokens(client, self._settings, self.chunk_tokens)
+        self._describe = bool(client.server_config().get("kv_events", False))
         pid = getattr(client, "server_pid", None)
         if self._ledger is not None and self._server_pid is not None and pid != self._server_pid:
             # Another server: nothing reported is in it (a second tier it
@@ -209,7 +216,9 @@ class SchedulerSide:
         hashes = kvring.chunk_hashes(request.prompt_token_ids, self.chunk_tokens)
         if not hashes:
             return None
-        t = _Tracked(hashes=hashes, salts=[request_salt(request, g) for g in self._groups])
+        t = _Tracked(
+            hashes=hashes, salts=[request_salt(request, g) for g in self._groups], tokens=request.prompt_token_ids
+        )
         if self._ledger is not None and getattr(request, "block_hashes", None) is not None:
             t.blocks = RequestBlocks(request, self._block_size, self._hash_block_size, self.chunk_tokens)
         self._tracked[request.request_id] = t
@@ -431,6 +440,8 @@ class SchedulerSide:
             return
         bpc = self._blocks_per_chunk
         n = min(storable_chunks(g, first, complete, before, self._block_size, self.chunk_tokens) for g in self._groups)
+        if n > 0 and self._describe:
+            self._describe_chunks(t, first, n)
         if n > 0:
             for g in self._groups:
                 if t.blocks is not None:
@@ -449,6 +460,23 @@ class SchedulerSide:
                 )
             t.stores_issued = True
         t.stored_chunks = complete if n == complete - first else len(t.hashes)
+
+    def _describe_chunks(self, t: _Tracked, first: int, n: int) -> None:
+        """Tells the server the token ids of chunks `first .. first + n`
+        under each of the request's salts, ahead of their stores (one
+        request per 64 KiB of token ids). A failure costs the server's
+        events their token ids, never the store."""
+        client = self._link.client()
+        if client is None:
+            return
+        tokens = t.tokens[: (first + n) * self.chunk_tokens]
+        try:
+            for salt in dict.fromkeys(t.salts):
+                client.describe(
+                    tokens, model_id=self._model_id, chunk_tokens=self.chunk_tokens, salt=salt, first_chunk=first
+                )
+        except KvringError as e:
+            self._link.failed("describe", e)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Notes failed loads, so that the request's next lookup answers no

@@ -335,7 +335,7 @@ def engine_factory(procs, tmp_path_factory):
 class KvringServer:
     """A real `python -m kvring serve` (or $KVRING_BIN serve) process."""
 
-    def __init__(self, procs: Procs, base_dir: str, pool_bytes="256MiB", chunk_tokens=256):
+    def __init__(self, procs: Procs, base_dir: str, pool_bytes="256MiB", chunk_tokens=256, extra_args=()):
         self.name = unique("kvt")
         self.runtime_dir = os.path.join(base_dir, self.name)
         os.makedirs(self.runtime_dir, mode=0o700)
@@ -346,7 +346,7 @@ class KvringServer:
         cmd = [binary] if binary else [PY, "-m", "kvring"]
         self.argv = cmd + ["serve", "--name", self.name, "--runtime-dir", self.runtime_dir,
                            "--pool-bytes", str(pool_bytes), "--chunk-tokens", str(chunk_tokens),
-                           "--backend", "host"]
+                           "--backend", "host", *extra_args]
         self._procs = procs
         self.proc = procs.popen(self.argv, self.log)
         self._wait_ready()
