@@ -346,6 +346,7 @@ def main():
     p.add_argument("--gap-ms", type=float, default=10.0, help="time between requests")
     p.add_argument("--lookups", type=int, default=2000, help="lookups timed per stream mode")
     p.add_argument("--passes", type=int, default=30, help="store/retrieve passes per stream mode")
+    p.add_argument("--repeats", type=int, default=3, help="servers per stream mode, in turn")
     p.add_argument("--json", help="write the results here")
     a = p.parse_args()
     torch.set_num_threads(1)
@@ -357,7 +358,19 @@ def main():
         r["speedup_vs_no_cache"] = base / r["ttft_p50_ms"]
         print(f"{r['policy']:8} {r['hit_rate']:9.3f} {r['ttft_p50_ms']:8.2f}ms {r['ttft_p99_ms']:8.2f}ms"
               f" {r['speedup_vs_no_cache']:11.2f}x  {r['requests_per_node']}")
-    cost = [run_cost(a, m) for m in ("off", "idle", "stalled")]
+    # The modes in turn, --repeats times, so that drift of the machine
+    # falls on all of them; each figure is the median over the repeats.
+    modes = ("off", "idle", "stalled")
+    runs = {m: [] for m in modes}
+    for _ in range(a.repeats):
+        for m in modes:
+            runs[m].append(run_cost(a, m))
+    cost = []
+    for m in modes:
+        r = {k: statistics.median(x[k] for x in runs[m]) for k in runs[m][0] if k != "mode"}
+        r["mode"] = m
+        r["runs"] = runs[m]
+        cost.append(r)
     off = cost[0]
     print(f"\n{'stream':8} {'lookup p50':>11} {'p99':>9} {'store':>11} {'retrieve':>11}  ratios to no stream (lookup p50, store, retrieve)")
     for r in cost:
