@@ -3,13 +3,13 @@
 //! batches of `BlockStored` / `BlockRemoved` / `AllBlocksCleared` on a
 //! ZeroMQ PUB socket, with a replay socket), for every engine of the node.
 //!
-//! The cache pushes a [`Record`] for each object that becomes readable or
+//! The cache pushes a `Record` for each object that becomes readable or
 //! leaves the pool, under its lock, so records are in the order the cache
 //! changed; the ring loop pushes the token ids engines DESCRIBE ahead of
-//! their stores. Pushing never waits: the [`EventQueue`] is bounded, and a
+//! their stores. Pushing never waits: the `EventQueue` is bounded, and a
 //! record that finds it full is dropped and counted, and marks the stream
-//! lost. The publisher thread ([`publisher`]) drains the queue, turns
-//! records into events (token ids from [`tokens::Tokens`]), and sends them;
+//! lost. The publisher thread (`publisher.rs`) drains the queue, turns
+//! records into events (token ids from `tokens.rs`), and sends them;
 //! a lost stream is followed by a resync ("all cleared", then every object
 //! the pool holds, read under the cache's lock). A subscriber that is slow
 //! or absent costs the rings and the copies nothing: the PUB socket drops
