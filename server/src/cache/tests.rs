@@ -492,3 +492,66 @@ fn past_the_bound_an_evicted_object_is_dropped_for_the_tiers_that_lack_it() {
     assert_eq!(refused, [3, 0]);
     assert_eq!(c.stats.pool_used_bytes, LEN, "only the kept range");
 }
+
+/// What the cache told its event queue, in order (`S`: stored, `R`:
+/// removed, with the tiers the object went to).
+fn told(q: &crate::events::EventQueue) -> Vec<(char, u8, Levels)> {
+    use crate::events::Record;
+    q.take()
+        .0
+        .into_iter()
+        .map(|r| match r {
+            Record::Stored(k) => ('S', k.hash[0], Levels::NONE),
+            Record::Removed { key, to } => ('R', key.hash[0], to),
+            Record::Describe { .. } => unreachable!("the cache describes nothing"),
+        })
+        .collect()
+}
+
+#[test]
+fn the_event_queue_hears_of_every_object_that_becomes_readable_or_leaves() {
+    let q = Arc::new(crate::events::EventQueue::new(1024, 64));
+    // Room for four objects.
+    let mut c = Cache::new(4 * LEN, 1.0, 1.0, u64::MAX);
+    c.set_events(q.clone());
+    // A store that fails: its objects were never readable, so no event.
+    let plan = c.plan_store(&[key(1, 0)], LEN);
+    let objs: Vec<u32> = plan.write.iter().map(|p| p.obj).collect();
+    c.finish_store(&objs, false, 0);
+    assert_eq!(told(&q), []);
+    // Stored, then evicted by later stores (no tier below: to nowhere).
+    stored(&mut c, &[1, 2]);
+    assert_eq!(
+        told(&q).iter().map(|e| (e.0, e.1)).collect::<Vec<_>>(),
+        [('S', 1), ('S', 2), ('S', 1), ('S', 2)]
+    );
+    stored(&mut c, &[3]);
+    let ev = told(&q);
+    assert_eq!(ev.iter().filter(|e| e.0 == 'R').count(), 2, "{ev:?}");
+    // The least recently used go (rank 0's objects of chunks 1 and 2).
+    assert_eq!(
+        ev,
+        [
+            ('R', 1, Levels::NONE),
+            ('S', 3, Levels::NONE),
+            ('R', 2, Levels::NONE),
+            ('S', 3, Levels::NONE)
+        ]
+    );
+    // With a write-back tier, an evicted object goes to it.
+    c.set_tier_modes(Levels::of(Level::Disk), Levels::NONE, 64 * LEN);
+    stored(&mut c, &[4]);
+    let ev = told(&q);
+    assert!(
+        ev.iter()
+            .any(|e| e.0 == 'R' && e.2 == Levels::of(Level::Disk)),
+        "{ev:?}"
+    );
+    // A clear removes every readable object without holds.
+    let (n, _) = c.clear();
+    let ev = told(&q);
+    assert_eq!(ev.len() as u64, n);
+    assert!(ev.iter().all(|e| e.0 == 'R'));
+    assert_eq!(c.ready_keys(), []);
+    assert_eq!(q.dropped.load(std::sync::atomic::Ordering::Relaxed), 0);
+}
