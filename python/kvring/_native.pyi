@@ -152,7 +152,9 @@ class Lease:
 
     id: bytes  # 16 bytes: what a worker's retrieve names
     hits: int  # leading chunks found for every rank
-    def end(self) -> None: ...
+    def end(self, *, post: bool = False) -> None:
+        """END_SESSION: frees what it still holds. `post=True`: posted, never
+        waited for (a stopped server costs nothing)."""
     def detach(self) -> bytes:
         """Keeps the holds past this handle (another process ends them with
         `Client.end_lease(id)`); returns the id."""
@@ -276,7 +278,11 @@ class Client:
     ) -> PendingLookup:
         """LOOKUP without waiting for its answer: the server must take it
         within `timeout` seconds (else ServerTimeout)."""
-    def release_lease_chunks(self, lease_id: bytes, first_chunk: int, n_chunks: int) -> None: ...
+    def release_lease_chunks(
+        self, lease_id: bytes, first_chunk: int, n_chunks: int, *, post: bool = False
+    ) -> None:
+        """Frees a lease's holds on chunks that will not be retrieved.
+        `post=True`: posted, never waited for (a full ring raises)."""
     def end_lease(self, lease_id: bytes) -> None: ...
     def store(
         self,
@@ -287,7 +293,11 @@ class Client:
         timeout: Optional[float] = None,
         salt: int = 0,
         after: Optional[bytes] = None,
-    ) -> Job: ...
+        submit_timeout: Optional[float] = None,
+    ) -> Job:
+        """Copies `blocks` into the cache under `hashes`, as a job.
+        `submit_timeout`: how long the call waits for the server to take it
+        (default: the call timeout; past it, ServerTimeout)."""
     def retrieve(
         self,
         reg: Registration,
@@ -299,6 +309,7 @@ class Client:
         timeout: Optional[float] = None,
         after: Optional[bytes] = None,
         layer_groups: int = 1,
+        submit_timeout: Optional[float] = None,
     ) -> Job:
         """Copies chunks `first_chunk ..` of the lease into `blocks`. With
         `layer_groups` G > 1 the layers land in G groups, one after another

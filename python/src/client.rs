@@ -384,16 +384,27 @@ impl PyClient {
     }
 
     /// Frees a lease's holds on chunks first_chunk .. +n_chunks that will
-    /// not be retrieved.
+    /// not be retrieved. `post=True`: posted, never waited for (a full ring
+    /// raises; the holds then go with the lease's end).
+    #[pyo3(signature = (lease_id, first_chunk, n_chunks, *, post = false))]
     fn release_lease_chunks(
         &self,
         py: Python<'_>,
         lease_id: Vec<u8>,
         first_chunk: u32,
         n_chunks: u32,
+        post: bool,
     ) -> PyResult<()> {
         let id = self::lease_id(py, &lease_id)?;
-        py.detach(|| self.with(|c| c.release_lease_chunks(id, first_chunk, n_chunks)))
+        py.detach(|| {
+            self.with(|c| {
+                if post {
+                    c.post_release_lease_chunks(id, first_chunk, n_chunks)
+                } else {
+                    c.release_lease_chunks(id, first_chunk, n_chunks)
+                }
+            })
+        })
     }
 
     /// Ends a lease known by id (END_SESSION).
@@ -403,8 +414,9 @@ impl PyClient {
     }
 
     /// STORE: copies the chunks `hashes` from `blocks` (blocks_per_chunk
-    /// per chunk) into the cache, as a job.
-    #[pyo3(signature = (reg, hashes, blocks, *, timeout = None, salt = 0, after = None))]
+    /// per chunk) into the cache, as a job. `submit_timeout`: how long the
+    /// call waits for the server to take it (default: the call timeout).
+    #[pyo3(signature = (reg, hashes, blocks, *, timeout = None, salt = 0, after = None, submit_timeout = None))]
     #[allow(clippy::too_many_arguments)]
     fn store(
         &self,
@@ -415,16 +427,23 @@ impl PyClient {
         timeout: Option<f64>,
         salt: u64,
         after: Option<Vec<u8>>,
+        submit_timeout: Option<f64>,
     ) -> PyResult<PyJob> {
         let hs = self::hashes(py, hashes)?;
         let after = event(py, after)?;
         let timeout = timeout.map(|t| seconds(py, "timeout", t)).transpose()?;
+        let within = submit_timeout
+            .map(|t| seconds(py, "submit_timeout", t))
+            .transpose()?;
         let reg = reg.get();
         let job = py.detach(|| {
             self.with_registration(reg, |c, r| {
                 let mut s = Store::new(r, &hs, &blocks).salt(salt);
                 if let Some(t) = timeout {
                     s = s.timeout(t);
+                }
+                if let Some(t) = within {
+                    s = s.submit_within(t);
                 }
                 if let Some(e) = after {
                     s = s.after(e);
@@ -436,8 +455,8 @@ impl PyClient {
     }
 
     /// RETRIEVE: copies the lease's chunks from first_chunk into `blocks`,
-    /// as a job.
-    #[pyo3(signature = (reg, lease_id, blocks, *, first_chunk = 0, skip_tokens = 0, timeout = None, after = None, layer_groups = 1))]
+    /// as a job (`submit_timeout` as for `store`).
+    #[pyo3(signature = (reg, lease_id, blocks, *, first_chunk = 0, skip_tokens = 0, timeout = None, after = None, layer_groups = 1, submit_timeout = None))]
     #[allow(clippy::too_many_arguments)]
     fn retrieve(
         &self,
@@ -450,10 +469,14 @@ impl PyClient {
         timeout: Option<f64>,
         after: Option<Vec<u8>>,
         layer_groups: u32,
+        submit_timeout: Option<f64>,
     ) -> PyResult<PyJob> {
         let id = self::lease_id(py, &lease_id)?;
         let after = event(py, after)?;
         let timeout = timeout.map(|t| seconds(py, "timeout", t)).transpose()?;
+        let within = submit_timeout
+            .map(|t| seconds(py, "submit_timeout", t))
+            .transpose()?;
         let reg = reg.get();
         let job = py.detach(|| {
             self.with_registration(reg, |c, r| {
@@ -463,6 +486,9 @@ impl PyClient {
                     .layer_groups(layer_groups);
                 if let Some(t) = timeout {
                     q = q.timeout(t);
+                }
+                if let Some(t) = within {
+                    q = q.submit_within(t);
                 }
                 if let Some(e) = after {
                     q = q.after(e);

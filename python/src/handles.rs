@@ -313,12 +313,23 @@ impl PyLease {
         self.hits
     }
 
-    /// Ends it now (END_SESSION): frees what it still holds.
-    fn end(&self, py: Python<'_>) -> PyResult<()> {
+    /// Ends it now (END_SESSION): frees what it still holds. `post=True`:
+    /// posted, never waited for (a stopped server costs nothing; what finds
+    /// no room in the rings goes with the client's next request).
+    #[pyo3(signature = (*, post = false))]
+    fn end(&self, py: Python<'_>, post: bool) -> PyResult<()> {
         let Some(lease) = self.lease.lock().unwrap_or_else(|e| e.into_inner()).take() else {
             return Ok(());
         };
         let client = self.client.get();
+        if post {
+            return py.detach(|| {
+                client.with(|c| {
+                    c.post_end_lease(lease);
+                    Ok(())
+                })
+            });
+        }
         py.detach(|| client.with(|c| c.end_lease(lease)))
     }
 
@@ -336,7 +347,7 @@ impl PyLease {
 
     #[pyo3(signature = (*_exc))]
     fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<()> {
-        self.end(py)
+        self.end(py, false)
     }
 
     fn __repr__(&self) -> String {

@@ -363,3 +363,48 @@ def test_a_lookup_is_submitted_and_polled_without_waiting_on_a_stopped_server(se
             time.sleep(0.01)
         assert c.stats()["leases"] == 0
         c.unregister(reg)
+
+
+def test_a_stopped_server_costs_an_engine_step_no_more_than_its_bounds(server):
+    """What an engine's step asks of a stopped (not dead) server: a store or
+    retrieve submission fails at its `submit_timeout`, not the call
+    timeout; ending a lease and freeing its holds are posted, never waited
+    for, and the server applies them once it goes on."""
+    with server.client() as c:
+        cache = HostCache()
+        reg = cache.register(c)
+        hashes = kvring.chunk_hashes(prompt(5, 4), CHUNK)
+        assert c.store(reg, hashes, list(range(16))).wait(10).ok
+        kept = c.lookup(MODEL, 1, hashes)
+        ended = c.lookup(MODEL, 1, hashes)
+        assert kept.hits == ended.hits == 4
+        assert c.stats()["leases"] == 2
+        server.signal(signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 5
+            while stopped_state(server.proc.pid) != "T" and time.monotonic() < deadline:
+                time.sleep(0.001)
+            t0 = time.monotonic()
+            c.release_lease_chunks(kept.id, 2, 2, post=True)
+            ended.end(post=True)
+            posted = time.monotonic() - t0
+            assert posted < 0.05, posted
+            t0 = time.monotonic()
+            with pytest.raises(kvring.ServerTimeout):
+                c.retrieve(reg, kept.id, list(range(16, 24)), submit_timeout=0.05)
+            with pytest.raises(kvring.ServerTimeout):
+                c.store(reg, kvring.chunk_hashes(prompt(6, 1), CHUNK), list(range(24, 28)),
+                        submit_timeout=0.05)
+            took = time.monotonic() - t0
+            assert took < 1.0, took
+        finally:
+            server.signal(signal.SIGCONT)
+        # Once the server goes on: the posted end freed one lease; the
+        # retrieve it took late consumed the other's first two chunks
+        # (the posted release freed the last two), so nothing is held.
+        deadline = time.monotonic() + 5
+        while c.stats()["leases"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert c.stats()["leases"] == 0, c.stats()
+        kept.end()
+        c.unregister(reg)

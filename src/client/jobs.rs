@@ -333,6 +333,12 @@ impl Client {
         self.job_reply(&reply)
     }
 
+    /// [`Client::submit_job`], answered by `deadline`.
+    pub(super) fn submit_job_by(&mut self, op: Opcode, payload: &[u8], deadline: Instant) -> Result<Job> {
+        let reply = self.call_large(op, payload, deadline)?;
+        self.job_reply(&reply)
+    }
+
     /// The job a submission's reply names.
     pub(super) fn job_reply(&self, reply: &[u8]) -> Result<Job> {
         if reply.len() != std::mem::size_of::<JobId>() {

@@ -13,7 +13,7 @@ use crate::error::{Error, Result};
 use crate::kv::ChunkHash;
 use crate::proto::kv::{DescribeRequest, KvFlags, RetrieveRequest, StoreRequest};
 use crate::proto::Opcode;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// A STORE request: copy the blocks of each chunk (`blocks.len()` is
 /// `hashes.len() * blocks_per_chunk`) into the pool. The job's result value
@@ -69,6 +69,7 @@ pub struct Store<'a> {
     salt: u64,
     after: Option<IpcEventHandle>,
     timeout: Duration,
+    submit_within: Option<Duration>,
 }
 
 /// How long a STORE or RETRIEVE may run before its client gives it up
@@ -84,7 +85,17 @@ impl<'a> Store<'a> {
             salt: 0,
             after: None,
             timeout: DEFAULT_JOB_TIMEOUT,
+            submit_within: None,
         }
+    }
+
+    /// How long the submission may wait for the server to take the job
+    /// (default: the client's call timeout). A server that does not answer
+    /// in time (stopped, not dead) fails it with `ServerTimeout`: a caller
+    /// on an engine's step bounds what such a server costs it.
+    pub fn submit_within(mut self, t: Duration) -> Self {
+        self.submit_within = Some(t);
+        self
     }
 
     /// How long the job may run (default [`DEFAULT_JOB_TIMEOUT`]): past it
@@ -184,6 +195,7 @@ pub struct Retrieve<'a> {
     layer_groups: u32,
     after: Option<IpcEventHandle>,
     timeout: Duration,
+    submit_within: Option<Duration>,
 }
 
 impl<'a> Retrieve<'a> {
@@ -201,7 +213,15 @@ impl<'a> Retrieve<'a> {
             layer_groups: 1,
             after: None,
             timeout: DEFAULT_JOB_TIMEOUT,
+            submit_within: None,
         }
+    }
+
+    /// How long the submission may wait for the server to take the job (as
+    /// [`Store::submit_within`]).
+    pub fn submit_within(mut self, t: Duration) -> Self {
+        self.submit_within = Some(t);
+        self
     }
 
     /// Lands the layers in `n` groups ([`crate::kv::LayerGroups`], 1 to the
@@ -267,7 +287,7 @@ impl Client {
             _reserved: 0,
             event: req.after.map_or([0; 64], IpcEventHandle::to_bytes),
         };
-        self.submit_copy_job(Opcode::Store, req.timeout, 1, |word, generation| {
+        self.submit_copy_job(Opcode::Store, req.timeout, req.submit_within, 1, |word, generation| {
             let h = StoreRequest {
                 word,
                 generation,
@@ -285,11 +305,13 @@ impl Client {
 
     /// Submits a STORE or RETRIEVE (in `groups` layer groups) with an entry
     /// of the job words (its payload made by `build` for that entry and
-    /// generation).
+    /// generation), waiting `submit_within` (else the call timeout) for the
+    /// server to take it.
     fn submit_copy_job(
         &mut self,
         op: Opcode,
         timeout: Duration,
+        submit_within: Option<Duration>,
         groups: u32,
         build: impl FnOnce(u32, u32) -> Vec<u8>,
     ) -> Result<Job> {
@@ -297,7 +319,8 @@ impl Client {
         self.check_no_call_in_flight(op)?;
         let (entry, g) = self.link.words.take(&self.link, timeout, groups)?;
         self.call_word = Some((entry, g));
-        let r = self.submit_job(op, &build(entry, g));
+        let deadline = Instant::now() + submit_within.unwrap_or(self.opts.call_timeout);
+        let r = self.submit_job_by(op, &build(entry, g), deadline);
         self.call_word = None;
         match r {
             Ok(job) => {
@@ -356,7 +379,7 @@ impl Client {
             event: req.after.map_or([0; 64], IpcEventHandle::to_bytes),
         };
         let groups = req.layer_groups;
-        self.submit_copy_job(Opcode::Retrieve, req.timeout, groups, |word, generation| {
+        self.submit_copy_job(Opcode::Retrieve, req.timeout, req.submit_within, groups, |word, generation| {
             let h = RetrieveRequest {
                 word,
                 generation,

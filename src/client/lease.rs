@@ -307,6 +307,38 @@ impl Client {
         Ok(())
     }
 
+    /// FREE_LOOKUP_LOCKS, posted: as [`Client::release_lease_chunks`], but
+    /// written to the ring and never waited for (its completion is dropped
+    /// when it arrives), so a stopped server costs the caller nothing. A
+    /// ring without room refuses it (`Error::Ring`); the holds then go with
+    /// the lease's end.
+    pub fn post_release_lease_chunks(
+        &mut self,
+        lease: impl Into<LeaseId>,
+        first_chunk: u32,
+        n: u32,
+    ) -> Result<()> {
+        let h = FreeLocksRequest {
+            lease: lease.into().0,
+            first_chunk,
+            n_chunks: n,
+        };
+        let r = self.post(Opcode::FreeLookupLocks, bytemuck::bytes_of(&h));
+        self.flush();
+        r
+    }
+
+    /// Ends a lease without waiting for the server, for a caller that
+    /// cannot afford a round trip (a scheduler's step): its END_SESSION and
+    /// the release of its lookup job are posted, never waited for. What
+    /// finds no room in the rings stays queued and goes ahead of this
+    /// client's next request. A server that never reads them frees the
+    /// holds when this client disconnects, or when the lease's TTL ends.
+    pub fn post_end_lease(&mut self, lease: Lease) {
+        drop(lease);
+        self.send_releases();
+    }
+
     /// Ends a lease now (the request is over): frees what it still holds,
     /// marks its chunks recently used, and releases its lookup job. A lease
     /// whose holds the retrieves took, every one, has ended already: that

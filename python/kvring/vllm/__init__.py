@@ -17,9 +17,10 @@ may hold the forward waiting for it), `kvring.async_load` (default: as
 vLLM schedules, see below), `kvring.layer_groups` (default 4: a load lands in that many
 groups of layers, see below), `kvring.min_load_tokens` (a hit shorter than
 this is recomputed, default 0),
-`kvring.lookup_submit_s` (how long the scheduler waits for the server to
-take a lookup, default 0.25: a stopped server costs the scheduler that once,
-then lookups miss until it answers again), `kvring.lookup_wait_s` (how long
+`kvring.submit_s` (how long a hook waits for the server to take a lookup,
+a store or a retrieve, default 0.25: a stopped server costs a step that
+once, then lookups miss and stores are skipped until it answers again;
+`kvring.lookup_submit_s` is its earlier name), `kvring.lookup_wait_s` (how long
 a request waits for a lookup's answer, default 3, the server's wait on its
 second tier and some) and `kvring.runtime_dir`.
 

@@ -226,7 +226,7 @@ class SchedulerSide:
 
     def _submit_lookup(self, client: Client, t: _Tracked) -> None:
         """Submits the request's LOOKUP (the server must take it within
-        `lookup_submit_s`); a failure is a miss."""
+        `submit_s`); a failure is a miss."""
         self.stats.count("lookups")
         pending: list[PendingLookup] = []
         try:
@@ -237,7 +237,7 @@ class SchedulerSide:
                         self._world_size,
                         t.hashes,
                         salt=salt,
-                        timeout=self._settings.lookup_submit_s,
+                        timeout=self._settings.submit_s,
                     )
                 )
         except KvringError as e:
@@ -363,22 +363,26 @@ class SchedulerSide:
 
     def _release_unloaded(self, client: Client, lease: Lease, first: int, last: int) -> None:
         """Frees the lease's holds outside chunks first..last-1 now rather
-        than at the request's end."""
+        than at the request's end. Posted, never waited for: a stopped
+        server must not hold the step. A ring without room leaves the holds
+        to the lease's end."""
         try:
             if first > 0:
-                client.release_lease_chunks(lease.id, 0, first)
+                client.release_lease_chunks(lease.id, 0, first, post=True)
             if lease.hits > last:
-                client.release_lease_chunks(lease.id, last, lease.hits - last)
-        except KvringError as e:
-            self._link.failed("release_lease_chunks", e)
+                client.release_lease_chunks(lease.id, last, lease.hits - last, post=True)
+        except KvringError:
+            pass
 
     def _end_lease(self, t: _Tracked) -> None:
-        """END_SESSION: frees whatever the leases still hold."""
+        """END_SESSION: frees whatever the leases still hold. Posted, never
+        waited for: a stopped server must not hold the step (its holds go
+        when the server reads the ring, or with this client's connection)."""
         leases, t.leases = t.leases, []
         if t.lease_client is self._link.current:
             for lease in leases:
                 try:
-                    lease.end()
+                    lease.end(post=True)
                 except KvringError as e:
                     self._link.failed("end_lease", e)
                     break

@@ -25,7 +25,10 @@ class KvringSettings:
     (`load_mode`)."""
     layer_groups: int = 4
     min_load_tokens: int = 0
-    lookup_submit_s: float = 0.25
+    submit_s: float = 0.25
+    """How long a hook waits for the server to take a request (a lookup, a
+    store, a retrieve): a stopped server costs a step this once, then the
+    connection is dropped and hooks miss until it answers again."""
     lookup_wait_s: float = 3.0
     runtime_dir: str | None = None
 
@@ -43,7 +46,8 @@ class KvringSettings:
             "kvring.async_load",
             "kvring.layer_groups",
             "kvring.min_load_tokens",
-            "kvring.lookup_submit_s",
+            "kvring.submit_s",
+            "kvring.lookup_submit_s",  # the earlier name of submit_s
             "kvring.lookup_wait_s",
             "kvring.runtime_dir",
         }
@@ -64,7 +68,7 @@ class KvringSettings:
             async_load=None if async_load is None else _as_bool("kvring.async_load", async_load),
             layer_groups=int(extra.get("kvring.layer_groups", cls.layer_groups)),
             min_load_tokens=int(extra.get("kvring.min_load_tokens", cls.min_load_tokens)),
-            lookup_submit_s=float(extra.get("kvring.lookup_submit_s", cls.lookup_submit_s)),
+            submit_s=float(extra.get("kvring.submit_s", extra.get("kvring.lookup_submit_s", cls.submit_s))),
             lookup_wait_s=float(extra.get("kvring.lookup_wait_s", cls.lookup_wait_s)),
             runtime_dir=None if runtime_dir is None else str(runtime_dir),
         )
@@ -74,7 +78,7 @@ class KvringSettings:
             raise KvringError(f"kvring.layer_groups must be at least 1, not {settings.layer_groups}")
         if settings.min_load_tokens < 0:
             raise KvringError(f"kvring.min_load_tokens must not be negative, not {settings.min_load_tokens}")
-        for key in ("timeout_s", "load_timeout_s", "lookup_submit_s", "lookup_wait_s"):
+        for key in ("timeout_s", "load_timeout_s", "submit_s", "lookup_wait_s"):
             if not getattr(settings, key) > 0:
                 raise KvringError(f"kvring.{key} must be positive, not {getattr(settings, key)}")
         return settings

@@ -271,6 +271,7 @@ class WorkerSide:
                     timeout=timeout,
                     after=after,
                     layer_groups=groups if layered else 1,
+                    submit_timeout=self._settings.submit_s,
                 )
             except KvringError as e:
                 self._link.failed("retrieve", e)
@@ -373,7 +374,9 @@ class WorkerSide:
                 self._not_stored(salt, hashes)
                 continue
             try:
-                job = client.store(reg, hashes, blocks, timeout=timeout, salt=salt, after=after)
+                job = client.store(
+                    reg, hashes, blocks, timeout=timeout, salt=salt, after=after, submit_timeout=self._settings.submit_s
+                )
             except KvringError as e:
                 self._link.failed("store", e)
                 self.stats.count("store_failures")

@@ -41,6 +41,12 @@ def test_command_line_strings_are_parsed():
     assert s.async_load is True and s.load_timeout_s == 0.5 and s.min_load_tokens == 512
 
 
+def test_submit_s_bounds_every_submission_and_keeps_its_earlier_name():
+    assert KvringSettings.from_extra_config({}).submit_s == 0.25
+    assert KvringSettings.from_extra_config({"kvring.submit_s": "0.1"}).submit_s == 0.1
+    assert KvringSettings.from_extra_config({"kvring.lookup_submit_s": 0.5}).submit_s == 0.5
+
+
 @pytest.mark.parametrize(
     "extra, words",
     [
@@ -48,6 +54,7 @@ def test_command_line_strings_are_parsed():
         ({"kvring.async_load": "maybe"}, "true or false"),
         ({"kvring.load_timeout_s": 0}, "positive"),
         ({"kvring.min_load_tokens": -1}, "negative"),
+        ({"kvring.submit_s": 0}, "positive"),
     ],
 )
 def test_bad_settings_are_refused(extra, words):
