@@ -16,7 +16,8 @@ an autostarted server; a running server must have that chunk size),
 may hold the forward waiting for it), `kvring.async_load` (default: as
 vLLM schedules, see below), `kvring.layer_groups` (default 4: a load lands in that many
 groups of layers, see below), `kvring.min_load_tokens` (a hit shorter than
-this is recomputed, default 0),
+this is recomputed; default 1,280 on a GPU engine without CUDA graphs,
+where a shorter hit was measured slower than recomputing, else 0),
 `kvring.submit_s` (how long a hook waits for the server to take a lookup,
 a store or a retrieve, default 0.25: a stopped server costs a step that
 once, then lookups miss and stores are skipped until it answers again;
@@ -178,7 +179,9 @@ class KvringConnector(KVConnectorBase_V1, SupportsHMA):
         if unsupported:
             logger.warning("kvring: this model's KV is not cached: %s", unsupported)
         settings = settings.load_mode(
-            bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)), len(groups)
+            bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)),
+            len(groups),
+            eager_gpu=_eager_gpu(vllm_config),
         )
         model_id, identity = engine_model_id(vllm_config)
         self._scheduler: SchedulerSide | None = None
@@ -318,3 +321,11 @@ class KvringConnector(KVConnectorBase_V1, SupportsHMA):
 
     def shutdown(self) -> None:
         (self._scheduler or self._worker).shutdown()
+
+
+def _eager_gpu(vllm_config: VllmConfig) -> bool:
+    """Whether the engine runs on a GPU without CUDA graphs."""
+    from vllm.platforms import current_platform
+
+    model = getattr(vllm_config, "model_config", None)
+    return bool(getattr(model, "enforce_eager", False)) and current_platform.is_cuda()

@@ -10,6 +10,11 @@ from typing import Any
 from kvring import KvringError
 
 
+EAGER_GPU_MIN_LOAD_TOKENS = 1280
+"""The shortest hit loaded by default on a GPU engine without CUDA graphs
+(`KvringSettings.load_mode`)."""
+
+
 @dataclass(frozen=True)
 class KvringSettings:
     """The connector's `kvring.*` keys of `kv_connector_extra_config`."""
@@ -24,7 +29,9 @@ class KvringSettings:
     """None: asynchronous exactly when vLLM schedules asynchronously
     (`load_mode`)."""
     layer_groups: int = 4
-    min_load_tokens: int = 0
+    min_load_tokens: int | None = None
+    """A hit shorter than this is recomputed. None: EAGER_GPU_MIN_LOAD_TOKENS
+    on a GPU engine without CUDA graphs, else 0 (`load_mode`)."""
     submit_s: float = 0.25
     """How long a hook waits for the server to take a request (a lookup, a
     store, a retrieve): a stopped server costs a step this once, then the
@@ -58,6 +65,7 @@ class KvringSettings:
         pool = extra.get("kvring.pool_bytes")
         runtime_dir = extra.get("kvring.runtime_dir")
         async_load = extra.get("kvring.async_load")
+        min_load = extra.get("kvring.min_load_tokens")
         settings = cls(
             name=str(extra.get("kvring.name", cls.name)),
             autostart=_as_bool("kvring.autostart", extra.get("kvring.autostart", cls.autostart)),
@@ -67,7 +75,7 @@ class KvringSettings:
             load_timeout_s=float(extra.get("kvring.load_timeout_s", cls.load_timeout_s)),
             async_load=None if async_load is None else _as_bool("kvring.async_load", async_load),
             layer_groups=int(extra.get("kvring.layer_groups", cls.layer_groups)),
-            min_load_tokens=int(extra.get("kvring.min_load_tokens", cls.min_load_tokens)),
+            min_load_tokens=None if min_load is None else int(min_load),
             submit_s=float(extra.get("kvring.submit_s", extra.get("kvring.lookup_submit_s", cls.submit_s))),
             lookup_wait_s=float(extra.get("kvring.lookup_wait_s", cls.lookup_wait_s)),
             runtime_dir=None if runtime_dir is None else str(runtime_dir),
@@ -76,16 +84,27 @@ class KvringSettings:
             raise KvringError(f"kvring.chunk_tokens must be positive, not {settings.chunk_tokens}")
         if settings.layer_groups < 1:
             raise KvringError(f"kvring.layer_groups must be at least 1, not {settings.layer_groups}")
-        if settings.min_load_tokens < 0:
+        if settings.min_load_tokens is not None and settings.min_load_tokens < 0:
             raise KvringError(f"kvring.min_load_tokens must not be negative, not {settings.min_load_tokens}")
         for key in ("timeout_s", "load_timeout_s", "submit_s", "lookup_wait_s"):
             if not getattr(settings, key) > 0:
                 raise KvringError(f"kvring.{key} must be positive, not {getattr(settings, key)}")
         return settings
 
-    def load_mode(self, async_scheduling: bool, cache_groups: int = 1) -> KvringSettings:
-        """The settings with `async_load` decided for an engine that
-        schedules asynchronously or not. With asynchronous scheduling vLLM
+    def load_mode(self, async_scheduling: bool, cache_groups: int = 1, eager_gpu: bool = False) -> KvringSettings:
+        """The settings with `async_load` and `min_load_tokens` decided for
+        an engine that schedules asynchronously or not, and runs on a GPU
+        without CUDA graphs (`eager_gpu`) or not.
+
+        There a hit costs about 12 ms that a forward with CUDA graphs does
+        not show, so a short hit is slower than recomputing it: measured on
+        an H200 and an H100 (Llama-3-8B geometry, docs/benchmarks.md), hits
+        of 768 and 1,024 tokens were slower than recomputing their prompts
+        (44.6 against 30.6 ms; 38.7 against 34.4), hits of 1,280 tokens and
+        more faster (27.0 against 39.6 ms). With CUDA graphs every hit
+        measured, from 768 tokens, was faster.
+
+        With asynchronous scheduling vLLM With asynchronous scheduling vLLM
         queues a request's next step before it learns how this one went:
         a load that fails in its own step would have that next step's
         token, sampled from KV that never landed, given to the user (vLLM
@@ -94,6 +113,10 @@ class KvringSettings:
         step is refused as a setting. So it is for a model of several KV
         cache groups: vLLM can recompute a failed load of one only when the
         request waited for it."""
+        if self.min_load_tokens is None:
+            return replace(
+                self, min_load_tokens=EAGER_GPU_MIN_LOAD_TOKENS if eager_gpu else 0
+            ).load_mode(async_scheduling, cache_groups, eager_gpu)
         if self.async_load is None:
             return replace(self, async_load=async_scheduling or cache_groups > 1)
         if not self.async_load and cache_groups > 1:

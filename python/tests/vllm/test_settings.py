@@ -19,7 +19,17 @@ def test_defaults_load_as_vllm_schedules_with_a_bounded_wait():
     assert s.load_mode(async_scheduling=False).async_load is False
     assert s.load_mode(async_scheduling=True).async_load is True
     assert s.load_timeout_s == 5.0 and s.timeout_s == 60.0
-    assert s.min_load_tokens == 0
+    assert s.load_mode(async_scheduling=True).min_load_tokens == 0
+
+
+def test_short_hits_are_recomputed_by_default_only_on_an_eager_gpu_engine():
+    """There a hit of fewer than 1,280 tokens was measured slower than
+    recomputing its prompt; a value given is kept."""
+    s = KvringSettings.from_extra_config({})
+    assert s.load_mode(async_scheduling=True, eager_gpu=True).min_load_tokens == 1280
+    assert s.load_mode(async_scheduling=False, eager_gpu=False).min_load_tokens == 0
+    given = KvringSettings.from_extra_config({"kvring.min_load_tokens": 0})
+    assert given.load_mode(async_scheduling=True, eager_gpu=True).min_load_tokens == 0
 
 
 def test_a_load_in_the_step_is_refused_with_asynchronous_scheduling():
