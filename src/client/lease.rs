@@ -334,6 +334,9 @@ impl Client {
     /// finds no room in the rings stays queued and goes ahead of this
     /// client's next request. A server that never reads them frees the
     /// holds when this client disconnects, or when the lease's TTL ends.
+    /// (Registrations dropped earlier and still queued are unregistered
+    /// here too, and those are calls: a client that must never wait keeps
+    /// its registrations elsewhere, as the vLLM scheduler has none.)
     pub fn post_end_lease(&mut self, lease: Lease) {
         drop(lease);
         self.send_releases();
