@@ -329,8 +329,8 @@ impl Client {
 
     /// Submits a request that answers with a job id, and wraps the id.
     pub(super) fn submit_job(&mut self, op: Opcode, payload: &[u8]) -> Result<Job> {
-        let reply = self.call_now(op, payload)?;
-        self.job_reply(&reply)
+        let deadline = Instant::now() + self.opts.call_timeout;
+        self.submit_job_by(op, payload, deadline)
     }
 
     /// [`Client::submit_job`], answered by `deadline`.

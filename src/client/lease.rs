@@ -298,11 +298,7 @@ impl Client {
         first_chunk: u32,
         n: u32,
     ) -> Result<()> {
-        let h = FreeLocksRequest {
-            lease: lease.into().0,
-            first_chunk,
-            n_chunks: n,
-        };
+        let h = free_locks(lease.into(), first_chunk, n);
         self.call_now(Opcode::FreeLookupLocks, bytemuck::bytes_of(&h))?;
         Ok(())
     }
@@ -318,11 +314,7 @@ impl Client {
         first_chunk: u32,
         n: u32,
     ) -> Result<()> {
-        let h = FreeLocksRequest {
-            lease: lease.into().0,
-            first_chunk,
-            n_chunks: n,
-        };
+        let h = free_locks(lease.into(), first_chunk, n);
         let r = self.post(Opcode::FreeLookupLocks, bytemuck::bytes_of(&h));
         self.flush();
         r
@@ -372,5 +364,15 @@ impl Client {
         let h = EndSessionRequest { lease: id.0 };
         self.call_now(Opcode::EndSession, bytemuck::bytes_of(&h))?;
         Ok(())
+    }
+}
+
+/// FREE_LOOKUP_LOCKS' request: chunks `first_chunk .. first_chunk + n` of
+/// `lease`.
+fn free_locks(lease: LeaseId, first_chunk: u32, n: u32) -> FreeLocksRequest {
+    FreeLocksRequest {
+        lease: lease.0,
+        first_chunk,
+        n_chunks: n,
     }
 }
