@@ -371,8 +371,8 @@ class SchedulerSide:
                 client.release_lease_chunks(lease.id, 0, first, post=True)
             if lease.hits > last:
                 client.release_lease_chunks(lease.id, last, lease.hits - last, post=True)
-        except KvringError:
-            pass
+        except KvringError as e:
+            self._link.failed("release_lease_chunks", e)
 
     def _end_lease(self, t: _Tracked) -> None:
         """END_SESSION: frees whatever the leases still hold. Posted, never

@@ -104,8 +104,7 @@ class KvringSettings:
         more faster (27.0 against 39.6 ms). With CUDA graphs every hit
         measured, from 768 tokens, was faster.
 
-        With asynchronous scheduling vLLM With asynchronous scheduling vLLM
-        queues a request's next step before it learns how this one went:
+        With asynchronous scheduling vLLM queues a request's next step before it learns how this one went:
         a load that fails in its own step would have that next step's
         token, sampled from KV that never landed, given to the user (vLLM
         discards only the failed step's). So loads are asynchronous there
@@ -113,25 +112,24 @@ class KvringSettings:
         step is refused as a setting. So it is for a model of several KV
         cache groups: vLLM can recompute a failed load of one only when the
         request waited for it."""
-        if self.min_load_tokens is None:
-            return replace(
-                self, min_load_tokens=EAGER_GPU_MIN_LOAD_TOKENS if eager_gpu else 0
-            ).load_mode(async_scheduling, cache_groups, eager_gpu)
-        if self.async_load is None:
-            return replace(self, async_load=async_scheduling or cache_groups > 1)
-        if not self.async_load and cache_groups > 1:
+        s = self
+        if s.min_load_tokens is None:
+            s = replace(s, min_load_tokens=EAGER_GPU_MIN_LOAD_TOKENS if eager_gpu else 0)
+        if s.async_load is None:
+            return replace(s, async_load=async_scheduling or cache_groups > 1)
+        if not s.async_load and cache_groups > 1:
             raise KvringError(
                 f"kvring.async_load=false: this model has {cache_groups} KV cache groups, and vLLM can "
                 "recompute a failed load of such a model only when the request waited for it; "
                 "leave kvring.async_load unset"
             )
-        if not self.async_load and async_scheduling:
+        if not s.async_load and async_scheduling:
             raise KvringError(
                 "kvring.async_load=false needs vLLM's synchronous scheduling (async_scheduling=False, "
                 "--no-async-scheduling): with asynchronous scheduling a load that fails in its own step "
                 "would give the user a token computed without its KV; leave kvring.async_load unset"
             )
-        return self
+        return s
 
 
 def _as_bool(key: str, value: Any) -> bool:
