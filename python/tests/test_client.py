@@ -330,6 +330,23 @@ def stopped_state(pid: int) -> str:
         return f.read().rsplit(")", 1)[1].split()[0]
 
 
+def stop(server) -> None:
+    """SIGSTOPs the server and returns once /proc says it is stopped (the
+    signal is delivered apart), or after 5 s."""
+    server.signal(signal.SIGSTOP)
+    deadline = time.monotonic() + 5
+    while stopped_state(server.proc.pid) != "T" and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
+def wait_for_no_leases(c) -> None:
+    """Waits up to 5 s for the server to hold no lease, then checks it."""
+    deadline = time.monotonic() + 5
+    while c.stats()["leases"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert c.stats()["leases"] == 0, c.stats()
+
+
 def test_a_lookup_is_submitted_and_polled_without_waiting_on_a_stopped_server(server):
     with server.client() as c:
         cache = HostCache()
@@ -344,12 +361,8 @@ def test_a_lookup_is_submitted_and_polled_without_waiting_on_a_stopped_server(se
             pending.poll()  # answered already
         lease.end()
         # Stopped: the submission fails at its deadline, not the call timeout.
-        server.signal(signal.SIGSTOP)
+        stop(server)
         try:
-            # (Stopped once /proc says so: the signal is delivered apart.)
-            deadline = time.monotonic() + 5
-            while stopped_state(server.proc.pid) != "T" and time.monotonic() < deadline:
-                time.sleep(0.001)
             t0 = time.monotonic()
             with pytest.raises(kvring.ServerTimeout):
                 c.submit_lookup(MODEL, 1, hashes, timeout=0.05)
@@ -358,10 +371,7 @@ def test_a_lookup_is_submitted_and_polled_without_waiting_on_a_stopped_server(se
         finally:
             server.signal(signal.SIGCONT)
         # The lookup the server took once it went on leaves no lease.
-        deadline = time.monotonic() + 5
-        while c.stats()["leases"] and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert c.stats()["leases"] == 0
+        wait_for_no_leases(c)
         c.unregister(reg)
 
 
@@ -379,11 +389,8 @@ def test_a_stopped_server_costs_an_engine_step_no_more_than_its_bounds(server):
         ended = c.lookup(MODEL, 1, hashes)
         assert kept.hits == ended.hits == 4
         assert c.stats()["leases"] == 2
-        server.signal(signal.SIGSTOP)
+        stop(server)
         try:
-            deadline = time.monotonic() + 5
-            while stopped_state(server.proc.pid) != "T" and time.monotonic() < deadline:
-                time.sleep(0.001)
             t0 = time.monotonic()
             c.release_lease_chunks(kept.id, 2, 2, post=True)
             ended.end(post=True)
@@ -402,9 +409,6 @@ def test_a_stopped_server_costs_an_engine_step_no_more_than_its_bounds(server):
         # Once the server goes on: the posted end freed one lease; the
         # retrieve it took late consumed the other's first two chunks
         # (the posted release freed the last two), so nothing is held.
-        deadline = time.monotonic() + 5
-        while c.stats()["leases"] and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert c.stats()["leases"] == 0, c.stats()
+        wait_for_no_leases(c)
         kept.end()
         c.unregister(reg)
