@@ -239,7 +239,24 @@ def batch(llm, prompts, sp) -> dict:
         "hit_requests": sum(1 for o in outs if (o.num_cached_tokens or 0) > 0),
         "cached_tokens": sum(o.num_cached_tokens or 0 for o in outs),
         "first_tokens": [o.outputs[0].token_ids[0] for o in outs],
+        "timeline": timeline(outs, times),
     }
+
+
+def timeline(outs, times) -> list[dict]:
+    """Each request of a batch in the order it was scheduled: when it was
+    queued, scheduled and got its first token (seconds after the first
+    request was queued; vLLM's monotonic timestamps) and its cached tokens.
+    Says where a batch's time went when its percentiles do not."""
+    t0 = min((t["queued_ts"] for t in times if "queued_ts" in t), default=None)
+    if t0 is None:
+        return []
+    rows = []
+    for o, t in zip(outs, times):
+        row = {k: round(t[k] - t0, 4) for k in ("queued_ts", "scheduled_ts", "first_token_ts") if k in t}
+        row["cached"] = o.num_cached_tokens or 0
+        rows.append(row)
+    return sorted(rows, key=lambda r: r.get("scheduled_ts", float("inf")))
 
 
 def settle(seconds: float) -> None:
@@ -531,7 +548,7 @@ def summarize(results: list[dict]) -> dict:
                         e[cfg]["speedup_vs_native"] = e["native"]["warm_s"] / e[cfg]["warm_s"]
             m["ttft"][n] = e
         for test in ("nohit", "shared", "burst"):
-            m[test] = {cfg: {k: v for k, v in r[test].items() if k != "first_tokens"}
+            m[test] = {cfg: {k: v for k, v in r[test].items() if k not in ("first_tokens", "timeline")}
                        for cfg, r in rs.items() if test in r}
         m["faults"] = {cfg: r["faults"] for cfg, r in rs.items() if "faults" in r}
         out[mode] = m
