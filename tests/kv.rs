@@ -262,6 +262,43 @@ fn bad_requests_get_clear_errors_and_the_server_keeps_serving() {
 }
 
 #[test]
+fn a_retrieve_writes_each_block_once_and_its_skipped_blocks_may_repeat() {
+    let s = Fixture::new("once", Duration::from_secs(60), &KV_SERVER_ARGS);
+    let mut a = Engine::new(&s, layout(LayoutPreset::Lbnhc, 2, 64), 1, 0);
+    let bpc = a.bpc() as usize;
+    assert!(bpc >= 2, "the test needs chunks of several blocks");
+    let hashes = chunk_hashes(&prompt(11, 2 * CHUNK as usize), CHUNK);
+    let blocks = a.blocks(0, 2);
+    a.write(&hashes, &blocks);
+    assert_eq!(a.store(0, &hashes, &blocks).value, 2);
+    let mut b = Engine::new(&s, layout(LayoutPreset::Lbnhc, 2, 64), 1, 0);
+    b.cache.poison(0x5a);
+    // One block written twice: refused before anything is copied, and the
+    // lease still holds its chunks.
+    let mut sched = s.client();
+    let lease = lookup(&mut sched, 1, 0, &hashes);
+    let mut twice = b.blocks(20, 2);
+    twice[bpc + 1] = twice[1];
+    expect_status(
+        b.c.retrieve(Retrieve::new(&b.inst, &lease, &twice)),
+        Status::InvalidArgument,
+    );
+    // The first chunk and one block of the second skipped, all named as
+    // block 0 (as a state group's null blocks are): only the rest lands,
+    // and block 0 keeps its poison.
+    let mut dst = b.blocks(20, 2);
+    dst[..=bpc].fill(0);
+    let bt = b.inst.layout().geometry().block_tokens;
+    let r = done(
+        b.c.retrieve(Retrieve::new(&b.inst, &lease, &dst).skip_tokens((bpc as u32 + 1) * bt))
+            .unwrap(),
+    );
+    assert_eq!(r.value, 2);
+    b.verify(&hashes, &dst, bpc as u32 + 1, 0x5a);
+    let _ = lease.into_id();
+}
+
+#[test]
 fn a_large_job_of_one_client_does_not_hold_up_another_clients_small_one() {
     // One copy worker: both clients' chunks queue for it.
     let s = Fixture::new(

@@ -24,8 +24,18 @@ What is stored and loaded, per kind of group:
   before the first token to compute; a chunk whose first blocks vLLM freed
   before the step that completes it (a chunked prefill that moved past the
   window) is not stored for any group, since its window part cannot be;
-- anything else (Mamba and other state, chunked local attention): not
-  cached; the connector says why and stays out of the way.
+- state (Mamba2, short convolutions, gated delta nets: vLLM's
+  `MambaSpec`, with prefix caching on, in its "align" mode): a state exists
+  only where a step ended on a block boundary, in the group's block of the
+  token before it (block `t // block - 1` holds the state after `t`
+  tokens). kvring stores it when a step ends on a chunk boundary: the
+  object of chunk `i` of a state group is the group's blocks of chunk `i`,
+  whose last holds the state after the chunk (the others, null or states
+  vLLM keeps of its own, are never loaded). A hit ends where the attention
+  groups' chunks and a state all are, and loads the state alone into the
+  block vLLM gives the hit's last token;
+- anything else (state without prefix caching, chunked local attention):
+  not cached; the connector says why and stays out of the way.
 
 Pure logic: this module imports neither torch nor vLLM's engine.
 """
@@ -48,11 +58,13 @@ class CacheGroup:
     index: int
     layers: tuple[str, ...]
     window: int | None
-    """A sliding-window group's window in tokens; None: full attention."""
+    """A sliding-window group's window in tokens; None: full attention or state."""
     key: str
     """What the group adds to its chunks' salt: "" for the only group of a
     model (its keys are those of a model without groups), else its kind,
     window and layers."""
+    state: bool = False
+    """A state group (one state per chunk boundary, not KV per token)."""
 
 
 def cache_groups(kv_cache_config: Any) -> tuple[list[CacheGroup], str | None]:
@@ -68,27 +80,38 @@ def cache_groups(kv_cache_config: Any) -> tuple[list[CacheGroup], str | None]:
     groups: list[CacheGroup] = []
     for i, g in enumerate(specs):
         kind, window = _kind(g.kv_cache_spec)
+        layers = tuple(g.layer_names)
+        if kind == "state" and getattr(g.kv_cache_spec, "mamba_cache_mode", None) != "align":
+            return [], (
+                f"KV cache group {i} holds {type(g.kv_cache_spec).__name__} state ({', '.join(layers[:3])}...): "
+                "kvring caches a "
+                "state only where vLLM keeps one per block boundary (prefix caching on: "
+                f"mamba_cache_mode 'align', not {getattr(g.kv_cache_spec, 'mamba_cache_mode', None)!r})"
+            )
         if kind is None:
             return [], (
                 f"KV cache group {i} holds {type(g.kv_cache_spec).__name__} layers "
-                f"({', '.join(list(g.layer_names)[:3])}...): kvring caches attention KV "
-                "(full and sliding-window) only, not state"
+                f"({', '.join(layers[:3])}...): kvring caches attention KV (full and "
+                "sliding-window) and block-aligned state, not this"
             )
-        layers = tuple(g.layer_names)
         key = "" if len(specs) == 1 else f"{kind}:{window}:{','.join(layers)}"
-        groups.append(CacheGroup(i, layers, window, key))
+        groups.append(CacheGroup(i, layers, window, key, state=kind == "state"))
+    if all(g.state for g in groups):
+        return [], "every KV cache group holds state: kvring caches a state only beside attention KV"
     return groups, None
 
 
 def _kind(spec: Any) -> tuple[str | None, int | None]:
-    """("full" or "sliding", window) of a group's spec; (None, None) for a
-    kind kvring does not cache. By the names of the spec's classes (its own
+    """("full", "sliding" or "state", window) of a group's spec; (None,
+    None) for a kind kvring does not cache. By the names of the spec's classes (its own
     and its bases), so that every vLLM version's classes, their subclasses
     and the worker's uniform-type wrapper are understood."""
     names = {c.__name__ for c in type(spec).__mro__}
     if "UniformTypeKVCacheSpecs" in names:
         kinds = {_kind(s) for s in getattr(spec, "kv_cache_specs", {}).values()}
         return kinds.pop() if len(kinds) == 1 else (None, None)
+    if "MambaSpec" in names:
+        return "state", None
     if "SlidingWindowSpec" in names:
         return "sliding", int(spec.sliding_window)
     if "FullAttentionSpec" in names:
@@ -103,29 +126,72 @@ def _kind(spec: Any) -> tuple[str | None, int | None]:
 
 def slot_layers(groups: Sequence[CacheGroup], names: Sequence[str]) -> list[str]:
     """The layers kvring registers: for one group every layer the engine
-    gave (`names`, its order), else the largest group's, in vLLM's order."""
+    gave (`names`, its order), else the largest attention group's, in
+    vLLM's order (a state group's layers view the same pages as state)."""
     if len(groups) == 1:
         return list(names)
-    largest = max(groups, key=lambda g: (len(g.layers), -g.index))
+    largest = max((g for g in groups if not g.state), key=lambda g: (len(g.layers), -g.index))
     return list(largest.layers)
 
 
 def aliasing_error(groups: Sequence[CacheGroup], slots: Sequence[str], views: dict[str, tuple]) -> str | None:
     """Why the groups' layers are not views of the slots (None: they are).
     `views` maps a layer name to what identifies its view (address, shape,
-    strides, dtype): layer `j` of every group must view what slot `j` does,
-    as vLLM lays out the groups' shared pages."""
+    strides, dtype, element bytes): layer `j` of every attention group must
+    view what slot `j` does, as vLLM lays out the groups' shared pages; a
+    state group's layer `j` must start where slot `j` does, with blocks of
+    the same stride (its state is a part of each page)."""
     if len(groups) == 1:
         return None
     for g in groups:
         for j, name in enumerate(g.layers):
-            if j >= len(slots) or name not in views or views[name] != views.get(slots[j]):
+            slot = views.get(slots[j]) if j < len(slots) else None
+            view = views.get(name)
+            same = view is not None and slot is not None and (_state_aliases(view, slot) if g.state else view == slot)
+            if not same:
                 return (
                     f"layer {name} (KV cache group {g.index}) is not a view of the memory of "
                     f"{slots[j] if j < len(slots) else 'any slot'}: kvring expects the groups' layers "
                     "to share pages as vLLM's hybrid manager lays them out"
                 )
     return None
+
+
+def _state_aliases(view: tuple, slot: tuple) -> bool:
+    """Whether a state layer's view (address, shape, strides, dtype, element
+    bytes; its first dimension the blocks) starts at the slot's address and
+    steps from block to block as one of the slot's dimensions does."""
+    address, shape, strides, _, elem = view
+    s_address, s_shape, s_strides, _, s_elem = slot
+    if address != s_address or not shape:
+        return False
+    return any(n == shape[0] and st * s_elem == strides[0] * elem for n, st in zip(s_shape, s_strides, strict=True))
+
+
+def state_to_store(
+    block_ids: Sequence[int], computed: int, prompt_chunks: int, block: int, chunk: int
+) -> tuple[int, int] | None:
+    """(chunk index, block id) of the state a step that ends at `computed`
+    tokens leaves in a state group whose block list is `block_ids`: the
+    state after chunk `computed // chunk - 1`, in the block of the token
+    before `computed`. None where the step does not end on a chunk boundary
+    of the prompt, or the group holds no block there."""
+    if computed <= 0 or computed % chunk or computed // chunk > prompt_chunks:
+        return None
+    at = computed // block - 1
+    if at >= len(block_ids) or block_ids[at] == NULL_BLOCK:
+        return None
+    return computed // chunk - 1, block_ids[at]
+
+
+def state_candidates(attention_hit: int, max_chunks: int, n: int) -> list[int]:
+    """The chunks whose state a lookup asks for, the latest first: a hit
+    ends after one of them, within the chunks the attention groups hold
+    (`attention_hit`) and the request may load (`max_chunks`). States exist
+    where steps ended (the end of an earlier prompt's prefill, a chunked
+    prefill's steps), so the last `n` chunks are asked."""
+    top = min(attention_hit, max_chunks)
+    return list(range(top - 1, max(top - n, 0) - 1, -1))
 
 
 def storable_chunks(group: CacheGroup, first: int, end: int, computed_before: int, block: int, chunk: int) -> int:

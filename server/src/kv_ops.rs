@@ -685,17 +685,23 @@ pub fn retrieve(shared: &Shared, who: Caller, req: &[u8]) -> Outcome {
     let (inst, event, word) = caller_instance(shared, who, h.instance, h.flags, h.event, word)?;
     let bpc = inst.layout.blocks_per_chunk(kv.chunk_tokens);
     let blocks = blocks_per_chunk(rest, h.n_chunks, bpc, inst.layout.geometry().blocks)?;
-    // Every destination block once: concurrent chunk copies never write the
-    // same engine memory.
-    let mut sorted: Vec<u32> = blocks.iter().flatten().copied().collect();
-    sorted.sort_unstable();
-    if sorted.windows(2).any(|w| w[0] == w[1]) {
-        return Err(Status::InvalidArgument);
-    }
     let bt = inst.layout.geometry().block_tokens;
     if h.skip_tokens % bt != 0
         || u64::from(h.skip_tokens) > u64::from(h.n_chunks) * u64::from(kv.chunk_tokens)
     {
+        return Err(Status::InvalidArgument);
+    }
+    // Every destination block once: concurrent chunk copies never write the
+    // same engine memory. The skipped blocks are written by no copy, so
+    // they may repeat (an engine's null block, say).
+    let mut sorted: Vec<u32> = blocks
+        .iter()
+        .flatten()
+        .skip((h.skip_tokens / bt) as usize)
+        .copied()
+        .collect();
+    sorted.sort_unstable();
+    if sorted.windows(2).any(|w| w[0] == w[1]) {
         return Err(Status::InvalidArgument);
     }
     if h.n_chunks == 0 {

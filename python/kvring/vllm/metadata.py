@@ -34,9 +34,10 @@ class StoreOp:
     hashes: list[bytes]
     block_ids: list[int]
     salt: int
-    windowed: bool = False
-    """Of a sliding-window group, which frees blocks before the request
-    ends: the next step's forward waits for it (`handle_preemptions`)."""
+    freed_early: bool = False
+    """From blocks vLLM frees while the request runs (a sliding-window
+    group's, a state group's): the next step's forward waits for it
+    (`handle_preemptions`)."""
 
 
 @dataclass

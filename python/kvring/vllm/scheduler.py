@@ -21,7 +21,14 @@ from kvring.vllm.metadata import KvringMetadata, LoadOp, StoreOp
 from kvring.vllm.settings import KvringSettings
 from kvring.vllm.stats import KvringStats
 from kvring.vllm.versions import REPORTS_FAILED_LOADS
-from kvring.vllm_cache_groups import CacheGroup, load_span, storable_chunks
+from kvring.vllm_cache_groups import (
+    NULL_BLOCK,
+    CacheGroup,
+    load_span,
+    state_candidates,
+    state_to_store,
+    storable_chunks,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -46,9 +53,11 @@ class Phase(enum.Enum):
                                                               RECOMPUTED
 
     NEW: nothing asked of the server yet (none connected: a miss, and the
-    request is admitted from here). LOOKING_UP: one lookup per KV cache
-    group submitted, not all answered (`pending`). ANSWERED: the hit is
-    known (`hit_chunks`, held by `leases`). ADMITTED: vLLM allocated the
+    request is admitted from here). LOOKING_UP: one lookup per attention
+    KV cache group submitted, not all answered (`pending`); then, for a
+    model with state groups, one per state group and candidate chunk
+    (`state_pending`). ANSWERED: the hit is known (`hit_chunks`, held by
+    `leases`). ADMITTED: vLLM allocated the
     request's blocks and its load, if any, is planned. RECOMPUTED: a load
     failed and vLLM recomputes the request; it is not looked up again (the
     same load would fail again).
@@ -74,6 +83,14 @@ class _Tracked:
     pending: list[PendingLookup] | None = None
     answers: dict[int, Lease] = field(default_factory=dict)
     pending_since: float = 0.0
+    # A model with state groups: the attention groups' leases, then the
+    # lookups of the states that could end the hit (chunk, state group
+    # position, lookup), and their answers so far.
+    kv_leases: list[Lease] = field(default_factory=list)
+    state_pending: list[tuple[int, int, PendingLookup]] | None = None
+    state_answers: dict[int, Lease] = field(default_factory=dict)
+    max_chunks: int = 0
+    """The most chunks a hit may have: never the request's last token."""
     # One lease per KV cache group while they hold hits.
     leases: list[Lease] = field(default_factory=list)
     lease_client: Client | None = None
@@ -92,6 +109,22 @@ class _Tracked:
     server that publishes KV events."""
 
 
+STATE_CANDIDATES = 4
+"""How many chunk boundaries, the latest first, a lookup asks each state
+group for (`kvring.vllm_cache_groups.state_candidates`)."""
+
+
+def _poll_all(pending: list[PendingLookup], answers: dict[int, Lease]) -> bool:
+    """Polls the lookups not answered yet (their answers into `answers`, by
+    position); whether all are answered."""
+    for i, p in enumerate(pending):
+        if i not in answers:
+            lease = p.poll()
+            if lease is not None:
+                answers[i] = lease
+    return len(answers) == len(pending)
+
+
 class SchedulerSide:
     """The scheduler role: lookups, leases, and each step's load and store plan."""
 
@@ -107,6 +140,8 @@ class SchedulerSide:
         self._settings = settings
         self._model_id = model_id
         self._groups = groups
+        self._kv_groups = [g for g in groups if not g.state]
+        self._state_groups = [g for g in groups if g.state]
         self._world_size = world_size(vllm_config)
         self._loads_enabled = cfg.is_kv_consumer and bool(groups)
         self._stores_enabled = cfg.is_kv_producer and bool(groups)
@@ -189,13 +224,15 @@ class SchedulerSide:
             t.load_blocks = frozenset()
             t.phase, t.hit_chunks = Phase.NEW, 0
         client = self._link.client()
-        if (t.leases or t.pending is not None) and t.lease_client is not client:
+        if (t.leases or t.pending is not None or t.state_pending is not None) and t.lease_client is not client:
             t.leases, t.lease_client, t.pending, t.answers = [], None, None, {}
+            t.kv_leases, t.state_pending, t.state_answers = [], None, {}
             t.phase, t.hit_chunks = Phase.NEW, 0
         if t.phase in (Phase.NEW, Phase.LOOKING_UP):
             if client is None:
                 return 0, False
             if t.phase is Phase.NEW:
+                t.max_chunks = (request.num_tokens - 1) // self.chunk_tokens
                 self._submit_lookup(client, t)
             if t.phase is Phase.LOOKING_UP and not self._poll_lookup(t):
                 # Not answered yet: the request waits, the scheduler goes on.
@@ -230,7 +267,7 @@ class SchedulerSide:
         self.stats.count("lookups")
         pending: list[PendingLookup] = []
         try:
-            for salt in t.salts:
+            for salt in (t.salts[g.index] for g in self._kv_groups):
                 pending.append(
                     client.submit_lookup(
                         self._model_id,
@@ -254,29 +291,82 @@ class SchedulerSide:
     def _poll_lookup(self, t: _Tracked) -> bool:
         """Whether the pending lookup has an answer now (a lease, or a miss:
         failed, or not answered within `lookup_wait_s`)."""
-        assert t.phase is Phase.LOOKING_UP and t.pending is not None
+        assert t.phase is Phase.LOOKING_UP
         try:
-            for i, p in enumerate(t.pending):
-                if i not in t.answers:
-                    lease = p.poll()
-                    if lease is not None:
-                        t.answers[i] = lease
+            if t.pending is not None and _poll_all(t.pending, t.answers):
+                leases = [t.answers[i] for i in range(len(t.pending))]
+                t.pending, t.answers = None, {}
+                if not self._state_groups:
+                    self._answered(t, leases)
+                    return True
+                self._submit_state_lookups(t, leases)
+                if t.phase is not Phase.LOOKING_UP:
+                    return True
+            if t.state_pending is not None and _poll_all([p for _, _, p in t.state_pending], t.state_answers):
+                self._state_answered(t)
+                return True
         except KvringError as e:
             self._forget_lookup(t)
             self._link.failed("lookup", e)
             return True
-        if len(t.answers) < len(t.pending):
-            if time.monotonic() - t.pending_since < self._settings.lookup_wait_s:
-                return False
-            # Given up: a miss (the leases of lookups answered later are
-            # ended once they are).
-            self._forget_lookup(t)
-            self.stats.count("lookups_given_up")
-            return True
-        leases = [t.answers[i] for i in range(len(t.pending))]
-        t.pending, t.answers = None, {}
-        self._answered(t, leases)
+        if time.monotonic() - t.pending_since < self._settings.lookup_wait_s:
+            return False
+        # Given up: a miss (the leases of lookups answered later are
+        # ended once they are).
+        self._forget_lookup(t)
+        self.stats.count("lookups_given_up")
         return True
+
+    def _submit_state_lookups(self, t: _Tracked, kv_leases: list[Lease]) -> None:
+        """A model with state groups, once its attention groups answered: a
+        lookup of each state group for each chunk whose state could end the
+        hit (`STATE_CANDIDATES`, the latest first)."""
+        hit = min(lease.hits for lease in kv_leases)
+        candidates = state_candidates(hit, t.max_chunks, STATE_CANDIDATES)
+        client = t.lease_client
+        if not candidates or client is None:
+            self._answered(t, kv_leases, None)
+            return
+        pending: list[tuple[int, int, PendingLookup]] = []
+        try:
+            for chunk in candidates:
+                for k, g in enumerate(self._state_groups):
+                    pending.append(
+                        (
+                            chunk,
+                            k,
+                            client.submit_lookup(
+                                self._model_id,
+                                self._world_size,
+                                [t.hashes[chunk]],
+                                salt=t.salts[g.index],
+                                timeout=self._settings.submit_s,
+                            ),
+                        )
+                    )
+        except KvringError:
+            for _, _, p in pending:
+                p.cancel()
+            t.kv_leases = kv_leases
+            raise
+        t.kv_leases, t.state_pending, t.state_answers = kv_leases, pending, {}
+
+    def _state_answered(self, t: _Tracked) -> None:
+        """The hit ends after the latest candidate chunk whose state every
+        state group has."""
+        assert t.state_pending is not None
+        found: dict[int, list[Lease]] = {}
+        for i, (chunk, _, _) in enumerate(t.state_pending):
+            lease = t.state_answers[i]
+            if lease.hits:
+                found.setdefault(chunk, []).append(lease)
+        best = next(
+            (chunk for chunk, _, _ in t.state_pending if len(found.get(chunk, ())) == len(self._state_groups)), None
+        )
+        kv_leases = t.kv_leases
+        t.kv_leases, t.state_pending, t.state_answers = [], None, {}
+        # The other answers' leases are dropped: their ends are queued.
+        self._answered(t, kv_leases, None if best is None else (best, found[best]))
 
     def _forget_lookup(self, t: _Tracked) -> None:
         """A miss: the lookups not answered are cancelled; the leases of
@@ -284,23 +374,38 @@ class SchedulerSide:
         for i, p in enumerate(t.pending or ()):
             if i not in t.answers:
                 p.cancel()
+        for i, (_, _, p) in enumerate(t.state_pending or ()):
+            if i not in t.state_answers:
+                p.cancel()
         t.pending, t.answers, t.lease_client = None, {}, None
+        t.kv_leases, t.state_pending, t.state_answers = [], None, {}
         t.phase = Phase.ANSWERED
 
-    def _answered(self, t: _Tracked, leases: list[Lease]) -> None:
-        """A hit is the chunks every KV cache group has."""
+    def _answered(self, t: _Tracked, kv_leases: list[Lease], state: tuple[int, list[Lease]] | None = None) -> None:
+        """A hit is the chunks every attention group has; with state groups,
+        up to the end of the latest chunk each of them has the state of
+        (`state`: that chunk and the state groups' leases)."""
         if t.blocks is not None:
-            # What the lookup found corrects what vLLM's KV events were told.
-            for g, lease in zip(self._groups, leases, strict=True):
+            # What the lookup found corrects what vLLM's KV events were told
+            # (of the attention groups: a state group's objects are not
+            # published as vLLM's KV events).
+            for g, lease in zip(self._kv_groups, kv_leases, strict=True):
                 self._ledger.looked_up(
                     t.salts[g.index], t.hashes, lease.hits, lambda i, g=g: t.blocks.chunk(i, g.index)
                 )
         t.phase = Phase.ANSWERED
-        t.hit_chunks = min(lease.hits for lease in leases)
+        t.hit_chunks = min(lease.hits for lease in kv_leases)
         # Chunks present for every rank need no store.
         t.stored_chunks = max(t.stored_chunks, t.hit_chunks)
+        leases: dict[int, Lease] = {g.index: lease for g, lease in zip(self._kv_groups, kv_leases, strict=True)}
+        if self._state_groups:
+            if state is None:
+                t.hit_chunks = 0
+            else:
+                t.hit_chunks = state[0] + 1
+                leases.update((g.index, lease) for g, lease in zip(self._state_groups, state[1], strict=True))
         if t.hit_chunks:
-            t.leases = leases
+            t.leases = [leases[g.index] for g in self._groups]
         else:
             t.lease_client = None
         # A lease dropped holds nothing more: dropping it queues its end
@@ -330,6 +435,26 @@ class SchedulerSide:
         usable = end % c == 0 and len(t.leases) == len(self._groups) and t.lease_client is client
         ops: list[LoadOp] = []
         for g, lease in zip(self._groups, t.leases if usable else [None] * len(self._groups), strict=True):
+            if g.state:
+                # The state after the hit's last chunk, into the block vLLM
+                # gives the hit's last token: the chunk's last block, the
+                # ones before it skipped (null blocks, or states vLLM holds).
+                bpc = self._blocks_per_chunk
+                ids = t.block_ids[g.index][end // self._block_size - bpc : end // self._block_size]
+                if len(ids) < bpc or ids[-1] == NULL_BLOCK or end // c != t.hit_chunks:
+                    lease = None
+                    ids = (ids + [NULL_BLOCK] * bpc)[:bpc]
+                ops.append(
+                    LoadOp(
+                        req_id=request.request_id,
+                        lease_id=None if lease is None else lease.id,
+                        first_chunk=0,
+                        skip_tokens=(bpc - 1) * self._block_size,
+                        block_ids=ids,
+                        sync=not self._settings.async_load,
+                    )
+                )
+                continue
             # From the first block the group holds: a sliding-window group
             # holds only its window's blocks before the first token to compute.
             span = load_span(t.block_ids[g.index], start, end, self._block_size, c)
@@ -438,16 +563,36 @@ class SchedulerSide:
         sliding-window group no longer holds a chunk's first blocks (a
         chunked prefill that moved past its window), the request stores
         nothing more (a hit needs its chunks in every group)."""
+        bpc = self._blocks_per_chunk
+        for g in self._state_groups:
+            state = state_to_store(
+                t.block_ids[g.index], before + scheduled, len(t.hashes), self._block_size, self.chunk_tokens
+            )
+            if state is not None:
+                # vLLM frees the block (or caches it and lends it out) while
+                # the request runs: the next forward waits for this store.
+                chunk, _ = state
+                meta.stores.append(
+                    StoreOp(
+                        req_id=req_id,
+                        hashes=[t.hashes[chunk]],
+                        block_ids=t.block_ids[g.index][chunk * bpc : (chunk + 1) * bpc],
+                        salt=t.salts[g.index],
+                        freed_early=True,
+                    )
+                )
+                t.stores_issued = True
         first = t.stored_chunks
         complete = min((before + scheduled) // self.chunk_tokens, len(t.hashes))
         if complete <= first:
             return
-        bpc = self._blocks_per_chunk
-        n = min(storable_chunks(g, first, complete, before, self._block_size, self.chunk_tokens) for g in self._groups)
+        n = min(
+            storable_chunks(g, first, complete, before, self._block_size, self.chunk_tokens) for g in self._kv_groups
+        )
         if n > 0 and self._describe:
             self._describe_chunks(t, first, n)
         if n > 0:
-            for g in self._groups:
+            for g in self._kv_groups:
                 if t.blocks is not None:
                     for i in range(first, first + n):
                         chunk = t.blocks.chunk(i, g.index)
@@ -459,7 +604,7 @@ class SchedulerSide:
                         hashes=t.hashes[first : first + n],
                         block_ids=t.block_ids[g.index][first * bpc : (first + n) * bpc],
                         salt=t.salts[g.index],
-                        windowed=g.window is not None,
+                        freed_early=g.window is not None,
                     )
                 )
             t.stores_issued = True
@@ -525,7 +670,7 @@ class SchedulerSide:
         self._loading.discard(request.request_id)
         if t is None:
             return False
-        if t.pending is not None:
+        if t.pending is not None or t.state_pending is not None:
             # Not all answered: the leases of the others are ended once
             # they are.
             self._forget_lookup(t)

@@ -164,11 +164,7 @@ class WorkerSide:
             return  # not cached (said at start)
         if len(self._cache_groups) > 1:
             slots = slot_layers(self._cache_groups, list(kv_caches))
-            views = {
-                name: (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
-                for name, t in kv_caches.items()
-                if isinstance(t, torch.Tensor)
-            }
+            views = {name: view for name, t in kv_caches.items() if (view := _view(t)) is not None}
             error = aliasing_error(self._cache_groups, slots, views)
             if error:
                 logger.warning("kvring: this model's KV is not cached: %s", error)
@@ -366,10 +362,10 @@ class WorkerSide:
         for salt, group in by_salt.items():
             hashes = [h for op in group for h in op.hashes]
             blocks = [b for op in group for b in op.block_ids]
-            # The next forward waits for a sliding-window group's store
-            # (`_wait_fence`): it gets a load's deadline, not a store's.
-            windowed = any(op.windowed for op in group)
-            timeout = self._settings.load_timeout_s if windowed else self._settings.timeout_s
+            # The next forward waits for a store from blocks vLLM frees
+            # early (`_wait_fence`): it gets a load's deadline, not a store's.
+            freed_early = any(op.freed_early for op in group)
+            timeout = self._settings.load_timeout_s if freed_early else self._settings.timeout_s
             if client is None:
                 self._not_stored(salt, hashes)
                 continue
@@ -388,7 +384,7 @@ class WorkerSide:
                 shared.keys = (salt, hashes)
             for op in group:
                 self._stores.setdefault(op.req_id, []).append(shared)
-            if windowed:
+            if freed_early:
                 self._fence.append(shared)
 
     def handle_preemptions(self, meta: KvringMetadata) -> None:
@@ -412,13 +408,13 @@ class WorkerSide:
         self._wait_fence()
 
     def _wait_fence(self) -> None:
-        """Before this step's forward: the stores of sliding-window groups
-        issued in earlier steps end first, since vLLM frees the blocks that
-        leave a window while the request runs and may give them to this
-        step's tokens. On a GPU the engine's stream waits on the device, on
-        a CPU this hook waits; either way no longer than the store's
-        deadline, `kvring.load_timeout_s` (a store given up copies nothing
-        more)."""
+        """Before this step's forward: the stores of sliding-window and
+        state groups issued in earlier steps end first, since vLLM frees the
+        blocks that leave a window, and the states a request has moved past,
+        while the request runs and may give them to this step's tokens. On
+        a GPU the engine's stream waits on the device, on a CPU this hook
+        waits; either way no longer than the store's deadline,
+        `kvring.load_timeout_s` (a store given up copies nothing more)."""
         fence, self._fence = self._fence, []
         for tr in fence:
             if tr.outcome is not None or tr.job.released:
@@ -623,3 +619,14 @@ def _give_up(job: Job) -> None:
 def _release(job: Job) -> None:
     with contextlib.suppress(KvringError):
         job.release()
+
+
+def _view(t: Any) -> tuple | None:
+    """What identifies a layer's view of the KV cache memory (address,
+    shape, strides, dtype, element bytes): of its tensor, or of the first of
+    its state tensors. None: neither."""
+    if isinstance(t, (list, tuple)) and t:
+        t = t[0]
+    if not isinstance(t, torch.Tensor):
+        return None
+    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.element_size())

@@ -10,7 +10,9 @@ the same arguments give byte-identical files on any machine.
 cache manager keeps in two KV cache groups. --family nemotronh writes the
 config of a Nemotron-H model (a Mamba2 layer and an attention layer) and
 no weights: it is run with vLLM's dummy weights, in float32 (the CPU Mamba
-kernels need it).
+kernels need it). --family lfm2 makes an LFM2 model (a short convolution
+layer, whose state vLLM keeps in a state group of its own, and an attention
+layer), with weights.
 
 OUT_DIR is a cache: when OUT_DIR/.complete exists and records the same
 parameters, nothing is done. The files are written to a temporary sibling
@@ -55,6 +57,8 @@ def params(seed: int, family: str = "llama") -> dict:
         p.update(family=family, head_dim=64, hybrid_override_pattern="M*", mamba_num_heads=8,
                  mamba_head_dim=32, n_groups=1, ssm_state_size=16, conv_kernel=4, expand=2,
                  chunk_size=64)
+    elif family == "lfm2":
+        p.update(family=family, layer_types=["conv", "full_attention"], conv_L_cache=3, initializer_range=0.3)
     return p
 
 
@@ -125,6 +129,22 @@ def _write_model(out: str, p: dict) -> None:
         cfg.architectures = ["NemotronHForCausalLM"]
         cfg.save_pretrained(out)
         return
+    if family == "lfm2":
+        from transformers import Lfm2Config, Lfm2ForCausalLM
+
+        # vLLM ties LFM2's output to its embedding: with the usual 0.02 the
+        # residual is the last token's embedding and the model repeats its
+        # last token whatever came before; with 0.3 the output depends on
+        # the last tokens (not on a prefix more than about 64 tokens back).
+        cfg = Lfm2Config(**shared, layer_types=p["layer_types"], conv_L_cache=p["conv_L_cache"],
+                         block_auto_adjust_ff_dim=False, tie_word_embeddings=True,
+                         initializer_range=p["initializer_range"])
+        # vLLM's LFM2 reads the convolution's and the block's widths under
+        # the names of the original checkpoints' configs.
+        cfg.conv_dim = cfg.conv_dim_out = cfg.block_dim = p["hidden_size"]
+        model = Lfm2ForCausalLM(cfg)
+        model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+        return
     if family == "gemma3":
         from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
@@ -175,7 +195,7 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--family", choices=["llama", "gemma3", "nemotronh"], default="llama")
+    ap.add_argument("--family", choices=["llama", "gemma3", "nemotronh", "lfm2"], default="llama")
     a = ap.parse_args(argv)
     print(make(a.out, a.seed, a.family))
     return 0
