@@ -14,9 +14,11 @@ processes in five rounds:
            -- client.clear() --
   round 4  "hy-poison"    the same model path with another seed's weights: A
            "hy-victim"    the real weights again: A (loads the other KV)
-  round 5  "hy-mamba"     a Nemotron-H (Mamba2 and attention layers): its
-                          state is not cached yet; it starts and runs as
-                          without a connector
+  round 5  "hy-mamba"     a Nemotron-H (Mamba2 and attention layers) without
+                          prefix caching: vLLM keeps no state per block
+                          boundary, so nothing is cached; it starts and runs
+                          as without a connector (the states kvring caches
+                          with prefix caching on: test_vllm_state.py)
 A model vLLM could not serve with kvring before (it turned the hybrid manager
 off, or refused to start): the logs must not say so.
 """
