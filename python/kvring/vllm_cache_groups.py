@@ -81,12 +81,11 @@ def cache_groups(kv_cache_config: Any) -> tuple[list[CacheGroup], str | None]:
     for i, g in enumerate(specs):
         kind, window = _kind(g.kv_cache_spec)
         layers = tuple(g.layer_names)
-        if kind == "state" and getattr(g.kv_cache_spec, "mamba_cache_mode", None) != "align":
+        if kind == "state" and (mode := _state_mode(g.kv_cache_spec)) != "align":
             return [], (
                 f"KV cache group {i} holds {type(g.kv_cache_spec).__name__} state ({', '.join(layers[:3])}...): "
-                "kvring caches a "
-                "state only where vLLM keeps one per block boundary (prefix caching on: "
-                f"mamba_cache_mode 'align', not {getattr(g.kv_cache_spec, 'mamba_cache_mode', None)!r})"
+                "kvring caches a state only where vLLM keeps one per block boundary (prefix caching on: "
+                f"mamba_cache_mode 'align', not {mode!r})"
             )
         if kind is None:
             return [], (
@@ -122,6 +121,13 @@ def _kind(spec: Any) -> tuple[str | None, int | None]:
             return None, None
         return "full", None
     return None, None
+
+
+def _state_mode(spec: Any) -> str | None:
+    """vLLM's `mamba_cache_mode` of a state group's spec (of the specs a
+    uniform-type wrapper holds)."""
+    inner = list(getattr(spec, "kv_cache_specs", {}).values())
+    return getattr(inner[0] if inner else spec, "mamba_cache_mode", None)
 
 
 def slot_layers(groups: Sequence[CacheGroup], names: Sequence[str]) -> list[str]:
