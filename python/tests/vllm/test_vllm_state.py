@@ -8,6 +8,11 @@ rounds:
   round 2  "st-reload"    fresh engine: A (hits where a state and the
                           attention chunks both are), then B (a longer
                           prompt over a stored one)
+           -- client.clear() --
+  round 3  "st-chunked"   prefills cut into 256-token steps: A (a state at
+                          every chunk boundary a step ends on)
+           "st-chunked-reload"  fresh engine: A (hits up to the last chunk
+                          with a state)
 A prompt of N tokens is computed in a step of its first (N - 1) // 128 * 128
 tokens, then the rest: the state after that first step is stored where it
 ends on a 256-token chunk boundary (a1, a2, a4), not where it does not (a3:
@@ -99,11 +104,15 @@ def rounds(model_dir, kvring_server_factory, engine_factory):
     store = engine_factory("st-store", model_dir, [PHASE_A], **kw)
     out = {"before": before, "baseline": base.result(), "store": store.result(), "after_store": server.stats()}
     out["reload"] = engine_factory("st-reload", model_dir, [PHASE_A, PHASE_B], **kw).result()
+    server.clear()
+    chunked = dict(kw, extra_args=[*kw["extra_args"], "--max-num-batched-tokens", str(CHUNK)])
+    out["chunked"] = engine_factory("st-chunked", model_dir, [PHASE_A], **chunked).result()
+    out["chunked_reload"] = engine_factory("st-chunked-reload", model_dir, [PHASE_A], **kw).result()
     return out
 
 
 def test_the_state_group_is_cached_with_the_hybrid_manager_on(rounds):
-    for tag in ("store", "reload"):
+    for tag in ("store", "reload", "chunked", "chunked_reload"):
         r = rounds[tag]
         assert r["complete"], evidence(r)
         assert not grep(r["log"], "Turning off hybrid kv cache manager"), evidence(r)
@@ -133,6 +142,21 @@ def test_a_hit_ends_where_a_state_and_the_attention_chunks_both_are(rounds):
     assert s["lookup_hit_tokens"] == sum(hits), s
     # Every hit chunk of the attention group, and one state per hit.
     assert s["load_chunks"] == sum(h // CHUNK for h in hits) + sum(1 for h in hits if h), s
+
+
+def test_a_chunked_prefill_leaves_a_state_at_each_chunk_boundary_it_steps_on(rounds):
+    """With 256-token steps a prompt's steps end on every chunk boundary
+    before its last 128-token block boundary: a hit is every attention
+    chunk that has a state after it (a3: 768 tokens, where the unchunked
+    prefill left none)."""
+    r, want = by_name(rounds["chunked_reload"], 0), by_name(rounds["baseline"], 0)
+    for name, toks in A.items():
+        last_state = (len(toks) - 1) // BLOCK * BLOCK // CHUNK
+        hit = min(attention_chunks(len(toks)), last_state) * CHUNK
+        assert r[name]["num_cached_tokens"] == hit, (name, evidence(rounds["chunked_reload"]))
+        assert r[name]["output_token_ids"] == want[name]["output_token_ids"], name
+    assert r["a3"]["num_cached_tokens"] == 768
+    assert stats(rounds["chunked_reload"]).get("load_failures", 0) == 0
 
 
 def test_a_longer_prompt_over_a_stored_one_gives_the_baselines_tokens(rounds):
