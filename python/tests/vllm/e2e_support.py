@@ -106,6 +106,25 @@ def grep(path: str, *needles: str, limit: int = 40) -> list[str]:
     return out
 
 
+def by_name(result, phase) -> dict:
+    """An engine run's requests of one phase, by prompt name."""
+    return {r["name"]: r for r in result["requests"] if r["phase"] == phase}
+
+
+def connector_stats(result) -> dict:
+    """The connector's counters of an engine run, summed over its phases."""
+    total: dict = {}
+    for p in result["phases"]:
+        for k, v in (p.get("connector_stats") or {}).items():
+            total[k] = total.get(k, 0) + v
+    return total
+
+
+def evidence(result) -> str:
+    """The connector's lines (and errors) of an engine run's log."""
+    return "\n".join(grep(result["log"], "kvring", "Kvring", "Traceback", "Error", "hybrid")[-25:])
+
+
 def pytest_configure(config):
     # A CI watchdog stops pytest with SIGTERM: turn it into KeyboardInterrupt
     # so that the session's teardown still kills every process group started.

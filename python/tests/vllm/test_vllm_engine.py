@@ -36,7 +36,7 @@ import time
 import pytest
 
 import e2e_support
-from e2e_support import grep, require_kvring_vllm, require_vllm
+from e2e_support import by_name, grep, require_kvring_vllm, require_vllm
 
 require_vllm()
 
@@ -71,9 +71,6 @@ def chunk_keys(prompts) -> set:
 def expected_cached(tokens, stored_prompts) -> int:
     return e2e_support.expected_cached(tokens, stored_prompts, CHUNK)
 
-
-def by_name(result, phase):
-    return {r["name"]: r for r in result["requests"] if r["phase"] == phase}
 
 
 def delta(after, before, key):

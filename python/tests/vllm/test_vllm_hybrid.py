@@ -32,7 +32,18 @@ import subprocess
 
 import pytest
 
-from e2e_support import CACHE_DIR, MAKE_MODEL, PY, expected_cached, grep, require_kvring_vllm, require_vllm
+from e2e_support import (
+    CACHE_DIR,
+    MAKE_MODEL,
+    PY,
+    by_name,
+    connector_stats,
+    evidence,
+    expected_cached,
+    grep,
+    require_kvring_vllm,
+    require_vllm,
+)
 
 require_vllm()
 
@@ -63,20 +74,7 @@ def cached(tokens, stored) -> int:
     return expected_cached(tokens, stored, CHUNK)
 
 
-def by_name(result, phase):
-    return {r["name"]: r for r in result["requests"] if r["phase"] == phase}
 
-
-def evidence(result) -> str:
-    return "\n".join(grep(result["log"], "kvring", "Kvring", "Traceback", "Error", "hybrid")[-25:])
-
-
-def stats(result) -> dict:
-    total: dict = {}
-    for p in result["phases"]:
-        for k, v in (p.get("connector_stats") or {}).items():
-            total[k] = total.get(k, 0) + v
-    return total
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +159,7 @@ def test_hits_load_and_give_the_baselines_tokens(rounds):
         for name, toks in prompts.items():
             assert got[name]["num_cached_tokens"] == cached(toks, A.values()), (name, evidence(r))
             assert got[name]["output_token_ids"] == want[name]["output_token_ids"], name
-    s = stats(r)
+    s = connector_stats(r)
     assert s.get("load_failures", 0) == 0, s
     hits = sum(cached(t, A.values()) for t in list(A.values()) + list(B.values())) // CHUNK
     # The full-attention group loads every hit chunk; the sliding-window

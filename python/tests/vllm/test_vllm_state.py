@@ -33,7 +33,17 @@ import subprocess
 
 import pytest
 
-from e2e_support import CACHE_DIR, MAKE_MODEL, PY, grep, require_kvring_vllm, require_vllm
+from e2e_support import (
+    CACHE_DIR,
+    MAKE_MODEL,
+    PY,
+    by_name,
+    connector_stats,
+    evidence,
+    grep,
+    require_kvring_vllm,
+    require_vllm,
+)
 
 require_vllm()
 
@@ -69,20 +79,7 @@ def attention_chunks(n: int) -> int:
     return n // CHUNK
 
 
-def by_name(result, phase):
-    return {r["name"]: r for r in result["requests"] if r["phase"] == phase}
 
-
-def evidence(result) -> str:
-    return "\n".join(grep(result["log"], "kvring", "Kvring", "Traceback", "Error", "hybrid")[-25:])
-
-
-def stats(result) -> dict:
-    total: dict = {}
-    for p in result["phases"]:
-        for k, v in (p.get("connector_stats") or {}).items():
-            total[k] = total.get(k, 0) + v
-    return total
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +133,7 @@ def test_a_hit_ends_where_a_state_and_the_attention_chunks_both_are(rounds):
         assert got[name]["output_token_ids"] == want[name]["output_token_ids"], name
     # a3's three attention chunks are in the pool, but no state: no hit.
     assert attention_chunks(len(A["a3"])) == 3 and state_hit(len(A["a3"])) == 0
-    s = stats(r)
+    s = connector_stats(r)
     assert s.get("load_failures", 0) == 0, s
     hits = [state_hit(len(t)) for t in A.values()]
     assert s["lookup_hit_tokens"] == sum(hits), s
@@ -156,7 +153,7 @@ def test_a_chunked_prefill_leaves_a_state_at_each_chunk_boundary_it_steps_on(rou
         assert r[name]["num_cached_tokens"] == hit, (name, evidence(rounds["chunked_reload"]))
         assert r[name]["output_token_ids"] == want[name]["output_token_ids"], name
     assert r["a3"]["num_cached_tokens"] == 768
-    assert stats(rounds["chunked_reload"]).get("load_failures", 0) == 0
+    assert connector_stats(rounds["chunked_reload"]).get("load_failures", 0) == 0
 
 
 def test_a_longer_prompt_over_a_stored_one_gives_the_baselines_tokens(rounds):
