@@ -176,18 +176,18 @@ def _state_aliases(view: tuple, slot: tuple) -> bool:
 
 def state_to_store(
     block_ids: Sequence[int], computed: int, prompt_chunks: int, block: int, chunk: int
-) -> tuple[int, int] | None:
-    """(chunk index, block id) of the state a step that ends at `computed`
-    tokens leaves in a state group whose block list is `block_ids`: the
-    state after chunk `computed // chunk - 1`, in the block of the token
-    before `computed`. None where the step does not end on a chunk boundary
-    of the prompt, or the group holds no block there."""
+) -> int | None:
+    """The chunk whose state a step that ends at `computed` tokens leaves in
+    a state group whose block list is `block_ids`: chunk `computed // chunk
+    - 1`, its state in the block of the token before `computed`. None where
+    the step does not end on a chunk boundary of the prompt, or the group
+    holds no block there."""
     if computed <= 0 or computed % chunk or computed // chunk > prompt_chunks:
         return None
     at = computed // block - 1
     if at >= len(block_ids) or block_ids[at] == NULL_BLOCK:
         return None
-    return computed // chunk - 1, block_ids[at]
+    return computed // chunk - 1
 
 
 def state_candidates(attention_hit: int, max_chunks: int, n: int) -> list[int]:

@@ -101,7 +101,7 @@ def test_a_state_is_stored_where_a_step_ends_on_a_chunk_boundary_of_the_prompt()
     # Blocks of 128 tokens, chunks of 256; the group holds block 7 (the
     # state after 1,024 tokens) and the running state in block 19.
     ids = [NULL_BLOCK] * 7 + [11, 19]
-    assert state_to_store(ids, 1024, 8, 128, 256) == (3, 11)
+    assert state_to_store(ids, 1024, 8, 128, 256) == 3
     assert state_to_store(ids, 1024, 3, 128, 256) is None  # past the prompt's chunks
     assert state_to_store(ids, 896, 8, 128, 256) is None  # not a chunk boundary
     assert state_to_store(ids, 768, 8, 128, 256) is None  # no state there

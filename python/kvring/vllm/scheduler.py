@@ -84,10 +84,11 @@ class _Tracked:
     answers: dict[int, Lease] = field(default_factory=dict)
     pending_since: float = 0.0
     # A model with state groups: the attention groups' leases, then the
-    # lookups of the states that could end the hit (chunk, state group
-    # position, lookup), and their answers so far.
+    # chunks whose states could end the hit (the latest first), a lookup
+    # per chunk and state group (chunk after chunk), and their answers.
     kv_leases: list[Lease] = field(default_factory=list)
-    state_pending: list[tuple[int, int, PendingLookup]] | None = None
+    state_chunks: list[int] = field(default_factory=list)
+    state_pending: list[PendingLookup] | None = None
     state_answers: dict[int, Lease] = field(default_factory=dict)
     max_chunks: int = 0
     """The most chunks a hit may have: never the request's last token."""
@@ -226,7 +227,7 @@ class SchedulerSide:
         client = self._link.client()
         if (t.leases or t.pending is not None or t.state_pending is not None) and t.lease_client is not client:
             t.leases, t.lease_client, t.pending, t.answers = [], None, None, {}
-            t.kv_leases, t.state_pending, t.state_answers = [], None, {}
+            t.kv_leases, t.state_chunks, t.state_pending, t.state_answers = [], [], None, {}
             t.phase, t.hit_chunks = Phase.NEW, 0
         if t.phase in (Phase.NEW, Phase.LOOKING_UP):
             if client is None:
@@ -302,7 +303,7 @@ class SchedulerSide:
                 self._submit_state_lookups(t, leases)
                 if t.phase is not Phase.LOOKING_UP:
                     return True
-            if t.state_pending is not None and _poll_all([p for _, _, p in t.state_pending], t.state_answers):
+            if t.state_pending is not None and _poll_all(t.state_pending, t.state_answers):
                 self._state_answered(t)
                 return True
         except KvringError as e:
@@ -327,46 +328,43 @@ class SchedulerSide:
         if not candidates or client is None:
             self._answered(t, kv_leases, None)
             return
-        pending: list[tuple[int, int, PendingLookup]] = []
+        pending: list[PendingLookup] = []
         try:
             for chunk in candidates:
-                for k, g in enumerate(self._state_groups):
+                for g in self._state_groups:
                     pending.append(
-                        (
-                            chunk,
-                            k,
-                            client.submit_lookup(
-                                self._model_id,
-                                self._world_size,
-                                [t.hashes[chunk]],
-                                salt=t.salts[g.index],
-                                timeout=self._settings.submit_s,
-                            ),
+                        client.submit_lookup(
+                            self._model_id,
+                            self._world_size,
+                            [t.hashes[chunk]],
+                            salt=t.salts[g.index],
+                            timeout=self._settings.submit_s,
                         )
                     )
         except KvringError:
-            for _, _, p in pending:
+            for p in pending:
                 p.cancel()
             t.kv_leases = kv_leases
             raise
-        t.kv_leases, t.state_pending, t.state_answers = kv_leases, pending, {}
+        t.kv_leases, t.state_chunks, t.state_pending, t.state_answers = kv_leases, candidates, pending, {}
 
     def _state_answered(self, t: _Tracked) -> None:
         """The hit ends after the latest candidate chunk whose state every
         state group has."""
-        assert t.state_pending is not None
-        found: dict[int, list[Lease]] = {}
-        for i, (chunk, _, _) in enumerate(t.state_pending):
-            lease = t.state_answers[i]
-            if lease.hits:
-                found.setdefault(chunk, []).append(lease)
+        n = len(self._state_groups)
+        answers = [t.state_answers[i] for i in range(len(t.state_chunks) * n)]
         best = next(
-            (chunk for chunk, _, _ in t.state_pending if len(found.get(chunk, ())) == len(self._state_groups)), None
+            (
+                (chunk, answers[k * n : (k + 1) * n])
+                for k, chunk in enumerate(t.state_chunks)
+                if all(lease.hits for lease in answers[k * n : (k + 1) * n])
+            ),
+            None,
         )
         kv_leases = t.kv_leases
-        t.kv_leases, t.state_pending, t.state_answers = [], None, {}
+        t.kv_leases, t.state_chunks, t.state_pending, t.state_answers = [], [], None, {}
         # The other answers' leases are dropped: their ends are queued.
-        self._answered(t, kv_leases, None if best is None else (best, found[best]))
+        self._answered(t, kv_leases, best)
 
     def _forget_lookup(self, t: _Tracked) -> None:
         """A miss: the lookups not answered are cancelled; the leases of
@@ -374,11 +372,11 @@ class SchedulerSide:
         for i, p in enumerate(t.pending or ()):
             if i not in t.answers:
                 p.cancel()
-        for i, (_, _, p) in enumerate(t.state_pending or ()):
+        for i, p in enumerate(t.state_pending or ()):
             if i not in t.state_answers:
                 p.cancel()
         t.pending, t.answers, t.lease_client = None, {}, None
-        t.kv_leases, t.state_pending, t.state_answers = [], None, {}
+        t.kv_leases, t.state_chunks, t.state_pending, t.state_answers = [], [], None, {}
         t.phase = Phase.ANSWERED
 
     def _answered(self, t: _Tracked, kv_leases: list[Lease], state: tuple[int, list[Lease]] | None = None) -> None:
@@ -565,13 +563,12 @@ class SchedulerSide:
         nothing more (a hit needs its chunks in every group)."""
         bpc = self._blocks_per_chunk
         for g in self._state_groups:
-            state = state_to_store(
+            chunk = state_to_store(
                 t.block_ids[g.index], before + scheduled, len(t.hashes), self._block_size, self.chunk_tokens
             )
-            if state is not None:
+            if chunk is not None:
                 # vLLM frees the block (or caches it and lends it out) while
                 # the request runs: the next forward waits for this store.
-                chunk, _ = state
                 meta.stores.append(
                     StoreOp(
                         req_id=req_id,

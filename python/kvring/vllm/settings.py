@@ -104,10 +104,10 @@ class KvringSettings:
         more faster (27.0 against 39.6 ms). With CUDA graphs every hit
         measured, from 768 tokens, was faster.
 
-        With asynchronous scheduling vLLM queues a request's next step before it learns how this one went:
-        a load that fails in its own step would have that next step's
-        token, sampled from KV that never landed, given to the user (vLLM
-        discards only the failed step's). So loads are asynchronous there
+        With asynchronous scheduling vLLM queues a request's next step
+        before it learns how this one went: a load that fails in its own
+        step would have that next step's token, sampled from KV that never
+        landed, given to the user (vLLM discards only the failed step's). So loads are asynchronous there
         (a failed one is known before the request runs), and a load in the
         step is refused as a setting. So it is for a model of several KV
         cache groups: vLLM can recompute a failed load of one only when the
