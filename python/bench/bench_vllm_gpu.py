@@ -270,13 +270,13 @@ def settle(seconds: float) -> None:
 class Server:
     """A kvring server of its own (python -m kvring serve), stopped at exit."""
 
-    def __init__(self, name: str, runtime_dir: str, pool: str) -> None:
+    def __init__(self, name: str, runtime_dir: str, pool: str, chunk_tokens: int = CHUNK) -> None:
         self.name, self.runtime_dir = name, runtime_dir
         os.makedirs(runtime_dir, exist_ok=True)
         self.log = open(os.path.join(runtime_dir, f"{name}.log"), "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvring", "serve", "--name", name, "--runtime-dir", runtime_dir,
-             "--pool-bytes", pool, "--chunk-tokens", str(CHUNK)],
+             "--pool-bytes", pool, "--chunk-tokens", str(chunk_tokens)],
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
         )
         import kvring
@@ -386,7 +386,7 @@ def run(args) -> dict:
             server.name, server.runtime_dir, server.proc = args.server, args.runtime_dir, None
         else:
             rd = args.runtime_dir or tempfile.mkdtemp(prefix="kvring-bench-")
-            server = own = Server(f"bench-{uuid.uuid4().hex[:8]}", rd, f"{args.cpu_gib}GiB")
+            server = own = Server(f"bench-{uuid.uuid4().hex[:8]}", rd, f"{args.cpu_gib}GiB", args.chunk_tokens)
         res["server"] = {"name": server.name, "runtime_dir": server.runtime_dir}
     try:
         llm, info = build_llm(args, model_dir, server)
@@ -400,6 +400,8 @@ def run(args) -> dict:
         settle(0.5)
         if "ttft" in args.tests:
             res["ttft"] = test_ttft(llm, args, lengths, reps, vocab, sp1)
+            if args.config == "kvring":
+                place_loads(llm, res["ttft"])
         if "suffix" in args.tests:
             res["suffix"] = [one(llm, tokens(5 + r, SUFFIX, vocab), sp1) for r in range(args.reps)]
         if "nohit" in args.tests:
@@ -437,6 +439,51 @@ def test_ttft(llm, args, lengths, reps, vocab, sp1) -> list[dict]:
         settle(0.1 + p["len"] / 40000)
         rows.append(row)
     return rows
+
+
+def connector_loads(worker) -> list[dict]:
+    """In each vLLM worker (`collective_rpc`): the loads kvring's connector
+    saw, submitted and seen over (monotonic clock, as vLLM's timestamps)."""
+    import dataclasses
+
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        return []
+    side = getattr(get_kv_transfer_group(), "_worker", None)
+    return [dataclasses.asdict(x) for x in getattr(side, "loads_seen", ())]
+
+
+def place_loads(llm, rows: list[dict]) -> None:
+    """Places each warm request's load among vLLM's timestamps: `load_s`
+    (submitted until the worker saw it over: the copy and the poll), and
+    for an asynchronous load its wait (queued -> scheduled) split at it:
+    `to_submit_s` (lookup and scheduling until the worker submitted the
+    retrieve) and `to_schedule_s` (until vLLM scheduled the request)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_vllm_gpu import connector_loads as fetch
+
+    try:
+        loads = [x for per_worker in llm.collective_rpc(fetch) for x in per_worker]
+    except Exception as e:  # a vLLM without collective_rpc of a function
+        print(f"the connector's loads could not be read: {e}", flush=True)
+        return
+    for row in rows:
+        t = row.get("warm", {}).get("times", {})
+        q, sched, first = t.get("queued_ts"), t.get("scheduled_ts"), t.get("first_token_ts")
+        if q is None or sched is None or first is None:
+            continue
+        mine = [x for x in loads if q <= x["submitted"] <= first]
+        if len(mine) != 1:
+            continue
+        x = mine[0]
+        t["load_s"] = x["seen_over"] - x["submitted"]
+        t["load_chunks"] = x["chunks"]
+        if x["submitted"] <= sched:
+            # Asynchronous: the request was scheduled once it was over (a
+            # synchronous load runs in the scheduled step's forward).
+            t["to_submit_s"] = x["submitted"] - q
+            t["to_schedule_s"] = sched - x["seen_over"]
 
 
 def test_shared(llm, args, vocab, stored: bool) -> dict:
@@ -509,7 +556,10 @@ def summarize(results: list[dict]) -> dict:
         m: dict = {"ceiling_h2d_gb_per_s": ceiling, "suffix_ttft_s": suffix, "ttft": {}}
         lengths = sorted({row["len"] for r in rs.values() for row in r.get("ttft", [])})
         for n in lengths:
-            cached = (n - 1) // CHUNK * CHUNK
+            # The most KV any configuration loaded for this prompt (a hit
+            # of whole chunks, or all but its last token).
+            cached = max((row["warm"]["cached"] for r in rs.values() for row in r.get("ttft", [])
+                          if row["len"] == n and r is not none), default=(n - 1) // CHUNK * CHUNK)
             floor = cached * kv_bytes_per_token / (ceiling * 1e9) + (suffix or 0) if ceiling else None
             e = {"floor_s": floor}
             ref = {row["rep"]: row for row in none.get("ttft", []) if row["len"] == n}
@@ -524,7 +574,13 @@ def summarize(results: list[dict]) -> dict:
                     "warm_p99_s": max(warm),
                     "warm_cached": med([row["warm"]["cached"] for row in rows]),
                     "warm_queue_s": med([row["warm"]["times"].get("queue_to_scheduled_s") for row in rows]),
+                    "warm_step_s": med([row["warm"]["times"].get("scheduled_to_first_token_s") for row in rows]),
                 }
+                # kvring's wait split at its load (`place_loads`).
+                for k in ("to_submit_s", "load_s", "to_schedule_s"):
+                    got = [row["warm"]["times"][k] for row in rows if k in row["warm"]["times"]]
+                    if got:
+                        c[f"warm_{k}"] = med(got)
                 # correctness: first-token logprob against the no-connector run of the same prompt
                 diffs, ctrl = [], []
                 for row in rows:
@@ -569,10 +625,13 @@ def merge_run(into: dict, r: dict) -> None:
 def label(r: dict) -> str:
     """A run's name in the tables: its configuration, its `--extra` and
     `--engine` settings (`kvring[kvring.layer_groups=1]`), `-b` for a
-    second engine."""
+    second engine; a kvring chunk size other than 256 as `chunk=N`."""
     name = r["config"]
-    if r.get("extra") or r.get("engine"):
-        name += "[" + ",".join(r.get("extra", []) + r.get("engine", [])) + "]"
+    tags = list(r.get("extra", [])) + list(r.get("engine", []))
+    if r["config"] == "kvring" and r.get("chunk_tokens", CHUNK) != CHUNK:
+        tags.append(f"chunk={r['chunk_tokens']}")
+    if tags:
+        name += "[" + ",".join(tags) + "]"
     return name + ("-b" if r.get("warm_only") else "")
 
 
@@ -611,6 +670,8 @@ def main(argv=None) -> None:
     r.add_argument("--reps", type=int, default=5, help="prompts per length up to 2K (half above)")
     r.add_argument("--cpu-gib", type=int, default=24, help="CPU budget of the cache (both connectors)")
     r.add_argument("--gpu-util", type=float, default=0.5)
+    r.add_argument("--chunk-tokens", type=int, default=CHUNK,
+                   help="tokens per kvring chunk (the server started here)")
     r.add_argument("--server", help="an existing kvring server's name (else one is started)")
     r.add_argument("--runtime-dir")
     r.add_argument("--warm-only", action="store_true",
@@ -633,6 +694,7 @@ def main(argv=None) -> None:
     res["warm_only"] = args.warm_only
     res["extra"] = args.extra
     res["engine"] = args.engine
+    res["chunk_tokens"] = args.chunk_tokens
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1, default=str)
     print(f"wrote {args.out}", flush=True)

@@ -91,7 +91,7 @@ class _Tracked:
     state_pending: list[PendingLookup] | None = None
     state_answers: dict[int, Lease] = field(default_factory=dict)
     max_chunks: int = 0
-    """The most chunks a hit may have: never the request's last token."""
+    """The most chunks a hit may have (`_max_hit_chunks`)."""
     # One lease per KV cache group while they hold hits.
     leases: list[Lease] = field(default_factory=list)
     lease_client: Client | None = None
@@ -202,7 +202,7 @@ class SchedulerSide:
         asynchronously; None while its lookup is not answered (vLLM asks
         again at a later step). One LOOKUP per admission: vLLM asks again
         while a request waits, and gets the same lease's answer. Whole chunks only,
-        and never the whole request (vLLM computes at least its last token)."""
+        up to the whole prompt where vLLM allows it (`_max_hit_chunks`)."""
         t = self._tracked.get(request.request_id)
         if t is None:
             t = self._track(request)
@@ -233,17 +233,30 @@ class SchedulerSide:
             if client is None:
                 return 0, False
             if t.phase is Phase.NEW:
-                t.max_chunks = (request.num_tokens - 1) // self.chunk_tokens
+                t.max_chunks = self._max_hit_chunks(request)
                 self._submit_lookup(client, t)
             if t.phase is Phase.LOOKING_UP and not self._poll_lookup(t):
                 # Not answered yet: the request waits, the scheduler goes on.
                 return None, False
-        usable = min(t.hit_chunks, (request.num_tokens - 1) // self.chunk_tokens)
+        usable = min(t.hit_chunks, self._max_hit_chunks(request))
         t.local_tokens = num_computed_tokens
         external = usable * self.chunk_tokens - num_computed_tokens
         if external <= 0 or external < self._settings.min_load_tokens:
             return 0, False
         return external, self._settings.async_load
+
+    def _max_hit_chunks(self, request: Request) -> int:
+        """The most chunks a hit may have. A synchronous load must leave
+        vLLM the request's last token to compute. After an asynchronous
+        load vLLM recomputes the last token of a whole-prompt hit itself,
+        so a prompt of whole chunks loads them all and its first step
+        computes one token, not a chunk. Not for a model of several KV
+        cache groups: a sliding window or a state must then also cover the
+        token before the last, which the stored chunks do not say."""
+        n = request.num_tokens
+        if self._settings.async_load and len(self._groups) == 1:
+            return n // self.chunk_tokens
+        return (n - 1) // self.chunk_tokens
 
     def _track(self, request: Request) -> _Tracked | None:
         """State for a request kvring can serve: a token prompt (multimodal

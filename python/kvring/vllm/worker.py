@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,22 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 
+LOADS_SEEN = 1024
+"""Loads `WorkerSide.loads_seen` keeps."""
+
+
+@dataclass(frozen=True)
+class LoadSeen:
+    """One request's load: submitted, then seen over (`time.monotonic`);
+    `ok` false for a failed one."""
+
+    req_id: str
+    submitted: float
+    seen_over: float
+    chunks: int
+    ok: bool
+
+
 @dataclass
 class _Transfer:
     """A submitted STORE or RETRIEVE: its job, its deadline, its size, and
@@ -56,6 +73,9 @@ class _Transfer:
     first layer (`wait_for_layer_load`)."""
     next_group: int = 0
     """The first group not waited for yet."""
+    submitted: float = field(default_factory=time.monotonic)
+    """When it was submitted (`time.monotonic`, the clock of vLLM's request
+    timestamps)."""
     status: Any = None
     """The job's final status, once read (a STORE's tells the chunks that
     got no space)."""
@@ -142,6 +162,9 @@ class WorkerSide:
         # (None: they are off).
         self._outcomes: list[StoreOutcome] | None = [] if kv_events_enabled(vllm_config) else None
         self.stats = KvringStats()
+        self.loads_seen: deque[LoadSeen] = deque(maxlen=LOADS_SEEN)
+        """The latest loads as this worker saw them, for benchmarks to place
+        next to vLLM's request timestamps."""
 
     def _on_connect(self, client: Client) -> None:
         self.chunk_tokens = checked_chunk_tokens(client, self._settings, self.chunk_tokens)
@@ -479,6 +502,7 @@ class WorkerSide:
         for req_id, tr in self._step_loads.items():
             ok = tr.outcome if tr.outcome is not None else self._await(tr)
             _release(tr.job)
+            self._seen(req_id, [tr], ok)
             tr.event = None
             if ok:
                 self.stats.count("load_chunks", tr.chunks)
@@ -499,11 +523,23 @@ class WorkerSide:
             del self._loads[req_id]
             for tr in transfers:
                 _release(tr.job)
+            self._seen(req_id, transfers, all(tr.outcome for tr in transfers))
             if all(tr.outcome for tr in transfers):
                 self.stats.count("load_chunks", sum(tr.chunks for tr in transfers))
                 self._recving.add(req_id)
             else:
                 self._load_failed(req_id, [b for tr in transfers for b in tr.block_ids])
+
+    def _seen(self, req_id: str, transfers: list[_Transfer], ok: bool) -> None:
+        self.loads_seen.append(
+            LoadSeen(
+                req_id=req_id,
+                submitted=min(tr.submitted for tr in transfers),
+                seen_over=time.monotonic(),
+                chunks=sum(tr.chunks for tr in transfers),
+                ok=ok,
+            )
+        )
 
     def _load_failed(self, req_id: str, block_ids: Iterable[int], sync: bool = False) -> None:
         """Reports a failed load: its blocks, and (an asynchronous one) its

@@ -221,17 +221,18 @@ def test_abort_before_allocation_ends_the_lease(engines, kv_server):
     assert_clean_end(report, stats)
 
 
-def test_full_prompt_hit_leaves_the_last_chunk_to_compute(engines, kv_server):
-    """A 256-token prompt (4 chunks) stored, then asked again: the connector
-    answers 3 chunks (vLLM must compute at least the last token) and loads 3."""
+def test_full_prompt_hit_loads_every_chunk_and_computes_the_last_token(engines, kv_server):
+    """A 256-token prompt (4 chunks) stored, then asked again: loaded
+    asynchronously, the connector answers all 4 chunks and loads them; vLLM
+    then computes the last token again, to sample the next one."""
     p = _tokens(random.Random(7), 4 * CHUNK_TOKENS)
     reqs = [RequestSpec("r0", p, max_tokens=2), RequestSpec("r1", p, max_tokens=2, after=("r0",))]
     report, stats = run(engines, scenario("full-hit", reqs, kv_server))
     r1 = report.requests["r1"]
-    assert r1.asks == [(0, 3 * CHUNK_TOKENS, True, 0)]
-    assert r1.allocs == [3 * CHUNK_TOKENS, 0]
-    assert r1.loaded_tokens == 3 * CHUNK_TOKENS
-    assert stats["lookup_hit_chunks"] >= 4 and stats["retrieved_chunks"] == 3, stats
+    assert r1.asks == [(0, 4 * CHUNK_TOKENS, True, 0)]
+    assert r1.allocs == [4 * CHUNK_TOKENS, 0]
+    assert r1.loaded_tokens == 4 * CHUNK_TOKENS
+    assert stats["lookup_hit_chunks"] >= 4 and stats["retrieved_chunks"] == 4, stats
     assert_clean_end(report, stats)
 
 
