@@ -1,6 +1,7 @@
 //! The KV data path on the CUDA backend, in one run (Llama-3-8B geometry:
 //! 32 layers, 8 KV heads, head dim 128, 2-byte elements, 16-token blocks,
-//! 256-token chunks; 1024 random blocks = 64 chunks = 2 GiB per job), the
+//! 256-token chunks unless `--chunk-tokens` says otherwise; 1024 random
+//! blocks = 16,384 tokens = 2 GiB per job), the
 //! engine's cache laid out as `--layout` (default `lbnhc`, vLLM's default;
 //! `mla` is measured with DeepSeek-V3's latent geometry). Each figure is a
 //! median over the passes (the ceilings: over `max(passes, 3)` copies),
@@ -46,6 +47,7 @@ pub fn run(
     _copy_threads: Option<u32>,
     _devices: Option<usize>,
     _layout: kvring::kv::LayoutPreset,
+    _chunk_tokens: u32,
 ) {
     eprintln!("kvring-bench was built without the `cuda` feature");
     std::process::exit(1);

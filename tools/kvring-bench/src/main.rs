@@ -106,6 +106,8 @@ enum Cmd {
         backend: String,
         #[arg(long, default_value_t = 0)]
         cuda_zero_copy_ctas: u32,
+        #[arg(long, default_value_t = kvring::kv::DEFAULT_CHUNK_TOKENS)]
+        chunk_tokens: u32,
         /// The HTTP endpoint's address (none without it).
         #[arg(long)]
         http: Option<String>,
@@ -165,6 +167,10 @@ enum Cmd {
         /// copied by cross-memory attach, as vLLM's CPU cache is).
         #[arg(long, default_value = "memfd")]
         memory: String,
+        /// CUDA: tokens per chunk (the server's and the engine caches'),
+        /// dividing the 16,384 tokens of a job.
+        #[arg(long, default_value_t = kvring::kv::DEFAULT_CHUNK_TOKENS)]
+        chunk_tokens: u32,
     },
     /// The second tier (Valkey/Redis): STORE with write-through until the
     /// tier has the object, and LOOKUP of objects only the tier has (on a
@@ -201,6 +207,7 @@ fn main() {
             devices,
             layout,
             memory,
+            chunk_tokens,
         } => {
             let preset = kv::parse_layout(&layout);
             let process = match memory.as_str() {
@@ -213,7 +220,7 @@ fn main() {
             };
             match backend.as_str() {
                 "host" => kv::run(json, passes, lookups, copy_threads, preset, process),
-                "cuda" => kv_cuda::run(json, passes, copy_threads, devices, preset),
+                "cuda" => kv_cuda::run(json, passes, copy_threads, devices, preset, chunk_tokens),
                 other => {
                     eprintln!("unknown backend {other} (host or cuda)");
                     std::process::exit(2);
@@ -258,6 +265,7 @@ fn main() {
             prefault,
             backend,
             cuda_zero_copy_ctas,
+            chunk_tokens,
             http,
             disk,
             disk_bytes,
@@ -271,6 +279,7 @@ fn main() {
             prefault,
             &backend,
             cuda_zero_copy_ctas,
+            chunk_tokens,
             http.as_deref(),
             disk.map(|d| (d, disk_bytes)),
         ),

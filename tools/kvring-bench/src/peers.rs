@@ -200,6 +200,7 @@ pub fn serve_child(
     prefault: bool,
     backend: &str,
     cuda_zero_copy_ctas: u32,
+    chunk_tokens: u32,
     http: Option<&str>,
     disk: Option<(std::path::PathBuf, u64)>,
 ) {
@@ -216,6 +217,7 @@ pub fn serve_child(
     });
     cfg.copy.backend = backend.parse().expect("backend");
     cfg.copy.cuda_zero_copy_ctas = cuda_zero_copy_ctas;
+    cfg.cache.chunk_tokens = chunk_tokens;
     cfg.runtime_dir = dir.to_path_buf();
     cfg.cache.pool_bytes = pool_mib << 20;
     cfg.copy.copy_threads = Some(copy_threads);

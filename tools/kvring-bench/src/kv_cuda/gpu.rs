@@ -12,12 +12,25 @@ use kvring::{KvSpec, LeaseId, Lookup, Retrieve, Store};
 use serde_json::json;
 use std::cell::Cell;
 use std::ffi::c_void;
-use std::sync::Barrier;
+use std::sync::{Barrier, OnceLock};
 use std::time::{Duration, Instant};
 
-const CHUNK: u32 = 256;
-/// Chunks per job and GPU (Llama-3-8B: 1024 blocks, 2 GiB).
-const CHUNKS: u32 = 64;
+/// Tokens per job and GPU (Llama-3-8B: 1024 blocks, 2 GiB).
+const JOB_TOKENS: u32 = 16_384;
+/// Tokens per chunk (`--chunk-tokens`), set once at the start of `run`.
+static CHUNK_TOKENS: OnceLock<u32> = OnceLock::new();
+
+/// Tokens per chunk: the server's and the engine caches'.
+fn chunk() -> u32 {
+    *CHUNK_TOKENS
+        .get()
+        .unwrap_or(&kvring::kv::DEFAULT_CHUNK_TOKENS)
+}
+
+/// Chunks per job and GPU.
+fn chunks() -> u32 {
+    JOB_TOKENS / chunk()
+}
 const ZERO_COPY_CTAS: u32 = 32;
 /// What the destination blocks hold until a retrieve writes them.
 const POISON: u8 = 0x11;
@@ -287,7 +300,7 @@ fn concurrent_ceiling(ndev: usize, bytes: usize, reps: usize, d2h: bool) -> (Vec
 /// back has them.
 fn chunks_runs(layout: &KvLayout, chunks: usize, blocks: &[u32]) -> Vec<Run> {
     let bpc = blocks.len() / chunks;
-    let obj = layout.object_bytes(CHUNK);
+    let obj = layout.object_bytes(chunk());
     blocks
         .chunks(bpc)
         .enumerate()
@@ -308,7 +321,10 @@ fn chunks_runs(layout: &KvLayout, chunks: usize, blocks: &[u32]) -> Vec<Run> {
 /// each time.
 fn write_chunks(cache: &impl KvMemory, content: u32, hashes: &[ChunkHash], blocks: &[u32]) {
     let l = cache.kv_layout();
-    let (obj, bpc) = (l.object_bytes(CHUNK) as usize, l.blocks_per_chunk(CHUNK));
+    let (obj, bpc) = (
+        l.object_bytes(chunk()) as usize,
+        l.blocks_per_chunk(chunk()),
+    );
     let mut buf = vec![0u8; hashes.len() * obj];
     for (h, out) in hashes.iter().zip(buf.chunks_mut(obj)) {
         out.copy_from_slice(&pattern::object(l, content, h, bpc, 0, 0));
@@ -319,7 +335,7 @@ fn write_chunks(cache: &impl KvMemory, content: u32, hashes: &[ChunkHash], block
 /// Sets every byte of the blocks to `POISON`, in one write.
 fn poison(cache: &impl KvMemory, chunks: usize, blocks: &[u32]) {
     let l = cache.kv_layout();
-    let buf = vec![POISON; chunks * l.object_bytes(CHUNK) as usize];
+    let buf = vec![POISON; chunks * l.object_bytes(chunk()) as usize];
     cache.write_runs(&chunks_runs(l, chunks, blocks), &buf);
 }
 
@@ -327,7 +343,10 @@ fn poison(cache: &impl KvMemory, chunks: usize, blocks: &[u32]) {
 /// panics with the first difference. Returns the bytes checked.
 fn verify_chunks(cache: &impl KvMemory, content: u32, hashes: &[ChunkHash], blocks: &[u32]) -> u64 {
     let l = cache.kv_layout();
-    let (obj, bpc) = (l.object_bytes(CHUNK) as usize, l.blocks_per_chunk(CHUNK));
+    let (obj, bpc) = (
+        l.object_bytes(chunk()) as usize,
+        l.blocks_per_chunk(chunk()),
+    );
     let mut got = vec![0u8; hashes.len() * obj];
     cache.read_runs(&chunks_runs(l, hashes.len(), blocks), &mut got);
     for (i, (h, g)) in hashes.iter().zip(got.chunks(obj)).enumerate() {
@@ -347,7 +366,13 @@ pub fn run(
     copy_threads: Option<u32>,
     devices: Option<usize>,
     preset: LayoutPreset,
+    chunk_tokens: u32,
 ) {
+    if chunk_tokens == 0 || JOB_TOKENS % chunk_tokens != 0 {
+        eprintln!("--chunk-tokens {chunk_tokens}: must divide {JOB_TOKENS}");
+        std::process::exit(2);
+    }
+    CHUNK_TOKENS.set(chunk_tokens).expect("run once");
     let devs = match kvring::gpu::probe() {
         Ok(d) => d,
         Err(e) => {
@@ -372,27 +397,28 @@ pub fn run(
     // the copy engines fed; more streams only add contention for them.
     let threads = copy_threads.unwrap_or(4);
     // CHUNKS chunks of source and of destination blocks, disjoint, random.
-    let bpc = g0.blocks_per_chunk(CHUNK);
-    let nblocks = CHUNKS * bpc;
+    let bpc = g0.blocks_per_chunk(chunk());
+    let nblocks = chunks() * bpc;
     let l = bench_layout(preset, 2 * nblocks);
     let g = *l.geometry();
-    let obj = l.object_bytes(CHUNK);
-    let bytes = u64::from(CHUNKS) * obj;
+    let obj = l.object_bytes(chunk());
+    let bytes = u64::from(chunks()) * obj;
     let pool_mib = (bytes >> 20) + 1024;
     let pool_mib = pool_mib + (ndev as u64 - 1) * (bytes >> 20);
     eprintln!(
-        "{ndev} x {}: layout {} ({} allocation(s), {}-byte runs) of {model}, {CHUNKS} chunks of {:.1} MiB per job and GPU ({:.2} GiB), {threads} copy threads per GPU, pool {pool_mib} MiB, {passes} passes",
+        "{ndev} x {}: layout {} ({} allocation(s), {}-byte runs) of {model}, {} chunks of {:.1} MiB per job and GPU ({:.2} GiB), {threads} copy threads per GPU, pool {pool_mib} MiB, {passes} passes",
         devs[0].name,
         preset.name(),
         l.allocations().len(),
         l.plan().run_bytes(),
+        chunks(),
         obj as f64 / f64::from(1 << 20),
         bytes as f64 / f64::from(1 << 30),
     );
-    let tokens: Vec<u32> = (0..CHUNKS * CHUNK)
+    let tokens: Vec<u32> = (0..chunks() * chunk())
         .map(|i| i.wrapping_mul(7919) ^ 3)
         .collect();
-    let hashes = chunk_hashes(&tokens, CHUNK);
+    let hashes = chunk_hashes(&tokens, chunk());
     let perm = shuffled(g.blocks, 7);
     let n = nblocks as usize;
     let (src, dst) = (perm[..n].to_vec(), perm[n..2 * n].to_vec());
@@ -400,7 +426,7 @@ pub fn run(
     // (one allocation per layout allocation, each 64 KiB aligned); the
     // sources hold the rank's contents, the rest poison.
     let caches: Vec<CudaKvCache> = (0..ndev)
-        .map(|ord| CudaKvCache::new(l.clone(), CHUNK, ord as i32, Export::Ipc).unwrap())
+        .map(|ord| CudaKvCache::new(l.clone(), chunk(), ord as i32, Export::Ipc).unwrap())
         .collect();
     std::thread::scope(|sc| {
         for (rank, cache) in caches.iter().enumerate() {
@@ -608,7 +634,7 @@ pub fn run(
         })
         .collect();
     // Blocks per job, blocks and bytes of each GPU's cache.
-    let mut geometry = geometry_json(&l, CHUNK);
+    let mut geometry = geometry_json(&l, chunk());
     geometry["blocks"] = nblocks.into();
     geometry["cache_blocks"] = g.blocks.into();
     geometry["cache_bytes"] = cache_bytes.into();
@@ -739,10 +765,12 @@ fn measure(
 ) -> Rates {
     let ndev = caches.len();
     let world = ndev as u32;
-    let bytes = hashes.len() as u64 * caches[0].layout().object_bytes(CHUNK);
+    let bytes = hashes.len() as u64 * caches[0].layout().object_bytes(chunk());
     let extra: Vec<String> = vec![
         "--pool-mib".into(),
         pool_mib.to_string(),
+        "--chunk-tokens".into(),
+        chunk().to_string(),
         "--copy-threads".into(),
         threads.to_string(),
         "--prefault".into(),
@@ -874,18 +902,18 @@ fn measure_concurrent(
     passes: usize,
 ) -> Concurrent {
     let l = cache.layout();
-    let obj = l.object_bytes(CHUNK);
+    let obj = l.object_bytes(chunk());
     let bytes = hashes.len() as u64 * obj;
     let preset = l
         .preset_name()
         .and_then(LayoutPreset::from_name)
         .expect("a preset");
     // B's chunks: another prompt of as many chunks, content 0.
-    let tokens: Vec<u32> = (0..hashes.len() as u32 * CHUNK)
+    let tokens: Vec<u32> = (0..hashes.len() as u32 * chunk())
         .map(|i| i.wrapping_mul(104_729) ^ 0x5a5a)
         .collect();
-    let other = chunk_hashes(&tokens, CHUNK);
-    let peer = CudaKvCache::new(l.clone(), CHUNK, 0, Export::Ipc).unwrap();
+    let other = chunk_hashes(&tokens, chunk());
+    let peer = CudaKvCache::new(l.clone(), chunk(), 0, Export::Ipc).unwrap();
     peer.fill(POISON).unwrap();
     write_chunks(&peer, 0, &other, src);
     // Room for both prompts.
@@ -893,6 +921,8 @@ fn measure_concurrent(
     let extra: Vec<String> = vec![
         "--pool-mib".into(),
         pool_mib.to_string(),
+        "--chunk-tokens".into(),
+        chunk().to_string(),
         "--copy-threads".into(),
         threads.to_string(),
         "--prefault".into(),
@@ -969,11 +999,11 @@ mod tests {
     #[test]
     fn batched_pattern_matches_per_chunk() {
         for preset in LayoutPreset::ALL {
-            let bpc = bench_geometry(preset, 0).1.blocks_per_chunk(CHUNK);
+            let bpc = bench_geometry(preset, 0).1.blocks_per_chunk(chunk());
             let l = bench_layout(preset, 6 * bpc);
-            let cache = HostKvCache::new(l, CHUNK).unwrap();
-            let tokens: Vec<u32> = (0..3 * CHUNK).collect();
-            let hashes = chunk_hashes(&tokens, CHUNK);
+            let cache = HostKvCache::new(l, chunk()).unwrap();
+            let tokens: Vec<u32> = (0..3 * chunk()).collect();
+            let hashes = chunk_hashes(&tokens, chunk());
             let blocks = shuffled(6 * bpc, 3);
             let (src, dst) = blocks.split_at(3 * bpc as usize);
             cache.fill(POISON);
@@ -983,7 +1013,7 @@ mod tests {
             }
             assert_eq!(
                 verify_chunks(&cache, 2, &hashes, src),
-                3 * cache.layout().object_bytes(CHUNK)
+                3 * cache.layout().object_bytes(chunk())
             );
             for (h, b) in hashes.iter().zip(dst.chunks(bpc as usize)) {
                 pattern::write_chunk(&cache, 2, h, b);
