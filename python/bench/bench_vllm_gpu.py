@@ -14,7 +14,8 @@ reads several and prints the tables, as ratios. Measured in every run:
   stored), from vLLM's own request metrics (queued -> scheduled -> first
   token) and the wall time of `generate`; `num_cached_tokens`; the first
   token's log-probabilities (top 5) for the correctness check, and a
-  control prompt (the same uncached suffix after another prefix);
+  control prompt (the same uncached suffix after another prefix); for
+  kvring, each warm request's wait split at its load (`place_loads`);
 * `nohit`: 64 prompts of 1K tokens, 128 output tokens each, submitted
   together, nothing to hit: output tokens/s;
 * `shared`: 48 requests of an 8K-token prefix stored before plus 64 tokens
