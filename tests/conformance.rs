@@ -116,6 +116,55 @@ fn layouts_of_one_geometry_share_objects_and_skip_tokens_leave_blocks_alone<B: B
     }
 }
 
+/// A STORE whose last chunk has fewer blocks (a prompt's tail): its blocks
+/// round-trip byte for byte, and the rest of its object reads as zeros, not
+/// as the bytes an earlier object left in that pool space.
+fn a_short_last_chunk_round_trips_and_the_rest_of_its_object_is_zeros<B: Backend>() {
+    let s = B::fixture("short", Duration::from_secs(120), B::POOL);
+    let l = layout::<B>(LayoutPreset::Lbnhc, 2, 64);
+    let mut a = B::engine(&s, l.clone(), 1, 0, 0);
+    let bpc = a.bpc() as usize;
+    assert!(bpc >= 2, "the test needs chunks of several blocks");
+    // The pool space first holds another prompt's objects, then is freed.
+    let before = chunk_hashes(&prompt(41, 4 * CHUNK as usize), CHUNK);
+    let blocks = a.blocks(0, 4);
+    a.write(&before, &blocks);
+    assert_eq!(a.store(0, &before, &blocks).value, 4);
+    a.c.clear().unwrap();
+    // Two chunks, the second of half its blocks.
+    let m = bpc / 2;
+    let hashes = chunk_hashes(&prompt(42, 2 * CHUNK as usize), CHUNK);
+    let src = a.blocks(0, 2)[..bpc + m].to_vec();
+    a.write(&hashes, &src);
+    assert_eq!(a.store(0, &hashes, &src).value, 2);
+    let mut b = B::engine(&s, l.clone(), 1, 0, 0);
+    b.cache.poison(0x5a);
+    let lease = lookup(&mut b.c, 1, 0, &hashes);
+    assert_eq!(lease.hits(), 2);
+    let dst = b.blocks(10, 2)[..bpc + m].to_vec();
+    done(b.c.retrieve(Retrieve::new(&b.inst, &lease, &dst)).unwrap());
+    b.verify(&hashes, &dst, 0, 0x5a);
+    // The second object whole: its first blocks as stored, then zeros.
+    let lease = lookup(&mut b.c, 1, 0, &hashes);
+    let whole = b.blocks(30, 2);
+    done(
+        b.c.retrieve(Retrieve::new(&b.inst, &lease, &whole))
+            .unwrap(),
+    );
+    b.verify(&hashes[1..], &whole[bpc..bpc + m], 0, 0x5a);
+    let rest = &whole[bpc + m..];
+    let mut got =
+        vec![
+            0xffu8;
+            rest.len() * l.geometry().page_bytes() as usize * l.geometry().layers as usize
+        ];
+    b.cache.read_runs(&pattern::chunk_runs(&l, rest), &mut got);
+    assert!(
+        got.iter().all(|&v| v == 0),
+        "the rows past a short chunk's blocks are not zeros"
+    );
+}
+
 fn lookups_find_the_longest_stored_prefix_per_salt<B: Backend>() {
     let s = B::fixture("prefix", Duration::from_secs(60), B::POOL);
     let mut e = B::engine(&s, layout::<B>(LayoutPreset::Lbnhc, 2, 64), 1, 0, 0);
@@ -444,6 +493,7 @@ macro_rules! conformance {
                 every_layout_and_element_size_round_trips_byte_for_byte,
                 layouts_of_one_geometry_share_objects_and_skip_tokens_leave_blocks_alone,
                 lookups_find_the_longest_stored_prefix_per_salt,
+                a_short_last_chunk_round_trips_and_the_rest_of_its_object_is_zeros,
                 retrieve_needs_a_lease_and_uses_it_once,
                 eviction_under_pressure_never_takes_leased_objects,
                 a_retrieve_in_layer_groups_lands_group_after_group_byte_for_byte,

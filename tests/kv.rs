@@ -148,6 +148,21 @@ fn bad_requests_get_clear_errors_and_the_server_keeps_serving() {
         e.c.store(Store::new(&e.inst, &hashes, &[0, 1, 2, 16])),
         Status::InvalidArgument,
     );
+    // Block counts a STORE's chunks cannot have, sent raw (the client
+    // library refuses them before sending): more than its chunks hold, and
+    // a last chunk of no block.
+    let two = chunk_hashes(&prompt(3, 2 * CHUNK as usize), CHUNK);
+    let bpc = e.bpc() as usize;
+    for n in [2 * bpc + 1, bpc] {
+        expect_status(
+            store_raw(&mut e.c, e.inst.id(), &two, &vec![0; n]),
+            Status::BadLength,
+        );
+        assert!(matches!(
+            e.c.store(Store::new(&e.inst, &two, &vec![0; n])),
+            Err(Error::InvalidArgument(_))
+        ));
+    }
     // Wrong lengths, sent raw: a truncated store, a lookup whose count lies.
     let send = |c: &mut Client, op: Opcode, payload: &[u8]| {
         let mut raw = c.raw();

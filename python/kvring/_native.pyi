@@ -295,8 +295,10 @@ class Client:
         after: Optional[bytes] = None,
         submit_timeout: Optional[float] = None,
     ) -> Job:
-        """Copies `blocks` into the cache under `hashes`, as a job.
-        `submit_timeout`: how long the call waits for the server to take it
+        """Copies `blocks` into the cache under `hashes`, as a job:
+        `blocks_per_chunk` blocks a chunk, the last chunk 1 to
+        `blocks_per_chunk` (a prompt's tail; the rest of its object is
+        zeros). `submit_timeout`: how long the call waits for the server to take it
         (default: the call timeout; past it, ServerTimeout)."""
     def retrieve(
         self,
@@ -311,7 +313,9 @@ class Client:
         layer_groups: int = 1,
         submit_timeout: Optional[float] = None,
     ) -> Job:
-        """Copies chunks `first_chunk ..` of the lease into `blocks`. With
+        """Copies chunks `first_chunk ..` of the lease into `blocks`
+        (`blocks_per_chunk` a chunk, the last chunk 1 to `blocks_per_chunk`:
+        its object's first rows). With
         `layer_groups` G > 1 the layers land in G groups, one after another
         (group k: layers k*L//G .. (k+1)*L//G of L): wait for a group with
         `Job.wait_layer_group` or `EngineStream.wait_layer_group` before

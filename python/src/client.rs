@@ -414,7 +414,8 @@ impl PyClient {
     }
 
     /// STORE: copies the chunks `hashes` from `blocks` (blocks_per_chunk
-    /// per chunk) into the cache, as a job. `submit_timeout`: how long the
+    /// per chunk, the last chunk 1 to blocks_per_chunk) into the cache, as
+    /// a job. `submit_timeout`: how long the
     /// call waits for the server to take it (default: the call timeout).
     #[pyo3(signature = (reg, hashes, blocks, *, timeout = None, salt = 0, after = None, submit_timeout = None))]
     #[allow(clippy::too_many_arguments)]

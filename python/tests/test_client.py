@@ -155,7 +155,7 @@ def test_every_error_is_its_exception(server):
     with pytest.raises(kvring.InvalidArgument):
         c.retrieve(reg, b"\0" * 15, list(range(4)))
     with pytest.raises(kvring.InvalidArgument):
-        c.store(reg, hashes, [1, 2])  # 4 blocks per chunk
+        c.store(reg, hashes, [1, 2, 3, 4, 5])  # 4 blocks per chunk at most
     with pytest.raises(kvring.InvalidArgument):
         c.delay_job(-1.0, 0.0)
     # The server's answers.

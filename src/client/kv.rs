@@ -15,9 +15,11 @@ use crate::proto::kv::{DescribeRequest, KvFlags, RetrieveRequest, StoreRequest};
 use crate::proto::Opcode;
 use std::time::{Duration, Instant};
 
-/// A STORE request: copy the blocks of each chunk (`blocks.len()` is
-/// `hashes.len() * blocks_per_chunk`) into the pool. The job's result value
-/// is the chunks present after it; aux, the chunks that got no space.
+/// A STORE request: copy the blocks of each chunk (`blocks_per_chunk` ids
+/// each, the last chunk 1 to `blocks_per_chunk`) into the pool. A short last
+/// chunk is a prompt's tail: its object's rows past its blocks are zeros.
+/// The job's result value is the chunks present after it; aux, the chunks
+/// that got no space.
 ///
 /// # Examples
 ///
@@ -128,7 +130,9 @@ impl<'a> Store<'a> {
 }
 
 /// A RETRIEVE request: copy chunks `first_chunk ..` of a lease into `blocks`
-/// (`n_chunks * blocks_per_chunk` ids). All or nothing: fails at once with
+/// (`blocks_per_chunk` ids a chunk, the last chunk 1 to `blocks_per_chunk`:
+/// the first rows of its object, a tail a short STORE stored, say). All or
+/// nothing: fails at once with
 /// `NoLease` unless the lease holds every chunk for this rank; it consumes
 /// the lease's holds for this rank.
 ///
@@ -265,12 +269,16 @@ impl Client {
     /// STORE: a job copying the blocks into the pool (see [`Store`]).
     pub fn store(&mut self, req: Store<'_>) -> Result<Job> {
         let reg = req.reg;
-        let want = req.hashes.len() * reg.blocks_per_chunk() as usize;
-        if req.blocks.len() != want {
+        let bpc = reg.blocks_per_chunk() as usize;
+        let n = req.hashes.len();
+        let fits = match n {
+            0 => req.blocks.is_empty(),
+            n => req.blocks.len() > (n - 1) * bpc && req.blocks.len() <= n * bpc,
+        };
+        if !fits {
             return Err(Error::InvalidArgument(format!(
-                "{} block ids for {} chunks: need {want}",
+                "{} block ids for {n} chunks: need {bpc} a chunk, the last chunk 1 to {bpc}",
                 req.blocks.len(),
-                req.hashes.len()
             )));
         }
         let h = StoreRequest {
@@ -351,11 +359,10 @@ impl Client {
     /// [`Retrieve`]).
     pub fn retrieve(&mut self, req: Retrieve<'_>) -> Result<Job> {
         let bpc = req.reg.blocks_per_chunk() as usize;
-        if req.blocks.is_empty() || req.blocks.len() % bpc != 0 {
-            return Err(Error::InvalidArgument(format!(
-                "{} block ids: need a positive multiple of {bpc} (blocks per chunk)",
-                req.blocks.len()
-            )));
+        if req.blocks.is_empty() {
+            return Err(Error::InvalidArgument(
+                "no block ids: a retrieve writes at least one block".into(),
+            ));
         }
         let layers = req.reg.layout.geometry().layers;
         if crate::kv::LayerGroups::new(layers, req.layer_groups).is_none() {
@@ -370,7 +377,7 @@ impl Client {
             lease: req.lease.job(),
             instance: self.server_instance(req.reg)?,
             first_chunk: req.first_chunk,
-            n_chunks: (req.blocks.len() / bpc) as u32,
+            n_chunks: req.blocks.len().div_ceil(bpc) as u32,
             skip_tokens: req.skip_tokens,
             flags: flags.bits(),
             word: 0,

@@ -43,16 +43,21 @@ pub struct KvCopyArgs {
 }
 
 impl KvCopyArgs {
-    /// The arguments for a chunk of `blocks_per_chunk` blocks of a layout
-    /// whose plan is `plan`, moving words of `vec` bytes.
+    /// The arguments for `blocks_per_chunk` blocks of a layout whose plan is
+    /// `plan` and an object of `chunk_tokens` tokens a layer (the server's
+    /// chunk: more than the blocks hold for a prompt's tail, whose blocks
+    /// are the object's first rows), moving words of `vec` bytes.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         plan: &crate::kv::CopyPlan,
         num_layers: u32,
         blocks_per_chunk: u32,
+        chunk_tokens: u32,
         skip_blocks: u32,
         to_engine: bool,
         vec: u32,
     ) -> KvCopyArgs {
+        debug_assert!(blocks_per_chunk * plan.block_tokens <= chunk_tokens);
         KvCopyArgs {
             num_layers,
             blocks_per_chunk,
@@ -64,7 +69,7 @@ impl KvCopyArgs {
             run_heads: plan.heads,
             parts: plan.parts,
             vec,
-            chunk_tokens: blocks_per_chunk * plan.block_tokens,
+            chunk_tokens,
             _pad: 0,
             row_bytes: plan.row_bytes,
             width: plan.width,

@@ -422,7 +422,38 @@ fn settle(shared: &Shared, task: Task, r: Result<u64, CopyError>, wedged: &mut V
             chunk_done(shared, &task, ChunkOutcome::Failed(e));
             wedged.push(task);
         }
-        r => chunk_done(shared, &task, r.into()),
+        r => {
+            if r.is_ok() {
+                zero_unwritten(shared, &task);
+            }
+            chunk_done(shared, &task, r.into())
+        }
+    }
+}
+
+/// A STORE's short chunk (a prompt's tail: fewer blocks than a chunk,
+/// always a job's last): the object rows its copy did not write are zeroed,
+/// so that none of the bytes the pool space held before survive in it.
+/// After the copy, before the job ends (the object is not found by a
+/// lookup, nor written to a tier, before then).
+fn zero_unwritten(shared: &Shared, task: &Task) {
+    let ct = shared.kv.chunk_tokens;
+    let g = task.job.inst.layout.geometry();
+    let written = task.blocks.len() as u32 * g.block_tokens;
+    if task.job.dir != Dir::ToPool || written >= ct {
+        return;
+    }
+    let object = shared.kv.pool.at(task.pool_off);
+    for layer in task.layers.clone() {
+        // Tokens `written..ct` of the layer: one run of the object
+        // (`[layer][token][head][K then V]`), up to the next layer's row 0.
+        let from = g.object_row(ct, layer, written, 0);
+        let to = g.object_row(ct, layer, ct, 0);
+        // SAFETY: the object is `object_bytes(ct)` bytes of the pool from
+        // `pool_off`, allocated to this job (no lookup finds it and no other
+        // copy touches it until the job ends), and its copy is over (the
+        // device no longer writes it); `from..to` lies within it.
+        unsafe { std::ptr::write_bytes(object.add(from as usize), 0, (to - from) as usize) };
     }
 }
 

@@ -170,6 +170,7 @@ impl DeviceQueue {
             &c.inst.plan,
             span.layers,
             n as u32,
+            c.chunk_tokens,
             c.skip_blocks,
             c.dir == Dir::FromPool,
             vec,
