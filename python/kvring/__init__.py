@@ -35,6 +35,7 @@ from ._native import (
     chunk_hashes,
     model_id,
     salt_id,
+    tail_hash,
 )
 
 try:  # built with the CUDA data plane (the published wheel is)
@@ -69,6 +70,7 @@ __all__ = [
     "chunk_hashes",
     "model_id",
     "salt_id",
+    "tail_hash",
 ]
 if _has_cuda:
     __all__.append("EngineStream")

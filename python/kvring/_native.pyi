@@ -49,6 +49,11 @@ def salt_id(salt: Optional[str]) -> int:
 def chunk_hashes(tokens: Sequence[int], chunk_tokens: int) -> list[bytes]:
     """The chain hash (16 bytes) of each full chunk of `tokens`."""
 
+def tail_hash(tokens: Sequence[int], chunk_tokens: int, block_tokens: int) -> Optional[bytes]:
+    """The key (16 bytes) of the whole blocks of `tokens` past its last
+    whole chunk, stored as a chunk of fewer blocks; None where there is no
+    such block, or no whole chunk before it."""
+
 class Layout:
     """A KV cache's geometry and where each layer lives in its allocations:
     row (layer, block, head, token) of K starts at

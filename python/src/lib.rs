@@ -45,6 +45,26 @@ fn chunk_hashes<'py>(
         .collect())
 }
 
+/// The key (16 bytes) of the prompt's whole blocks of `block_tokens` past
+/// its last whole chunk, stored as a chunk of fewer blocks; None where it
+/// has no such block or no whole chunk before it.
+#[pyfunction]
+fn tail_hash<'py>(
+    py: Python<'py>,
+    tokens: Vec<u32>,
+    chunk_tokens: u32,
+    block_tokens: u32,
+) -> PyResult<Option<Bound<'py, pyo3::types::PyBytes>>> {
+    if block_tokens == 0 || chunk_tokens == 0 || chunk_tokens % block_tokens != 0 {
+        return Err(errors::invalid(
+            py,
+            "block_tokens must be positive and divide chunk_tokens",
+        ));
+    }
+    let h = py.detach(|| kvring::kv::tail_hash(&tokens, chunk_tokens, block_tokens));
+    Ok(h.map(|h| pyo3::types::PyBytes::new(py, &h)))
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
@@ -64,6 +84,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(model_id, m)?)?;
     m.add_function(wrap_pyfunction!(salt_id, m)?)?;
     m.add_function(wrap_pyfunction!(chunk_hashes, m)?)?;
+    m.add_function(wrap_pyfunction!(tail_hash, m)?)?;
     m.add_class::<layout::PyLayout>()?;
     m.add_class::<client::PyClient>()?;
     m.add_class::<handles::PyJob>()?;

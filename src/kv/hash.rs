@@ -70,6 +70,28 @@ pub fn chunk_chain(
     (hashes, prev)
 }
 
+/// The key of a prompt's tail: its whole blocks of `block_tokens` past its
+/// last whole chunk, hashed as one more link of the chain (BLAKE3 of the
+/// chain's state and the tail's token ids, as a chunk's, over fewer tokens:
+/// never a chunk's key). Stored as a chunk of fewer blocks, so that a hit
+/// can end on a block. None where the prompt has no such block, or no whole
+/// chunk before it.
+pub fn tail_hash(tokens: &[u32], chunk_tokens: u32, block_tokens: u32) -> Option<ChunkHash> {
+    assert!(
+        block_tokens > 0 && chunk_tokens % block_tokens == 0,
+        "the block size must divide the chunk size"
+    );
+    let ct = chunk_tokens as usize;
+    let whole = tokens.len() / ct * ct;
+    let end = tokens.len() / block_tokens as usize * block_tokens as usize;
+    if whole == 0 || end == whole {
+        return None;
+    }
+    let (_, state) = chunk_chain(chain_seed(), &tokens[..whole], chunk_tokens);
+    let (h, _) = chunk_chain(state, &tokens[whole..end], (end - whole) as u32);
+    Some(h[0])
+}
+
 /// The key of engine `id` a client sends in its hello: BLAKE3
 /// ("kvring-engine-v1" || id). The server keeps it and never writes it to
 /// shared memory, so engines that do not know `id` cannot act as this one.
@@ -101,6 +123,26 @@ mod tests {
         assert_ne!(model_id("llama"), model_id("qwen"));
         assert_eq!(salt_id(None), 0);
         assert_ne!(salt_id(Some("tenant-a")), salt_id(Some("tenant-b")));
+    }
+
+    #[test]
+    fn a_tail_is_keyed_by_its_whole_blocks_and_the_prefix_before_them() {
+        let a: Vec<u32> = (0..280).map(|t| t * 31 + 7).collect();
+        // 2 chunks of 96, then 80 of the 88 tokens left in whole blocks.
+        let t = tail_hash(&a, 96, 16).unwrap();
+        assert!(!chunk_hashes(&a, 96).contains(&t));
+        // Tokens past the last whole block do not change it; one inside does,
+        // and so does one of the prefix.
+        assert_eq!(tail_hash(&a[..279], 96, 16), Some(t));
+        let mut b = a.clone();
+        b[250] ^= 1;
+        assert_ne!(tail_hash(&b, 96, 16), Some(t));
+        let mut c = a.clone();
+        c[3] ^= 1;
+        assert_ne!(tail_hash(&c, 96, 16), Some(t));
+        // None without a whole chunk before it, or without a whole block.
+        assert_eq!(tail_hash(&a[..90], 96, 16), None);
+        assert_eq!(tail_hash(&a[..200], 96, 16), None);
     }
 
     #[test]

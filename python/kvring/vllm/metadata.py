@@ -12,8 +12,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 @dataclass
 class LoadOp:
     """Retrieve chunks `first_chunk ..` of a lease into `block_ids` (one per
-    KV cache group of a request, all in the same step; whole
-    chunks; the first `skip_tokens` tokens are vLLM's local prefix hit, or
+    KV cache group of a request, and one for the prompt's tail, all in the
+    same step; whole chunks, a tail's last one short; the first `skip_tokens` tokens are vLLM's local prefix hit, or
     before a sliding window, and stay untouched). `lease_id` None: the scheduler already knows the load
     cannot happen; the worker reports it failed at once."""
 
@@ -38,6 +38,9 @@ class StoreOp:
     """From blocks vLLM frees while the request runs (a sliding-window
     group's, a state group's): the next step's forward waits for it
     (`handle_preemptions`)."""
+    tail: bool = False
+    """The prompt's tail (one chunk of fewer blocks, `kvring.tail_hash`): a
+    STORE of its own, since a short chunk must be its job's last."""
 
 
 @dataclass

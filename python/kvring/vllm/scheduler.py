@@ -108,6 +108,15 @@ class _Tracked:
     tokens: list[int] = field(default_factory=list)
     """The prompt's token ids (the request's own list), described to a
     server that publishes KV events."""
+    tail: bytes | None = None
+    """The key of the prompt's whole blocks past its last whole chunk
+    (`kvring.tail_hash`), where it has a tail (`SchedulerSide._tails`)."""
+    tail_end: int = 0
+    """Where the tail ends: the prompt's whole blocks."""
+    tail_lease: Lease | None = None
+    """The tail's lookup's lease while it holds the tail."""
+    tail_done: bool = False
+    """The tail was loaded, or its store issued."""
 
 
 STATE_CANDIDATES = 4
@@ -202,7 +211,8 @@ class SchedulerSide:
         asynchronously; None while its lookup is not answered (vLLM asks
         again at a later step). One LOOKUP per admission: vLLM asks again
         while a request waits, and gets the same lease's answer. Whole chunks only,
-        up to the whole prompt where vLLM allows it (`_max_hit_chunks`)."""
+        up to the whole prompt where vLLM allows it (`_max_hit_chunks`), then
+        the prompt's tail where it is stored (`_tails`)."""
         t = self._tracked.get(request.request_id)
         if t is None:
             t = self._track(request)
@@ -228,6 +238,7 @@ class SchedulerSide:
         if (t.leases or t.pending is not None or t.state_pending is not None) and t.lease_client is not client:
             t.leases, t.lease_client, t.pending, t.answers = [], None, None, {}
             t.kv_leases, t.state_chunks, t.state_pending, t.state_answers = [], [], None, {}
+            t.tail_lease = None
             t.phase, t.hit_chunks = Phase.NEW, 0
         if t.phase in (Phase.NEW, Phase.LOOKING_UP):
             if client is None:
@@ -240,10 +251,20 @@ class SchedulerSide:
                 return None, False
         usable = min(t.hit_chunks, self._max_hit_chunks(request))
         t.local_tokens = num_computed_tokens
-        external = usable * self.chunk_tokens - num_computed_tokens
+        hit = usable * self.chunk_tokens
+        if t.tail_lease is not None and usable == len(t.hashes):
+            # Every whole chunk, then the tail's blocks.
+            hit = t.tail_end
+        external = hit - num_computed_tokens
         if external <= 0 or external < self._settings.min_load_tokens:
             return 0, False
         return external, self._settings.async_load
+
+    def _tails(self) -> bool:
+        """Whether prompts' tails are stored and loaded: where a hit may end
+        past the last whole chunk (`_max_hit_chunks`), and the whole blocks
+        after it would otherwise be computed in the hit's first step."""
+        return bool(self._settings.async_load) and len(self._groups) == 1
 
     def _max_hit_chunks(self, request: Request) -> int:
         """The most chunks a hit may have. A synchronous load must leave
@@ -272,6 +293,9 @@ class SchedulerSide:
         )
         if self._ledger is not None and getattr(request, "block_hashes", None) is not None:
             t.blocks = RequestBlocks(request, self._block_size, self._hash_block_size, self.chunk_tokens)
+        if self._tails():
+            t.tail = kvring.tail_hash(request.prompt_token_ids, self.chunk_tokens, self._block_size)
+            t.tail_end = len(request.prompt_token_ids) // self._block_size * self._block_size
         self._tracked[request.request_id] = t
         return t
 
@@ -288,6 +312,17 @@ class SchedulerSide:
                         self._world_size,
                         t.hashes,
                         salt=salt,
+                        timeout=self._settings.submit_s,
+                    )
+                )
+            if t.tail is not None:
+                # The tail's, beside the chunks' (the last answer).
+                pending.append(
+                    client.submit_lookup(
+                        self._model_id,
+                        self._world_size,
+                        [t.tail],
+                        salt=t.salts[0],
                         timeout=self._settings.submit_s,
                     )
                 )
@@ -310,6 +345,10 @@ class SchedulerSide:
             if t.pending is not None and _poll_all(t.pending, t.answers):
                 leases = [t.answers[i] for i in range(len(t.pending))]
                 t.pending, t.answers = None, {}
+                if t.tail is not None:
+                    # Dropped unless it holds the tail (its end is queued).
+                    tail = leases.pop()
+                    t.tail_lease = tail if tail.hits else None
                 if not self._state_groups:
                     self._answered(t, leases)
                     return True
@@ -443,9 +482,32 @@ class SchedulerSide:
         start = t.local_tokens
         end = start + num_external_tokens
         client = self._link.client()
+        # A hit past the last whole chunk ends with the prompt's tail: a load
+        # of its own, from the tail's lease (kept, and ended with the others:
+        # an end posted now could reach the server before the retrieve).
+        tail_op = None
+        if t.tail_lease is not None and end % c and end == t.tail_end:
+            t.tail_done = True
+            whole, b = end // c * c, self._block_size
+            tail_op = LoadOp(
+                req_id=request.request_id,
+                lease_id=t.tail_lease.id if t.lease_client is client else None,
+                first_chunk=0,
+                skip_tokens=max(start, whole) - whole,
+                block_ids=t.block_ids[0][whole // b : end // b],
+                sync=not self._settings.async_load,
+            )
+            end = whole
         usable = end % c == 0 and len(t.leases) == len(self._groups) and t.lease_client is client
         ops: list[LoadOp] = []
-        for g, lease in zip(self._groups, t.leases if usable else [None] * len(self._groups), strict=True):
+        groups = list(zip(self._groups, t.leases if usable else [None] * len(self._groups), strict=True))
+        if tail_op is not None and start >= end:
+            # vLLM holds every whole chunk itself: the tail alone.
+            for _, lease in groups:
+                if lease is not None:
+                    self._release_unloaded(client, lease, 0, 0)
+            groups = []
+        for g, lease in groups:
             if g.state:
                 # The state after the hit's last chunk, into the block vLLM
                 # gives the hit's last token: the chunk's last block, the
@@ -489,6 +551,8 @@ class SchedulerSide:
             )
             if lease is not None:
                 self._release_unloaded(client, lease, first, end // c)
+        if tail_op is not None:
+            ops.append(tail_op)
         self.stats.count("lookup_hit_tokens", num_external_tokens)
         t.load_blocks = frozenset(b for op in ops for b in op.block_ids[op.skip_tokens // self._block_size :])
         # Until finished_recving (asynchronous), or (in the step's forward)
@@ -515,6 +579,9 @@ class SchedulerSide:
         waited for: a stopped server must not hold the step (its holds go
         when the server reads the ring, or with this client's connection)."""
         leases, t.leases = t.leases, []
+        if t.tail_lease is not None:
+            leases.append(t.tail_lease)
+            t.tail_lease = None
         if t.lease_client is self._link.current:
             for lease in leases:
                 try:
@@ -546,6 +613,7 @@ class SchedulerSide:
                 t.block_ids = [list(ids) for ids in new.block_ids]
                 if store:
                     self._plan_store(meta, new.req_id, t, new.num_computed_tokens, scheduled[new.req_id])
+                    self._plan_tail_store(meta, new.req_id, t, new.num_computed_tokens + scheduled[new.req_id])
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             t = self._tracked.get(req_id)
@@ -565,6 +633,7 @@ class SchedulerSide:
                     ids.extend(more)
             if store:
                 self._plan_store(meta, req_id, t, cached.num_computed_tokens[i], scheduled[req_id])
+                self._plan_tail_store(meta, req_id, t, cached.num_computed_tokens[i] + scheduled[req_id])
         self._fresh_blocks.clear()
         return meta
 
@@ -619,6 +688,19 @@ class SchedulerSide:
                 )
             t.stores_issued = True
         t.stored_chunks = complete if n == complete - first else len(t.hashes)
+
+    def _plan_tail_store(self, meta: KvringMetadata, req_id: str, t: _Tracked, computed: int) -> None:
+        """Stores the prompt's tail once the forward computed it, after every
+        whole chunk was stored or found (a tail without them is never hit)."""
+        if t.tail is None or t.tail_done or computed < t.tail_end or t.stored_chunks < len(t.hashes):
+            return
+        t.tail_done = True
+        b = self._block_size
+        ids = t.block_ids[0][len(t.hashes) * self._blocks_per_chunk : t.tail_end // b]
+        if len(ids) != (t.tail_end - len(t.hashes) * self.chunk_tokens) // b:
+            return  # blocks this connector never saw
+        meta.stores.append(StoreOp(req_id=req_id, hashes=[t.tail], block_ids=ids, salt=t.salts[0], tail=True))
+        t.stores_issued = True
 
     def _describe_chunks(self, t: _Tracked, first: int, n: int) -> None:
         """Tells the server the token ids of chunks `first .. first + n`

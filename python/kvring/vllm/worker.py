@@ -297,7 +297,8 @@ class WorkerSide:
                 client = self._link.current
                 self._load_failed(op.req_id, invalid, op.sync)
                 continue
-            chunks = len(op.block_ids) * self._block_size // self.chunk_tokens
+            # Whole chunks, a tail's last one short.
+            chunks = -(-len(op.block_ids) * self._block_size // self.chunk_tokens)
             tr = _Transfer(job, time.monotonic() + timeout, chunks, invalid, event=event)
             if not op.sync:
                 self._loads.setdefault(op.req_id, []).append(tr)
@@ -370,19 +371,26 @@ class WorkerSide:
     def submit_stores(self, ops: list[StoreOp]) -> None:
         """Submits a step's stores as one STORE per salt (chunk keys are
         independent: one request to the server instead of one per vLLM
-        request, so the server wakes once per step), ordered after the
-        forward the engine queued (`engine_event`)."""
+        request, so the server wakes once per step) and one per prompt tail,
+        ordered after the forward the engine queued (`engine_event`)."""
         client, reg = self._link.client(), self._registration
         event, after = self.engine_event() if client is not None and reg is not None else (None, None)
+        # One STORE per salt, and one per prompt tail (a short chunk must be
+        # its job's last).
+        jobs: list[tuple[int, list[StoreOp]]] = []
         by_salt: dict[int, list[StoreOp]] = {}
         for op in ops:
             self._store_reqs.add(op.req_id)
-            by_salt.setdefault(op.salt, []).append(op)
+            if op.tail:
+                jobs.append((op.salt, [op]))
+            else:
+                by_salt.setdefault(op.salt, []).append(op)
+        jobs[:0] = by_salt.items()
         if client is None or reg is None:
-            for salt, group in by_salt.items():
+            for salt, group in jobs:
                 self._not_stored(salt, [h for op in group for h in op.hashes])
             return
-        for salt, group in by_salt.items():
+        for salt, group in jobs:
             hashes = [h for op in group for h in op.hashes]
             blocks = [b for op in group for b in op.block_ids]
             # The next forward waits for a store from blocks vLLM frees

@@ -112,9 +112,10 @@ def assert_store_then_load(report: Report, stats: dict[str, int], tp: int) -> No
     for name, t in (("r1", r1), ("r2", r2)):
         assert sorted(t.verified) == list(range(tp)), f"{name}'s load not verified by every rank: {t.verified}"
     assert r1.load_blocks[0][:16] != r0.block_ids[:16], "r1 loaded into the blocks r0 stored from"
-    # every rank's shard of r0's 4 chunks, r1's 5th, r2's 4th and 5th; loaded:
-    # r1's chunks 0-3, r2's 1-2
-    assert stats["objects"] == 7 * tp and stats["retrieved_chunks"] == 6 * tp, stats
+    # every rank's shard of r0's 4 chunks, r1's 5th, r2's 4th and 5th, and
+    # each prompt's tail (its whole blocks past its last whole chunk: none
+    # is another's); loaded: r1's chunks 0-3, r2's 1-2
+    assert stats["objects"] == 10 * tp and stats["retrieved_chunks"] == 6 * tp, stats
     assert_clean_end(report, stats)
 
 
@@ -233,6 +234,28 @@ def test_full_prompt_hit_loads_every_chunk_and_computes_the_last_token(engines, 
     assert r1.allocs == [4 * CHUNK_TOKENS, 0]
     assert r1.loaded_tokens == 4 * CHUNK_TOKENS
     assert stats["lookup_hit_chunks"] >= 4 and stats["retrieved_chunks"] == 4, stats
+    assert_clean_end(report, stats)
+
+
+def test_a_hit_ends_with_the_prompt_s_tail(engines, kv_server):
+    """A 300-token prompt stored: its 4 chunks and its tail, the 2 whole
+    blocks past them (a chunk of 2 blocks). Asked again, the hit ends where
+    the tail does (288 tokens; vLLM computes the last 12), every loaded
+    byte checked; after a local hit inside the tail, the tail's rest alone."""
+    p = _tokens(random.Random(9), 300)
+    reqs = [
+        RequestSpec("r0", p, max_tokens=2),
+        RequestSpec("r1", p, max_tokens=2, after=("r0",)),
+        RequestSpec("r2", p, max_tokens=2, after=("r1",), local_hit=272),
+    ]
+    report, stats = run(engines, scenario("tail", reqs, kv_server))
+    r1, r2 = report.requests["r1"], report.requests["r2"]
+    assert r1.asks == [(0, 288, True, 0)]
+    assert r1.loaded_tokens == 288
+    assert r2.asks == [(272, 16, True, 0)]
+    assert r2.loaded_tokens == 16
+    # 4 chunks and the tail; loaded: r1's 4 chunks and tail, r2's tail.
+    assert stats["objects"] == 5 and stats["retrieved_chunks"] == 6, stats
     assert_clean_end(report, stats)
 
 
