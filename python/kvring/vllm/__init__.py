@@ -23,7 +23,9 @@ a store or a retrieve, default 0.25: a stopped server costs a step that
 once, then lookups miss and stores are skipped until it answers again;
 `kvring.lookup_submit_s` is its earlier name), `kvring.lookup_wait_s` (how long
 a request waits for a lookup's answer, default 3, the server's wait on its
-second tier and some) and `kvring.runtime_dir`.
+second tier and some), `kvring.store_tails` (default true: a prompt's whole
+blocks past its last whole chunk are stored and loaded too, where loads are
+asynchronous) and `kvring.runtime_dir`.
 
 How vLLM's hooks map to kvring:
 

@@ -261,10 +261,11 @@ class SchedulerSide:
         return external, self._settings.async_load
 
     def _tails(self) -> bool:
-        """Whether prompts' tails are stored and loaded: where a hit may end
-        past the last whole chunk (`_max_hit_chunks`), and the whole blocks
-        after it would otherwise be computed in the hit's first step."""
-        return bool(self._settings.async_load) and len(self._groups) == 1
+        """Whether prompts' tails are stored and loaded (`kvring.store_tails`):
+        where a hit may end past the last whole chunk (`_max_hit_chunks`),
+        and the whole blocks after it would otherwise be computed in the
+        hit's first step."""
+        return self._settings.store_tails and bool(self._settings.async_load) and len(self._groups) == 1
 
     def _max_hit_chunks(self, request: Request) -> int:
         """The most chunks a hit may have. A synchronous load must leave

@@ -37,6 +37,9 @@ class KvringSettings:
     store, a retrieve): a stopped server costs a step this once, then the
     connection is dropped and hooks miss until it answers again."""
     lookup_wait_s: float = 3.0
+    store_tails: bool = True
+    """Store and load a prompt's tail, its whole blocks past its last whole
+    chunk, where loads are asynchronous (one chunk object a prompt)."""
     runtime_dir: str | None = None
 
     @classmethod
@@ -56,6 +59,7 @@ class KvringSettings:
             "kvring.submit_s",
             "kvring.lookup_submit_s",  # the earlier name of submit_s
             "kvring.lookup_wait_s",
+            "kvring.store_tails",
             "kvring.runtime_dir",
         }
         unknown = sorted(k for k in extra if k.startswith("kvring.") and k not in known)
@@ -78,6 +82,7 @@ class KvringSettings:
             min_load_tokens=None if min_load is None else int(min_load),
             submit_s=float(extra.get("kvring.submit_s", extra.get("kvring.lookup_submit_s", cls.submit_s))),
             lookup_wait_s=float(extra.get("kvring.lookup_wait_s", cls.lookup_wait_s)),
+            store_tails=_as_bool("kvring.store_tails", extra.get("kvring.store_tails", cls.store_tails)),
             runtime_dir=None if runtime_dir is None else str(runtime_dir),
         )
         if settings.chunk_tokens is not None and settings.chunk_tokens <= 0:

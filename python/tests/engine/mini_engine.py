@@ -321,6 +321,8 @@ class Scenario:
     seed: int = 0
     max_steps: int = 5000
     corrupt_load: str | None = None
+    settings: dict[str, Any] = field(default_factory=dict)
+    """More `kvring.*` connector settings."""
     """A control of the check itself: the workers change one loaded byte of
     this request before checking its load, which must then fail."""
     engine_id: str = field(default_factory=lambda: f"mini-engine-{os.getpid()}-{time.monotonic_ns()}")
@@ -348,6 +350,7 @@ class Scenario:
                     # The harness checks loads as they are reported in
                     # finished_recving: the asynchronous path.
                     "kvring.async_load": True,
+                    **self.settings,
                 },
             ),
         )

@@ -259,6 +259,18 @@ def test_a_hit_ends_with_the_prompt_s_tail(engines, kv_server):
     assert_clean_end(report, stats)
 
 
+def test_prompt_tails_turned_off_end_hits_on_whole_chunks(engines, kv_server):
+    """`kvring.store_tails=false`: the same prompt again hits its whole
+    chunks only, and no tail is stored."""
+    p = _tokens(random.Random(10), 300)
+    reqs = [RequestSpec("r0", p, max_tokens=2), RequestSpec("r1", p, max_tokens=2, after=("r0",))]
+    sc = scenario("no-tails", reqs, kv_server, settings={"kvring.store_tails": False})
+    report, stats = run(engines, sc)
+    assert report.requests["r1"].asks == [(0, 256, True, 0)]
+    assert stats["objects"] == 4 and stats["retrieved_chunks"] == 4, stats
+    assert_clean_end(report, stats)
+
+
 def test_a_changed_byte_fails_the_check(engines, kv_server):
     """A control of the check itself: one byte of r1's loaded KV changed
     before the check (the last byte-0 of head 0 of layer 0) must fail the

@@ -51,6 +51,13 @@ def test_command_line_strings_are_parsed():
     assert s.async_load is True and s.load_timeout_s == 0.5 and s.min_load_tokens == 512
 
 
+def test_prompt_tails_are_stored_unless_turned_off():
+    assert KvringSettings.from_extra_config({}).store_tails is True
+    assert KvringSettings.from_extra_config({"kvring.store_tails": "false"}).store_tails is False
+    with pytest.raises(KvringError, match="true or false"):
+        KvringSettings.from_extra_config({"kvring.store_tails": "sometimes"})
+
+
 def test_submit_s_bounds_every_submission_and_keeps_its_earlier_name():
     assert KvringSettings.from_extra_config({}).submit_s == 0.25
     assert KvringSettings.from_extra_config({"kvring.submit_s": "0.1"}).submit_s == 0.1
