@@ -34,8 +34,8 @@ from ._native import (
     __version__,
     chunk_hashes,
     model_id,
+    prompt_hashes,
     salt_id,
-    tail_hash,
 )
 
 try:  # built with the CUDA data plane (the published wheel is)
@@ -69,8 +69,8 @@ __all__ = [
     "__version__",
     "chunk_hashes",
     "model_id",
+    "prompt_hashes",
     "salt_id",
-    "tail_hash",
 ]
 if _has_cuda:
     __all__.append("EngineStream")

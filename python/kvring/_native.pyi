@@ -49,10 +49,13 @@ def salt_id(salt: Optional[str]) -> int:
 def chunk_hashes(tokens: Sequence[int], chunk_tokens: int) -> list[bytes]:
     """The chain hash (16 bytes) of each full chunk of `tokens`."""
 
-def tail_hash(tokens: Sequence[int], chunk_tokens: int, block_tokens: int) -> Optional[bytes]:
-    """The key (16 bytes) of the whole blocks of `tokens` past its last
-    whole chunk, stored as a chunk of fewer blocks; None where there is no
-    such block, or no whole chunk before it."""
+def prompt_hashes(
+    tokens: Sequence[int], chunk_tokens: int, block_tokens: int
+) -> tuple[list[bytes], Optional[bytes]]:
+    """In one pass over `tokens`: the chain hash (16 bytes) of each full
+    chunk, and the key of the whole blocks of `block_tokens` past the last
+    full chunk, stored as a chunk of fewer blocks (None where there is no
+    such block, or no full chunk before it)."""
 
 class Layout:
     """A KV cache's geometry and where each layer lives in its allocations:

@@ -45,24 +45,30 @@ fn chunk_hashes<'py>(
         .collect())
 }
 
-/// The key (16 bytes) of the prompt's whole blocks of `block_tokens` past
-/// its last whole chunk, stored as a chunk of fewer blocks; None where it
-/// has no such block or no whole chunk before it.
+/// In one pass over `tokens`: the chain hash (16 bytes) of each full chunk,
+/// and the key of the whole blocks of `block_tokens` past the last full
+/// chunk, stored as a chunk of fewer blocks (None where there is no such
+/// block, or no full chunk before it).
 #[pyfunction]
-fn tail_hash<'py>(
+#[allow(clippy::type_complexity)]
+fn prompt_hashes<'py>(
     py: Python<'py>,
     tokens: Vec<u32>,
     chunk_tokens: u32,
     block_tokens: u32,
-) -> PyResult<Option<Bound<'py, pyo3::types::PyBytes>>> {
+) -> PyResult<(
+    Vec<Bound<'py, pyo3::types::PyBytes>>,
+    Option<Bound<'py, pyo3::types::PyBytes>>,
+)> {
     if block_tokens == 0 || chunk_tokens == 0 || chunk_tokens % block_tokens != 0 {
         return Err(errors::invalid(
             py,
             "block_tokens must be positive and divide chunk_tokens",
         ));
     }
-    let h = py.detach(|| kvring::kv::tail_hash(&tokens, chunk_tokens, block_tokens));
-    Ok(h.map(|h| pyo3::types::PyBytes::new(py, &h)))
+    let (hs, tail) = py.detach(|| kvring::kv::prompt_keys(&tokens, chunk_tokens, block_tokens));
+    let bytes = |h: &[u8; 16]| pyo3::types::PyBytes::new(py, h);
+    Ok((hs.iter().map(bytes).collect(), tail.as_ref().map(bytes)))
 }
 
 #[pymodule]
@@ -84,7 +90,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(model_id, m)?)?;
     m.add_function(wrap_pyfunction!(salt_id, m)?)?;
     m.add_function(wrap_pyfunction!(chunk_hashes, m)?)?;
-    m.add_function(wrap_pyfunction!(tail_hash, m)?)?;
+    m.add_function(wrap_pyfunction!(prompt_hashes, m)?)?;
     m.add_class::<layout::PyLayout>()?;
     m.add_class::<client::PyClient>()?;
     m.add_class::<handles::PyJob>()?;

@@ -77,6 +77,16 @@ pub fn chunk_chain(
 /// can end on a block. None where the prompt has no such block, or no whole
 /// chunk before it.
 pub fn tail_hash(tokens: &[u32], chunk_tokens: u32, block_tokens: u32) -> Option<ChunkHash> {
+    prompt_keys(tokens, chunk_tokens, block_tokens).1
+}
+
+/// A prompt's keys in one pass over its tokens: its whole chunks'
+/// ([`chunk_hashes`]) and its tail's ([`tail_hash`]).
+pub fn prompt_keys(
+    tokens: &[u32],
+    chunk_tokens: u32,
+    block_tokens: u32,
+) -> (Vec<ChunkHash>, Option<ChunkHash>) {
     assert!(
         block_tokens > 0 && chunk_tokens % block_tokens == 0,
         "the block size must divide the chunk size"
@@ -84,12 +94,10 @@ pub fn tail_hash(tokens: &[u32], chunk_tokens: u32, block_tokens: u32) -> Option
     let ct = chunk_tokens as usize;
     let whole = tokens.len() / ct * ct;
     let end = tokens.len() / block_tokens as usize * block_tokens as usize;
-    if whole == 0 || end == whole {
-        return None;
-    }
-    let (_, state) = chunk_chain(chain_seed(), &tokens[..whole], chunk_tokens);
-    let (h, _) = chunk_chain(state, &tokens[whole..end], (end - whole) as u32);
-    Some(h[0])
+    let (hashes, state) = chunk_chain(chain_seed(), &tokens[..whole], chunk_tokens);
+    let tail = (whole > 0 && end > whole)
+        .then(|| chunk_chain(state, &tokens[whole..end], (end - whole) as u32).0[0]);
+    (hashes, tail)
 }
 
 /// The key of engine `id` a client sends in its hello: BLAKE3
@@ -143,6 +151,7 @@ mod tests {
         // None without a whole chunk before it, or without a whole block.
         assert_eq!(tail_hash(&a[..90], 96, 16), None);
         assert_eq!(tail_hash(&a[..200], 96, 16), None);
+        assert_eq!(prompt_keys(&a, 96, 16), (chunk_hashes(&a, 96), Some(t)));
     }
 
     #[test]

@@ -19,7 +19,7 @@ pub mod preset;
 
 pub use geometry::{Dtype, GeometryError, GeometryFlags, KvGeometry, KvShape};
 pub use hash::{
-    chain_seed, chunk_chain, chunk_hashes, engine_key, model_id, salt_id, tail_hash, ChainState, ChunkHash,
+    chain_seed, chunk_chain, chunk_hashes, engine_key, model_id, prompt_keys, salt_id, tail_hash, ChainState, ChunkHash,
 };
 pub use layer_groups::LayerGroups;
 pub use layout::{KvLayout, LayerPlacement, LayoutError, Part};

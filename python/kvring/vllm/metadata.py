@@ -39,7 +39,7 @@ class StoreOp:
     group's, a state group's): the next step's forward waits for it
     (`handle_preemptions`)."""
     tail: bool = False
-    """The prompt's tail (one chunk of fewer blocks, `kvring.tail_hash`): a
+    """The prompt's tail (one chunk of fewer blocks, `kvring.prompt_hashes`): a
     STORE of its own, since a short chunk must be its job's last."""
 
 

@@ -110,7 +110,7 @@ class _Tracked:
     server that publishes KV events."""
     tail: bytes | None = None
     """The key of the prompt's whole blocks past its last whole chunk
-    (`kvring.tail_hash`), where it has a tail (`SchedulerSide._tails`)."""
+    (`kvring.prompt_hashes`), where it has a tail (`SchedulerSide._tails`)."""
     tail_end: int = 0
     """Where the tail ends: the prompt's whole blocks."""
     tail_lease: Lease | None = None
@@ -265,18 +265,23 @@ class SchedulerSide:
         where a hit may end past the last whole chunk (`_max_hit_chunks`),
         and the whole blocks after it would otherwise be computed in the
         hit's first step."""
-        return self._settings.store_tails and bool(self._settings.async_load) and len(self._groups) == 1
+        return self._settings.store_tails and self._past_the_last_token()
+
+    def _past_the_last_token(self) -> bool:
+        """Whether a hit may cover the whole prompt: after an asynchronous
+        load vLLM recomputes the last token of a whole-prompt hit itself
+        (not for a model of several KV cache groups: a sliding window or a
+        state must then also cover the token before the last, which the
+        stored chunks do not say)."""
+        return bool(self._settings.async_load) and len(self._groups) == 1
 
     def _max_hit_chunks(self, request: Request) -> int:
-        """The most chunks a hit may have. A synchronous load must leave
-        vLLM the request's last token to compute. After an asynchronous
-        load vLLM recomputes the last token of a whole-prompt hit itself,
-        so a prompt of whole chunks loads them all and its first step
-        computes one token, not a chunk. Not for a model of several KV
-        cache groups: a sliding window or a state must then also cover the
-        token before the last, which the stored chunks do not say."""
+        """The most chunks a hit may have: a prompt of whole chunks loads
+        them all where vLLM then computes its last token again
+        (`_past_the_last_token`), and its first step is one token, not a
+        chunk; else the last token is left to compute."""
         n = request.num_tokens
-        if self._settings.async_load and len(self._groups) == 1:
+        if self._past_the_last_token():
             return n // self.chunk_tokens
         return (n - 1) // self.chunk_tokens
 
@@ -286,7 +291,11 @@ class SchedulerSide:
         or more."""
         if request.prompt_token_ids is None or getattr(request, "mm_features", None):
             return None
-        hashes = kvring.chunk_hashes(request.prompt_token_ids, self.chunk_tokens)
+        tail = None
+        if self._tails():
+            hashes, tail = kvring.prompt_hashes(request.prompt_token_ids, self.chunk_tokens, self._block_size)
+        else:
+            hashes = kvring.chunk_hashes(request.prompt_token_ids, self.chunk_tokens)
         if not hashes:
             return None
         t = _Tracked(
@@ -294,8 +303,8 @@ class SchedulerSide:
         )
         if self._ledger is not None and getattr(request, "block_hashes", None) is not None:
             t.blocks = RequestBlocks(request, self._block_size, self._hash_block_size, self.chunk_tokens)
-        if self._tails():
-            t.tail = kvring.tail_hash(request.prompt_token_ids, self.chunk_tokens, self._block_size)
+        if tail is not None:
+            t.tail = tail
             t.tail_end = len(request.prompt_token_ids) // self._block_size * self._block_size
         self._tracked[request.request_id] = t
         return t

@@ -531,8 +531,9 @@ class WorkerSide:
             del self._loads[req_id]
             for tr in transfers:
                 _release(tr.job)
-            self._seen(req_id, transfers, all(tr.outcome for tr in transfers))
-            if all(tr.outcome for tr in transfers):
+            ok = all(tr.outcome for tr in transfers)
+            self._seen(req_id, transfers, ok)
+            if ok:
                 self.stats.count("load_chunks", sum(tr.chunks for tr in transfers))
                 self._recving.add(req_id)
             else:
