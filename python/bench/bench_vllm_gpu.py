@@ -460,7 +460,10 @@ def place_loads(llm, rows: list[dict]) -> None:
     (submitted until the worker saw it over: the copy and the poll), and
     for an asynchronous load its wait (queued -> scheduled) split at it:
     `to_submit_s` (lookup and scheduling until the worker submitted the
-    retrieve) and `to_schedule_s` (until vLLM scheduled the request)."""
+    retrieve; of it `to_plan_s`, until the scheduler planned the load,
+    `to_worker_s`, until the worker got the step that carries it, and
+    `submit_s`, the worker's own part) and `to_schedule_s` (until vLLM
+    scheduled the request)."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_vllm_gpu import connector_loads as fetch
 
@@ -480,11 +483,16 @@ def place_loads(llm, rows: list[dict]) -> None:
         x = mine[0]
         t["load_s"] = x["seen_over"] - x["submitted"]
         t["load_chunks"] = x["chunks"]
+        t["load_polls"] = x.get("polls")
         if x["submitted"] <= sched:
             # Asynchronous: the request was scheduled once it was over (a
             # synchronous load runs in the scheduled step's forward).
             t["to_submit_s"] = x["submitted"] - q
             t["to_schedule_s"] = sched - x["seen_over"]
+            if x.get("planned") and x.get("received"):
+                t["to_plan_s"] = x["planned"] - q
+                t["to_worker_s"] = x["received"] - x["planned"]
+                t["submit_s"] = x["submitted"] - x["received"]
 
 
 def test_shared(llm, args, vocab, stored: bool) -> dict:
@@ -578,7 +586,7 @@ def summarize(results: list[dict]) -> dict:
                     "warm_step_s": med([row["warm"]["times"].get("scheduled_to_first_token_s") for row in rows]),
                 }
                 # kvring's wait split at its load (`place_loads`).
-                for k in ("to_submit_s", "load_s", "to_schedule_s"):
+                for k in ("to_submit_s", "to_plan_s", "to_worker_s", "submit_s", "load_s", "to_schedule_s"):
                     got = [row["warm"]["times"][k] for row in rows if k in row["warm"]["times"]]
                     if got:
                         c[f"warm_{k}"] = med(got)

@@ -24,6 +24,9 @@ class LoadOp:
     block_ids: list[int]
     sync: bool = True
     """In this step's forward (True), or reported in finished_recving."""
+    planned: float = 0.0
+    """When the scheduler planned it (`time.monotonic`, the clock of vLLM's
+    request timestamps): where a request's wait for its load goes."""
 
 
 @dataclass

@@ -124,12 +124,13 @@ STATE_CANDIDATES = 4
 group for (`kvring.vllm_cache_groups.state_candidates`)."""
 
 
-def _poll_all(pending: list[PendingLookup], answers: dict[int, Lease]) -> bool:
+def _poll_all(pending: list[PendingLookup], answers: dict[int, Lease], until: float = 0.0) -> bool:
     """Polls the lookups not answered yet (their answers into `answers`, by
-    position); whether all are answered."""
+    position), waiting for them until `until` (`time.monotonic`) at most;
+    whether all are answered."""
     for i, p in enumerate(pending):
         if i not in answers:
-            lease = p.poll()
+            lease = p.poll(max(0.0, until - time.monotonic()) if until else 0.0)
             if lease is not None:
                 answers[i] = lease
     return len(answers) == len(pending)
@@ -184,6 +185,9 @@ class SchedulerSide:
         self._tracked: dict[str, _Tracked] = {}
         self._fresh_blocks: set[str] = set()
         self._pending_loads: list[LoadOp] = []
+        # What this step may still wait for new requests' lookups
+        # (`lookup_step_wait_s`, renewed at each step's metadata).
+        self._step_wait_left = settings.lookup_step_wait_s
         # Requests whose load is planned and not reported finished yet.
         self._loading: set[str] = set()
         self.stats = KvringStats()
@@ -243,10 +247,12 @@ class SchedulerSide:
         if t.phase in (Phase.NEW, Phase.LOOKING_UP):
             if client is None:
                 return 0, False
+            wait = 0.0
             if t.phase is Phase.NEW:
                 t.max_chunks = self._max_hit_chunks(request)
                 self._submit_lookup(client, t)
-            if t.phase is Phase.LOOKING_UP and not self._poll_lookup(t):
+                wait = self._step_wait_left
+            if t.phase is Phase.LOOKING_UP and not self._poll_lookup(t, wait):
                 # Not answered yet: the request waits, the scheduler goes on.
                 return None, False
         usable = min(t.hit_chunks, self._max_hit_chunks(request))
@@ -347,12 +353,22 @@ class SchedulerSide:
         t.lease_client = client
         t.phase = Phase.LOOKING_UP
 
-    def _poll_lookup(self, t: _Tracked) -> bool:
+    def _poll_lookup(self, t: _Tracked, wait: float = 0.0) -> bool:
         """Whether the pending lookup has an answer now (a lease, or a miss:
-        failed, or not answered within `lookup_wait_s`)."""
+        failed, or not answered within `lookup_wait_s`), waiting `wait`
+        seconds at most (taken from this step's `lookup_step_wait_s`)."""
         assert t.phase is Phase.LOOKING_UP
+        start = time.monotonic()
+        until = start + wait if wait > 0 else 0.0
         try:
-            if t.pending is not None and _poll_all(t.pending, t.answers):
+            return self._poll_answers(t, until)
+        finally:
+            if wait > 0:
+                self._step_wait_left = max(0.0, self._step_wait_left - (time.monotonic() - start))
+
+    def _poll_answers(self, t: _Tracked, until: float) -> bool:
+        try:
+            if t.pending is not None and _poll_all(t.pending, t.answers, until):
                 leases = [t.answers[i] for i in range(len(t.pending))]
                 t.pending, t.answers = None, {}
                 if t.tail is not None:
@@ -365,7 +381,7 @@ class SchedulerSide:
                 self._submit_state_lookups(t, leases)
                 if t.phase is not Phase.LOOKING_UP:
                     return True
-            if t.state_pending is not None and _poll_all(t.state_pending, t.state_answers):
+            if t.state_pending is not None and _poll_all(t.state_pending, t.state_answers, until):
                 self._state_answered(t)
                 return True
         except KvringError as e:
@@ -488,6 +504,7 @@ class SchedulerSide:
         if num_external_tokens <= 0:
             self._end_lease(t)
             return
+        planned = time.monotonic()
         c = self.chunk_tokens
         start = t.local_tokens
         end = start + num_external_tokens
@@ -506,6 +523,7 @@ class SchedulerSide:
                 skip_tokens=max(start, whole) - whole,
                 block_ids=t.block_ids[0][whole // b : end // b],
                 sync=not self._settings.async_load,
+                planned=planned,
             )
             end = whole
         usable = end % c == 0 and len(t.leases) == len(self._groups) and t.lease_client is client
@@ -535,6 +553,7 @@ class SchedulerSide:
                         skip_tokens=(bpc - 1) * self._block_size,
                         block_ids=ids,
                         sync=not self._settings.async_load,
+                        planned=planned,
                     )
                 )
                 continue
@@ -557,6 +576,7 @@ class SchedulerSide:
                     skip_tokens=skip,
                     block_ids=ids,
                     sync=not self._settings.async_load,
+                    planned=planned,
                 )
             )
             if lease is not None:
@@ -608,6 +628,7 @@ class SchedulerSide:
         chunks that this step's forward completes."""
         meta = KvringMetadata(loads=self._pending_loads)
         self._pending_loads = []
+        self._step_wait_left = self._settings.lookup_step_wait_s
         meta.preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
         for req_id in meta.preempted:
             # Its stores so far are waited for by the workers before the

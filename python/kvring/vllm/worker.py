@@ -47,8 +47,14 @@ class LoadSeen:
     `ok` false for a failed one."""
 
     req_id: str
+    planned: float
+    """When the scheduler planned it (its step's lookup and allocation)."""
+    received: float
+    """When this worker got the step that carries it."""
     submitted: float
     seen_over: float
+    polls: int
+    """How many of this worker's steps looked at it before it was over."""
     chunks: int
     ok: bool
 
@@ -76,6 +82,12 @@ class _Transfer:
     submitted: float = field(default_factory=time.monotonic)
     """When it was submitted (`time.monotonic`, the clock of vLLM's request
     timestamps)."""
+    planned: float = 0.0
+    """A retrieve: when the scheduler planned it (`LoadOp.planned`)."""
+    received: float = 0.0
+    """A retrieve: when the worker got the step that carries it."""
+    polls: int = 0
+    """An asynchronous retrieve: the steps that looked at it."""
     status: Any = None
     """The job's final status, once read (a STORE's tells the chunks that
     got no space)."""
@@ -269,6 +281,7 @@ class WorkerSide:
         replays the step as one CUDA graph, without per-layer hooks), else
         before the forward (on a GPU its stream waits on the device, on a
         CPU this hook waits)."""
+        received = time.monotonic()
         client, reg = self._link.client(), self._registration
         event, after = self.engine_event() if meta.loads and client is not None and reg is not None else (None, None)
         timeout = self._settings.load_timeout_s
@@ -300,6 +313,7 @@ class WorkerSide:
             # Whole chunks, a tail's last one short.
             chunks = -(-len(op.block_ids) * self._block_size // self.chunk_tokens)
             tr = _Transfer(job, time.monotonic() + timeout, chunks, invalid, event=event)
+            tr.planned, tr.received = op.planned, received
             if not op.sync:
                 self._loads.setdefault(op.req_id, []).append(tr)
                 continue
@@ -373,6 +387,7 @@ class WorkerSide:
         independent: one request to the server instead of one per vLLM
         request, so the server wakes once per step) and one per prompt tail,
         ordered after the forward the engine queued (`engine_event`)."""
+        received = time.monotonic()
         client, reg = self._link.client(), self._registration
         event, after = self.engine_event() if client is not None and reg is not None else (None, None)
         # One STORE per salt, and one per prompt tail (a short chunk must be
@@ -525,6 +540,7 @@ class WorkerSide:
         for req_id, transfers in list(self._loads.items()):
             for tr in transfers:
                 if tr.outcome is None:
+                    tr.polls += 1
                     tr.outcome = _outcome(tr, alive)
             if any(tr.outcome is None for tr in transfers):
                 continue
@@ -543,8 +559,11 @@ class WorkerSide:
         self.loads_seen.append(
             LoadSeen(
                 req_id=req_id,
+                planned=min(tr.planned for tr in transfers),
+                received=min(tr.received for tr in transfers),
                 submitted=min(tr.submitted for tr in transfers),
                 seen_over=time.monotonic(),
+                polls=max(tr.polls for tr in transfers),
                 chunks=sum(tr.chunks for tr in transfers),
                 ok=ok,
             )
