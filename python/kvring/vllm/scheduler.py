@@ -124,13 +124,12 @@ STATE_CANDIDATES = 4
 group for (`kvring.vllm_cache_groups.state_candidates`)."""
 
 
-def _poll_all(pending: list[PendingLookup], answers: dict[int, Lease], until: float = 0.0) -> bool:
+def _poll_all(pending: list[PendingLookup], answers: dict[int, Lease]) -> bool:
     """Polls the lookups not answered yet (their answers into `answers`, by
-    position), waiting for them until `until` (`time.monotonic`) at most;
-    whether all are answered."""
+    position); whether all are answered."""
     for i, p in enumerate(pending):
         if i not in answers:
-            lease = p.poll(max(0.0, until - time.monotonic()) if until else 0.0)
+            lease = p.poll()
             if lease is not None:
                 answers[i] = lease
     return len(answers) == len(pending)
@@ -185,9 +184,6 @@ class SchedulerSide:
         self._tracked: dict[str, _Tracked] = {}
         self._fresh_blocks: set[str] = set()
         self._pending_loads: list[LoadOp] = []
-        # What this step may still wait for new requests' lookups
-        # (`lookup_step_wait_s`, renewed at each step's metadata).
-        self._step_wait_left = settings.lookup_step_wait_s
         # Requests whose load is planned and not reported finished yet.
         self._loading: set[str] = set()
         self.stats = KvringStats()
@@ -247,12 +243,10 @@ class SchedulerSide:
         if t.phase in (Phase.NEW, Phase.LOOKING_UP):
             if client is None:
                 return 0, False
-            wait = 0.0
             if t.phase is Phase.NEW:
                 t.max_chunks = self._max_hit_chunks(request)
                 self._submit_lookup(client, t)
-                wait = self._step_wait_left
-            if t.phase is Phase.LOOKING_UP and not self._poll_lookup(t, wait):
+            if t.phase is Phase.LOOKING_UP and not self._poll_lookup(t):
                 # Not answered yet: the request waits, the scheduler goes on.
                 return None, False
         usable = min(t.hit_chunks, self._max_hit_chunks(request))
@@ -353,22 +347,12 @@ class SchedulerSide:
         t.lease_client = client
         t.phase = Phase.LOOKING_UP
 
-    def _poll_lookup(self, t: _Tracked, wait: float = 0.0) -> bool:
+    def _poll_lookup(self, t: _Tracked) -> bool:
         """Whether the pending lookup has an answer now (a lease, or a miss:
-        failed, or not answered within `lookup_wait_s`), waiting `wait`
-        seconds at most (taken from this step's `lookup_step_wait_s`)."""
+        failed, or not answered within `lookup_wait_s`)."""
         assert t.phase is Phase.LOOKING_UP
-        start = time.monotonic()
-        until = start + wait if wait > 0 else 0.0
         try:
-            return self._poll_answers(t, until)
-        finally:
-            if wait > 0:
-                self._step_wait_left = max(0.0, self._step_wait_left - (time.monotonic() - start))
-
-    def _poll_answers(self, t: _Tracked, until: float) -> bool:
-        try:
-            if t.pending is not None and _poll_all(t.pending, t.answers, until):
+            if t.pending is not None and _poll_all(t.pending, t.answers):
                 leases = [t.answers[i] for i in range(len(t.pending))]
                 t.pending, t.answers = None, {}
                 if t.tail is not None:
@@ -381,7 +365,7 @@ class SchedulerSide:
                 self._submit_state_lookups(t, leases)
                 if t.phase is not Phase.LOOKING_UP:
                     return True
-            if t.state_pending is not None and _poll_all(t.state_pending, t.state_answers, until):
+            if t.state_pending is not None and _poll_all(t.state_pending, t.state_answers):
                 self._state_answered(t)
                 return True
         except KvringError as e:
@@ -628,7 +612,6 @@ class SchedulerSide:
         chunks that this step's forward completes."""
         meta = KvringMetadata(loads=self._pending_loads)
         self._pending_loads = []
-        self._step_wait_left = self._settings.lookup_step_wait_s
         meta.preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
         for req_id in meta.preempted:
             # Its stores so far are waited for by the workers before the

@@ -37,10 +37,6 @@ class KvringSettings:
     store, a retrieve): a stopped server costs a step this once, then the
     connection is dropped and hooks miss until it answers again."""
     lookup_wait_s: float = 3.0
-    lookup_step_wait_s: float = 0.0002
-    """How long one scheduler step may wait, in all, for its new requests'
-    lookups to be answered: a hit answered within it is loaded from the
-    step that looked it up, not a step later. 0: never wait."""
     store_tails: bool = True
     """Store and load a prompt's tail, its whole blocks past its last whole
     chunk, where loads are asynchronous (one chunk object a prompt)."""
@@ -63,7 +59,6 @@ class KvringSettings:
             "kvring.submit_s",
             "kvring.lookup_submit_s",  # the earlier name of submit_s
             "kvring.lookup_wait_s",
-            "kvring.lookup_step_wait_s",
             "kvring.store_tails",
             "kvring.runtime_dir",
         }
@@ -87,7 +82,6 @@ class KvringSettings:
             min_load_tokens=None if min_load is None else int(min_load),
             submit_s=float(extra.get("kvring.submit_s", extra.get("kvring.lookup_submit_s", cls.submit_s))),
             lookup_wait_s=float(extra.get("kvring.lookup_wait_s", cls.lookup_wait_s)),
-            lookup_step_wait_s=float(extra.get("kvring.lookup_step_wait_s", cls.lookup_step_wait_s)),
             store_tails=_as_bool("kvring.store_tails", extra.get("kvring.store_tails", cls.store_tails)),
             runtime_dir=None if runtime_dir is None else str(runtime_dir),
         )
@@ -95,11 +89,6 @@ class KvringSettings:
             raise KvringError(f"kvring.chunk_tokens must be positive, not {settings.chunk_tokens}")
         if settings.layer_groups < 1:
             raise KvringError(f"kvring.layer_groups must be at least 1, not {settings.layer_groups}")
-        if not 0 <= settings.lookup_step_wait_s <= 0.01:
-            raise KvringError(
-                f"kvring.lookup_step_wait_s must be between 0 and 0.01 (a step's time), not "
-                f"{settings.lookup_step_wait_s}"
-            )
         if settings.min_load_tokens is not None and settings.min_load_tokens < 0:
             raise KvringError(f"kvring.min_load_tokens must not be negative, not {settings.min_load_tokens}")
         for key in ("timeout_s", "load_timeout_s", "submit_s", "lookup_wait_s"):

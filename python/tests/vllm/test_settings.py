@@ -64,11 +64,6 @@ def test_submit_s_bounds_every_submission_and_keeps_its_earlier_name():
     assert KvringSettings.from_extra_config({"kvring.lookup_submit_s": 0.5}).submit_s == 0.5
 
 
-def test_a_step_waits_a_bounded_time_for_its_new_lookups():
-    assert KvringSettings.from_extra_config({}).lookup_step_wait_s == 0.0002
-    assert KvringSettings.from_extra_config({"kvring.lookup_step_wait_s": "0"}).lookup_step_wait_s == 0.0
-
-
 @pytest.mark.parametrize(
     "extra, words",
     [
@@ -77,8 +72,6 @@ def test_a_step_waits_a_bounded_time_for_its_new_lookups():
         ({"kvring.load_timeout_s": 0}, "positive"),
         ({"kvring.min_load_tokens": -1}, "negative"),
         ({"kvring.submit_s": 0}, "positive"),
-        ({"kvring.lookup_step_wait_s": 0.5}, "a step's time"),
-        ({"kvring.lookup_step_wait_s": -0.001}, "a step's time"),
     ],
 )
 def test_bad_settings_are_refused(extra, words):
