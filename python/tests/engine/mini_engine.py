@@ -36,6 +36,16 @@ rank reports a load finished, it compares every byte of the loaded request's
 blocks (on the device) with what the forward would have written there;
 a difference fails the run, naming the layer, block, token, head and byte.
 
+A scenario with a `window` is a model of two KV cache groups, as vLLM's
+hybrid manager keeps one of full-attention and sliding-window layers: the
+connector gets the `KVCacheConfig` of both groups, the scheduler a block
+table per group, and the sliding-window group's blocks before the window of
+the next token to compute are freed to the null block as vLLM's
+`allocate_slots` frees them (so a store of its chunks must finish before
+another request's forward writes those blocks), and a hit holds only the
+window's blocks. Each model layer writes its group's blocks; layers 2j and
+2j+1 view one tensor.
+
 What the harness emulates rather than runs: vLLM's local prefix cache hit
 (`RequestSpec.local_hit`: the tokens vLLM would find in its own blocks are
 written into the request's first blocks by the workers in the step they
@@ -69,12 +79,22 @@ import torch
 
 import kvring
 import standin_vllm
-from kv_layouts import ALLOC_ENV, KvCache, KvSpec, LayoutCase, allocate_kv_cache, in_expandable_segment
+from kv_layouts import (
+    ALLOC_ENV,
+    LAYER_NAME,
+    KvCache,
+    KvSpec,
+    LayoutCase,
+    allocate_kv_cache,
+    in_expandable_segment,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 """Where the engine runs: CUDA when torch sees a device."""
 BLOCK_TOKENS = 16
 CHUNK_TOKENS = 64
+NULL_BLOCK = 0
+"""vLLM's null block: a group's positions it does not hold."""
 START_TIMEOUT_S = 240.0
 """Starting the processes: importing vLLM takes ~10 s per process on 2 cores."""
 STEP_TIMEOUT_S = 60.0
@@ -195,14 +215,41 @@ class Request:
 
 @dataclass
 class KVCacheBlocks:
-    """One KV cache group's block ids."""
+    """Block ids, one list per KV cache group."""
 
-    block_ids: list[int]
+    block_ids: list[list[int]]
 
     def get_block_ids(self, allow_none: bool = False) -> tuple[list[int], ...] | None:
-        if allow_none and not self.block_ids:
+        if allow_none and not any(self.block_ids):
             return None
-        return (list(self.block_ids),)
+        return tuple(list(ids) for ids in self.block_ids)
+
+
+@dataclass
+class FullAttentionSpec:
+    """vLLM's spec of a full-attention group (the connector reads the kinds
+    of groups by their class names)."""
+
+    block_size: int
+
+
+@dataclass
+class SlidingWindowSpec:
+    block_size: int
+    sliding_window: int
+
+
+@dataclass
+class KVCacheGroupSpec:
+    layer_names: list[str]
+    kv_cache_spec: Any
+
+
+@dataclass
+class KVCacheConfig:
+    """vLLM's `KVCacheConfig`, as far as the connector reads it."""
+
+    kv_cache_groups: list[KVCacheGroupSpec]
 
 
 @dataclass
@@ -321,6 +368,14 @@ class Scenario:
     seed: int = 0
     max_steps: int = 5000
     corrupt_load: str | None = None
+    corrupt_group: int = 0
+    """The KV cache group whose loaded byte `corrupt_load` changes."""
+    window: int | None = None
+    """A sliding window (tokens): the model's layers alternate full attention
+    (even) and this window (odd), which vLLM's hybrid manager keeps in two
+    KV cache groups whose layers 2j and 2j+1 view one tensor; the window's
+    group holds only the blocks its window reaches (the others are the null
+    block)."""
     settings: dict[str, Any] = field(default_factory=dict)
     """More `kvring.*` connector settings."""
     """A control of the check itself: the workers change one loaded byte of
@@ -355,10 +410,31 @@ class Scenario:
             ),
         )
 
+    @property
+    def groups(self) -> int:
+        return 1 if self.window is None else 2
+
+    def group_of(self, layer: int) -> tuple[int, int]:
+        """(KV cache group, tensor) of model layer `layer`."""
+        return (0, layer) if self.window is None else (layer % 2, layer // 2)
+
+    def kv_cache_config(self) -> KVCacheConfig | None:
+        """None for a model of one group (the connector then names every
+        layer the engine registers), else the two groups."""
+        if self.window is None:
+            return None
+        names = [LAYER_NAME.format(i) for i in range(self.layers)]
+        return KVCacheConfig(
+            kv_cache_groups=[
+                KVCacheGroupSpec(names[0::2], FullAttentionSpec(BLOCK_TOKENS)),
+                KVCacheGroupSpec(names[1::2], SlidingWindowSpec(BLOCK_TOKENS, self.window)),
+            ]
+        )
+
     def kv_spec(self) -> KvSpec:
         mla = self.layout.mla
         return KvSpec(
-            layers=self.layers,
+            layers=self.layers // self.groups,
             blocks=self.blocks,
             block_tokens=BLOCK_TOKENS,
             heads=1 if mla else self.heads // self.tp,
@@ -580,19 +656,21 @@ def _scheduler_process(conn: Any, worker_conns: list[Any], device: str) -> None:
 
 @dataclass
 class _ReqState:
-    """A request as the worker's model runner knows it."""
+    """A request as the worker's model runner knows it: its blocks per KV
+    cache group."""
 
     tokens: list[int]
-    blocks: list[int]
+    blocks: list[list[int]]
 
 
 @dataclass
 class LoadCheck:
     """A load to verify once it finished: tokens [0, end) of `tokens` in
-    `block_ids` (whole blocks)."""
+    `block_ids` (per KV cache group, whole blocks; a group's null blocks
+    hold nothing and are not checked)."""
 
     tokens: list[int]
-    block_ids: list[int]
+    block_ids: list[list[int]]
     end: int
 
 
@@ -645,6 +723,7 @@ class _Worker:
         else:
             self.device = torch.device("cpu")
         self.spec = spec = sc.kv_spec()
+        self.sc = sc
         self.mla = sc.layout.mla
         self.corrupt = sc.corrupt_load
         self.heads = torch.arange(spec.heads, device=self.device) + (0 if self.mla else self.rank * spec.heads)
@@ -654,8 +733,13 @@ class _Worker:
         gen = torch.Generator(device=self.device).manual_seed(1000 + self.rank)
         for buf in self.cache.buffers:  # garbage, so that no stale zero passes for a copy
             buf.copy_(torch.randint(-128, 128, buf.shape, dtype=torch.int8, device=self.device, generator=gen))
-        self.connector = KvringConnector(vllm_config, KVConnectorRole.WORKER)
-        self.connector.register_kv_caches(self.cache.tensors)
+        self.connector = KvringConnector(vllm_config, KVConnectorRole.WORKER, sc.kv_cache_config())
+        tensors = list(self.cache.tensors.values())
+        # Every model layer, as vLLM hands them over: with two groups,
+        # layers 2j and 2j+1 are one tensor.
+        self.connector.register_kv_caches(
+            {LAYER_NAME.format(layer): tensors[sc.group_of(layer)[1]] for layer in range(sc.layers)}
+        )
         self.reqs: dict[str, _ReqState] = {}
         self.checks: dict[str, LoadCheck] = {}
         self.invalid: set[int] = set()
@@ -698,10 +782,11 @@ class _Worker:
         verified = {}
         for req_id in recving or ():
             check = self.checks.pop(req_id, None)
-            if check is not None and self.invalid.isdisjoint(check.block_ids):
+            if check is not None and self.invalid.isdisjoint(b for ids in check.block_ids for b in ids):
                 if req_id == self.corrupt:
-                    view, _ = self.cache.token_rows(0)[0]
-                    view[check.block_ids[-1], BLOCK_TOKENS - 1, 0, 0] += 1
+                    g = self.sc.corrupt_group
+                    view, _ = self.cache.token_rows(self.sc.group_of(g)[1])[0]
+                    view[check.block_ids[g][-1], BLOCK_TOKENS - 1, 0, 0] += 1
                 verified[req_id] = self._verify(req_id, check)
         return WorkerOutput(
             sampled=sampled,
@@ -718,18 +803,19 @@ class _Worker:
         for req_id in so.finished_req_ids | so.preempted_req_ids:
             self.reqs.pop(req_id, None)
         for new in so.scheduled_new_reqs:
-            self.reqs[new.req_id] = _ReqState(list(new.prompt_token_ids), list(new.block_ids[0]))
+            self.reqs[new.req_id] = _ReqState(list(new.prompt_token_ids), [list(ids) for ids in new.block_ids])
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             new_blocks = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                self.reqs[req_id] = _ReqState(list(cached.all_token_ids[req_id]), list(new_blocks[0]))
+                self.reqs[req_id] = _ReqState(list(cached.all_token_ids[req_id]), [list(ids) for ids in new_blocks])
                 continue
             st = self.reqs[req_id]
             if req_id in cached.all_token_ids:
                 st.tokens = list(cached.all_token_ids[req_id])
             if new_blocks is not None:
-                st.blocks.extend(new_blocks[0])
+                for have, ids in zip(st.blocks, new_blocks, strict=True):
+                    have.extend(ids)
 
     def _forward(self, so: SchedulerOutput) -> dict[str, int]:
         """Writes the KV of every scheduled token; samples a token for each
@@ -758,32 +844,44 @@ class _Worker:
     def _expected(self, seeds: torch.Tensor, layer: int) -> torch.Tensor:
         return kv_bytes(seeds, layer, self.heads, self.spec.row_bytes, 0 if self.mla else self.rank)
 
-    def _write(self, tokens: list[int], blocks: list[int], start: int, end: int) -> None:
+    def _write(self, tokens: list[int], blocks: list[list[int]], start: int, end: int) -> None:
+        """The forward's KV of tokens start..end-1: every model layer into
+        its group's blocks of its tensor."""
         if end <= start:
             return
-        seeds, block_ids, slots = self._positions(tokens, blocks, start, end)
-        for layer in range(self.spec.layers):
+        at = [self._positions(tokens, ids, start, end) for ids in blocks]
+        for layer in range(self.sc.layers):
+            g, tensor = self.sc.group_of(layer)
+            seeds, block_ids, slots = at[g]
             data = self._expected(seeds, layer)
-            for view, off in self.cache.token_rows(layer):
+            for view, off in self.cache.token_rows(tensor):
                 view[block_ids, slots] = data[:, :, off : off + view.shape[-1]]
 
     def _verify(self, req_id: str, check: LoadCheck) -> int:
-        """Compares the whole loaded range with what the forward writes;
-        returns the bytes checked, raises EngineError at the first difference."""
-        seeds, block_ids, slots = self._positions(check.tokens, check.block_ids, 0, check.end)
+        """Compares the whole loaded range (each group's blocks that hold
+        anything) with what the forward writes; returns the bytes checked,
+        raises EngineError at the first difference."""
+        at = []
+        for ids in check.block_ids:
+            seeds, block_ids, slots = self._positions(check.tokens, ids, 0, check.end)
+            held = block_ids != NULL_BLOCK
+            at.append((seeds[held], block_ids[held], slots[held], held.nonzero().flatten()))
         checked = 0
-        for layer in range(self.spec.layers):
+        for layer in range(self.sc.layers):
+            g, tensor = self.sc.group_of(layer)
+            seeds, block_ids, slots, tokens = at[g]
             data = self._expected(seeds, layer)
-            for view, off in self.cache.token_rows(layer):
+            for view, off in self.cache.token_rows(tensor):
                 want = data[:, :, off : off + view.shape[-1]]
                 got = view[block_ids, slots]
                 if not torch.equal(got, want):
-                    t, h, b = (int(x) for x in (got != want).nonzero()[0])
+                    i, h, b = (int(x) for x in (got != want).nonzero()[0])
+                    t = int(tokens[i])
                     raise EngineError(
-                        f"rank {self.rank}: request {req_id}'s loaded KV differs at layer {layer}, "
-                        f"block {check.block_ids[t // BLOCK_TOKENS]} (token {t}, slot {t % BLOCK_TOKENS}), "
-                        f"head {h} of the rank, byte {off + b} of the row: got {int(got[t, h, b])}, "
-                        f"expected {int(want[t, h, b])}"
+                        f"rank {self.rank}: request {req_id}'s loaded KV differs at layer {layer} (group {g}), "
+                        f"block {check.block_ids[g][t // BLOCK_TOKENS]} (token {t}, slot {t % BLOCK_TOKENS}), "
+                        f"head {h} of the rank, byte {off + b} of the row: got {int(got[i, h, b])}, "
+                        f"expected {int(want[i, h, b])}"
                     )
                 checked += got.numel()
         return checked
@@ -813,7 +911,7 @@ def _run_scenario(sc: Scenario, all_links: list[_Link], provider: str) -> Report
         link.send("start", sc)
     workers = [link.recv() for link in links]
     vllm_config = sc.vllm_config()
-    connector = KvringConnector(vllm_config, KVConnectorRole.SCHEDULER)
+    connector = KvringConnector(vllm_config, KVConnectorRole.SCHEDULER, sc.kv_cache_config())
     sched = _Scheduler(sc, connector, links)
     sched.run()
     connector.shutdown()
@@ -848,7 +946,8 @@ class _Scheduler:
         rng.shuffle(ids)
         self.usable = sc.usable_blocks or len(ids)
         self.free = deque(ids[: self.usable])
-        self.blocks: dict[str, list[int]] = {}
+        self.blocks: dict[str, list[list[int]]] = {}
+        """Per request, its block ids per KV cache group."""
         self.pending = list(sc.requests)
         self.specs = {r.name: r for r in sc.requests}
         self.requests: dict[str, Request] = {}
@@ -912,7 +1011,7 @@ class _Scheduler:
                 req = Request(spec.name, spec.prompt, spec.max_tokens)
                 self.requests[spec.name] = req
                 self.traces[spec.name] = RequestTrace()
-                self.blocks[spec.name] = []
+                self.blocks[spec.name] = [[] for _ in range(self.sc.groups)]
                 self.waiting.append(req)
 
     def _aborts(self) -> None:
@@ -920,7 +1019,7 @@ class _Scheduler:
         `abort_after_ask` that were asked and never allocated."""
         for req in list(self.waiting):
             rid = req.request_id
-            if self.specs[rid].abort_after_ask and self.traces[rid].asks and not self.blocks[rid]:
+            if self.specs[rid].abort_after_ask and self.traces[rid].asks and not any(self.blocks[rid]):
                 before = self._probe.stats()["leases"]
                 self.waiting.remove(req)
                 req.status = RequestStatus.FINISHED_ABORTED
@@ -992,19 +1091,22 @@ class _Scheduler:
             n = 0 if load_async else min(req.num_tokens - computed, budget)
             if threshold > 0:
                 n = min(n, threshold)
-            if self._allocate(req, computed + n) is None:
+            if self._allocate(req, computed + n, computed) is None:
                 break
             self.connector.update_state_after_alloc(req, KVCacheBlocks(self.blocks[rid]), ext)
             trace.allocs.append(ext)
             tokens = req.all_token_ids
             if local:
+                if self.sc.window is not None:
+                    raise EngineError("a local prefix hit is emulated for models of one KV cache group only")
                 local_fills.append(LoadCheck(tokens, self.blocks[rid], local))
             if load_async:
                 req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                 req.num_computed_tokens = computed
                 self.loading_from[rid] = local
-                load_checks[rid] = LoadCheck(tokens, self.blocks[rid][: -(-computed // BLOCK_TOKENS)], computed)
-                trace.load_blocks.append(list(self.blocks[rid]))
+                end = -(-computed // BLOCK_TOKENS)
+                load_checks[rid] = LoadCheck(tokens, [ids[:end] for ids in self.blocks[rid]], computed)
+                trace.load_blocks.append(list(self.blocks[rid][0]))
                 skipped.append(self.waiting.popleft())
                 continue
             self.waiting.popleft()
@@ -1012,7 +1114,7 @@ class _Scheduler:
             (resumed if req.status == RequestStatus.PREEMPTED else new_reqs).append(req)
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = computed
-            new_blocks[rid] = list(self.blocks[rid])
+            new_blocks[rid] = [list(ids) for ids in self.blocks[rid]]
             num_scheduled[rid] = n
             budget -= n
         self.waiting.extendleft(reversed(skipped))
@@ -1023,7 +1125,7 @@ class _Scheduler:
                 NewRequestData(
                     req_id=r.request_id,
                     prompt_token_ids=list(r.prompt_token_ids),
-                    block_ids=(list(self.blocks[r.request_id]),),
+                    block_ids=tuple(list(ids) for ids in self.blocks[r.request_id]),
                     num_computed_tokens=r.num_computed_tokens,
                 )
                 for r in new_reqs
@@ -1048,28 +1150,49 @@ class _Scheduler:
         )
         return so, (local_fills, load_checks)
 
-    def _allocate(self, req: Request, tokens: int) -> list[int] | None:
-        """Blocks so that `req` covers `tokens`; None (nothing taken) when
-        too few are free."""
-        have = self.blocks[req.request_id]
-        need = -(-tokens // BLOCK_TOKENS) - len(have)
-        if need <= 0:
-            return []
-        if need > len(self.free):
+    def _allocate(self, req: Request, tokens: int, computed: int | None = None) -> list[list[int]] | None:
+        """Blocks so that `req` covers `tokens` in every group, `computed`
+        of them (default: its computed tokens) done; the new ones per
+        group, or None (nothing taken) when too few are free. As vLLM's
+        `allocate_slots`: a sliding-window group first frees the blocks
+        wholly before the window of the next token to compute
+        (`remove_skipped_blocks`), and gets the null block for the
+        positions of a hit before it."""
+        computed = req.num_computed_tokens if computed is None else computed
+        skipped = 0 if self.sc.window is None else max(0, computed - self.sc.window + 1) // BLOCK_TOKENS
+        for g, have in enumerate(self.blocks[req.request_id]):
+            if g == 1:
+                for i in range(min(skipped, len(have))):
+                    if have[i] != NULL_BLOCK:
+                        self.free.append(have[i])
+                        have[i] = NULL_BLOCK
+        total = -(-tokens // BLOCK_TOKENS)
+        fresh = [
+            [i for i in range(len(have), total) if not (g == 1 and i < skipped)]
+            for g, have in enumerate(self.blocks[req.request_id])
+        ]
+        if sum(map(len, fresh)) > len(self.free):
             return None
-        got = [self.free.popleft() for _ in range(need)]
-        have.extend(got)
-        self.alloc_log.append((self.step_no, req.request_id, got))
-        return got
+        got_all = []
+        for g, have in enumerate(self.blocks[req.request_id]):
+            got = []
+            for i in range(len(have), total):
+                b = NULL_BLOCK if g == 1 and i < skipped else self.free.popleft()
+                have.append(b)
+                got.append(b)
+            got_all.append(got)
+            self.alloc_log.append((self.step_no, req.request_id, [b for b in got if b != NULL_BLOCK]))
+        return got_all
 
     def _free(self, rid: str) -> None:
         """vLLM frees a request's blocks tail first, to the queue's end."""
-        self.free.extend(reversed(self.blocks[rid]))
-        self.blocks[rid] = []
+        for ids in self.blocks[rid]:
+            self.free.extend(b for b in reversed(ids) if b != NULL_BLOCK)
+        self.blocks[rid] = [[] for _ in range(self.sc.groups)]
 
     def _preempt(self, req: Request) -> None:
         rid = req.request_id
-        self.preempt_log.append((self.step_no, rid, list(self.blocks[rid])))
+        self.preempt_log.append((self.step_no, rid, [b for ids in self.blocks[rid] for b in ids if b != NULL_BLOCK]))
         self._free(rid)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -1157,7 +1280,7 @@ class _Scheduler:
             req = self.requests[rid]
             if req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
                 continue
-            blocks = self.blocks[rid]
+            blocks = self.blocks[rid][0]
             bad = [i for i, b in enumerate(blocks) if b in invalid]
             if rid in failed or bad:
                 valid = bad[0] * BLOCK_TOKENS if bad else self.loading_from[rid]
@@ -1172,8 +1295,8 @@ class _Scheduler:
         trace = self.traces[rid]
         trace.finished = True
         trace.output_token_ids = list(req.output_token_ids)
-        trace.block_ids = list(self.blocks[rid])
-        delay, _ = self.connector.request_finished_all_groups(req, (list(self.blocks[rid]),))
+        trace.block_ids = list(self.blocks[rid][0])
+        delay, _ = self.connector.request_finished_all_groups(req, tuple(list(ids) for ids in self.blocks[rid]))
         trace.delayed_free = bool(delay)
         self.finished_req_ids.add(rid)
         if delay:

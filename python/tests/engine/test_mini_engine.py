@@ -276,6 +276,59 @@ def test_a_changed_byte_fails_the_check(engines, kv_server):
     before the check (the last byte-0 of head 0 of layer 0) must fail the
     run, naming where."""
     sc = scenario("control", store_then_load(random.Random(8)), kv_server, corrupt_load="r1")
-    where = r"request r1's loaded KV differs at layer 0, block \d+ \(token 255, slot 15\), head 0 of the rank, byte 0"
+    where = (
+        r"request r1's loaded KV differs at layer 0 \(group 0\), block \d+ \(token 255, slot 15\), "
+        r"head 0 of the rank, byte 0"
+    )
     with pytest.raises(EngineError, match=where):
+        run(engines, sc)
+
+
+WINDOW = 32
+"""The sliding window of the hybrid scenarios: two blocks."""
+
+
+def window_store_then_load(rng: random.Random) -> list[RequestSpec]:
+    """r0 stores a 300-token prompt through a full-attention group and a
+    sliding-window group (its window's blocks freed as the prefill moves
+    on, 128 tokens a step); then r1, r0's first 256 tokens and 100 more."""
+    p = _tokens(rng, 300)
+    return [RequestSpec("r0", p), RequestSpec("r1", p[:256] + _tokens(rng, 100), after=("r0",))]
+
+
+def test_a_sliding_window_group_loads_only_its_window(engines, kv_server):
+    """A model of two KV cache groups as vLLM's hybrid manager keeps them
+    (layers alternating full attention and a 32-token window, each pair
+    viewing one tensor): r0's chunks are stored for both groups, each
+    before vLLM frees the window group's blocks; r1's hit loads every block
+    of the full-attention group and, of the window group, only the blocks
+    vLLM holds for the window before its first token to compute (the
+    others are the null block), every byte of both checked."""
+    sc = scenario("window", window_store_then_load(random.Random(9)), kv_server, window=WINDOW)
+    report, stats = run(engines, sc)
+    r0, r1 = report.requests["r0"], report.requests["r1"]
+    assert r0.asks == [(0, 0, False, 0)] and r0.delayed_free
+    assert r1.asks == [(0, 256, True, 0)] and r1.allocs == [256, 0]
+    assert r1.loaded_tokens == 256
+    assert sorted(r1.verified) == [0], r1.verified
+    # r0's 4 chunks and r1's 5th, once per group; r1 loads chunks 0-3 of
+    # the full-attention group and chunk 3 of the window's (its last 2
+    # blocks: the window before token 256)
+    assert stats["objects"] == 2 * 5, stats
+    assert stats["retrieved_chunks"] == 4 + 1, stats
+    assert_clean_end(report, stats)
+
+
+def test_a_changed_byte_of_the_window_group_fails_the_check(engines, kv_server):
+    """The control of the window group's check: one byte of the window
+    group's loaded KV changed before the check must fail the run."""
+    sc = scenario(
+        "window-control",
+        window_store_then_load(random.Random(10)),
+        kv_server,
+        window=WINDOW,
+        corrupt_load="r1",
+        corrupt_group=1,
+    )
+    with pytest.raises(EngineError, match=r"request r1's loaded KV differs at layer 1 \(group 1\), block \d+ \(token 255"):
         run(engines, sc)
