@@ -986,7 +986,8 @@ class _Scheduler:
     def _state(self) -> str:
         return (
             f"waiting {[(r.request_id, r.status.name) for r in self.waiting]}, "
-            f"running {[r.request_id for r in self.running]}, held {sorted(self.held)}, free {len(self.free)}"
+            f"running {[r.request_id for r in self.running]}, held {sorted(self.held)}, free {len(self.free)}, "
+            f"blocks {[(rid, sum(b != NULL_BLOCK for ids in g for b in ids)) for rid, g in self.blocks.items()]}"
         )
 
     def step(self) -> None:

@@ -296,15 +296,23 @@ def window_store_then_load(rng: random.Random) -> list[RequestSpec]:
     return [RequestSpec("r0", p), RequestSpec("r1", p[:256] + _tokens(rng, 100), after=("r0",))]
 
 
-def test_a_sliding_window_group_loads_only_its_window(engines, kv_server):
+@pytest.mark.parametrize("case", [c for c in LAYOUT_CASES if not LAYOUT_CASES[c].fp8 and not LAYOUT_CASES[c].mla])
+def test_a_sliding_window_group_loads_only_its_window(engines, kv_server, case):
     """A model of two KV cache groups as vLLM's hybrid manager keeps them
     (layers alternating full attention and a 32-token window, each pair
-    viewing one tensor): r0's chunks are stored for both groups, each
-    before vLLM frees the window group's blocks; r1's hit loads every block
-    of the full-attention group and, of the window group, only the blocks
-    vLLM holds for the window before its first token to compute (the
-    others are the null block), every byte of both checked."""
-    sc = scenario("window", window_store_then_load(random.Random(9)), kv_server, window=WINDOW)
+    viewing one tensor), on each bf16 layout: r0's chunks are stored for
+    both groups, each before vLLM frees the window group's blocks; r1's
+    hit loads every block of the full-attention group and, of the window
+    group, only the blocks vLLM holds for the window before its first
+    token to compute (the others are the null block), every byte of both
+    checked."""
+    sc = scenario(
+        f"window-{case}",
+        window_store_then_load(random.Random(9)),
+        kv_server,
+        layout=LAYOUT_CASES[case],
+        window=WINDOW,
+    )
     report, stats = run(engines, sc)
     r0, r1 = report.requests["r0"], report.requests["r1"]
     assert r0.asks == [(0, 0, False, 0)] and r0.delayed_free
@@ -316,6 +324,41 @@ def test_a_sliding_window_group_loads_only_its_window(engines, kv_server):
     # blocks: the window before token 256)
     assert stats["objects"] == 2 * 5, stats
     assert stats["retrieved_chunks"] == 4 + 1, stats
+    assert_clean_end(report, stats)
+
+
+def test_a_sliding_window_group_on_two_ranks(engines, kv_server):
+    """The same on two tensor-parallel ranks: each stores and loads its
+    shard of both groups, and r1's load is over once both reported it."""
+    sc = scenario("window-tp2", window_store_then_load(random.Random(11)), kv_server, window=WINDOW, tp=2)
+    report, stats = run(engines, sc)
+    r1 = report.requests["r1"]
+    assert r1.asks == [(0, 256, True, 0)] and r1.loaded_tokens == 256
+    assert sorted(r1.verified) == [0, 1], r1.verified
+    assert stats["objects"] == 2 * 2 * 5 and stats["retrieved_chunks"] == 2 * (4 + 1), stats
+    assert_clean_end(report, stats)
+
+
+def test_a_preempted_request_of_a_windowed_model_reloads_its_window(engines, kv_server):
+    """Preemption with two groups: 30 usable blocks, 64-token prefill
+    chunks; a (320 tokens) and b (192) prefill side by side, the window
+    group's blocks freed as they go (and given to the other request at
+    once), until a's next chunk preempts b, whose blocks a then uses. b
+    asks again and loads its own two stored chunks into new blocks of both
+    groups, every byte checked."""
+    rng = random.Random(5)
+    reqs = [RequestSpec("a", _tokens(rng, 320), max_tokens=2), RequestSpec("b", _tokens(rng, 192), max_tokens=2)]
+    sc = scenario(
+        "window-preempt", reqs, kv_server, usable_blocks=30, long_prefill_token_threshold=64, window=WINDOW
+    )
+    report, stats = run(engines, sc)
+    b = report.requests["b"]
+    assert b.preemptions == 1
+    assert "a" in report.preemption_reuse["b"], report.preemption_reuse
+    after = [ask for ask in b.asks if ask[3] == 1]
+    assert after and set(after) == {(0, 128, True, 1)}, b.asks
+    assert b.allocs == [0, 128, 0]
+    assert b.loaded_tokens == 128 and sorted(b.verified) == [0]
     assert_clean_end(report, stats)
 
 
