@@ -101,6 +101,9 @@ class _Tracked:
     """Per KV cache group: its block ids as vLLM announced them (positions a
     sliding-window group freed keep their old id: never stored from)."""
     stored_chunks: int = 0
+    stores_stopped: bool = False
+    """A sliding-window group freed a chunk's first blocks before it could
+    be stored: nothing more of the request is stored, its tail neither."""
     stores_issued: bool = False
     load_blocks: frozenset[int] = frozenset()
     blocks: RequestBlocks | None = None
@@ -113,8 +116,9 @@ class _Tracked:
     (`kvring.prompt_hashes`), where it has a tail (`SchedulerSide._tails`)."""
     tail_end: int = 0
     """Where the tail ends: the prompt's whole blocks."""
-    tail_lease: Lease | None = None
-    """The tail's lookup's lease while it holds the tail."""
+    tail_leases: list[Lease] = field(default_factory=list)
+    """The tail's lookups' leases (one per attention group, as
+    `SchedulerSide._kv_groups`) while every one holds the tail."""
     tail_done: bool = False
     """The tail was loaded, or its store issued."""
 
@@ -238,7 +242,7 @@ class SchedulerSide:
         if (t.leases or t.pending is not None or t.state_pending is not None) and t.lease_client is not client:
             t.leases, t.lease_client, t.pending, t.answers = [], None, None, {}
             t.kv_leases, t.state_chunks, t.state_pending, t.state_answers = [], [], None, {}
-            t.tail_lease = None
+            t.tail_leases = []
             t.phase, t.hit_chunks = Phase.NEW, 0
         if t.phase in (Phase.NEW, Phase.LOOKING_UP):
             if client is None:
@@ -252,7 +256,7 @@ class SchedulerSide:
         usable = min(t.hit_chunks, self._max_hit_chunks(request))
         t.local_tokens = num_computed_tokens
         hit = usable * self.chunk_tokens
-        if t.tail_lease is not None and usable == len(t.hashes):
+        if t.tail_leases and usable == len(t.hashes):
             # Every whole chunk, then the tail's blocks.
             hit = t.tail_end
         external = hit - num_computed_tokens
@@ -269,11 +273,16 @@ class SchedulerSide:
 
     def _past_the_last_token(self) -> bool:
         """Whether a hit may cover the whole prompt: after an asynchronous
-        load vLLM recomputes the last token of a whole-prompt hit itself
-        (not for a model of several KV cache groups: a sliding window or a
-        state must then also cover the token before the last, which the
-        stored chunks do not say)."""
-        return bool(self._settings.async_load) and len(self._groups) == 1
+        load vLLM recomputes the last token of a whole-prompt hit itself.
+        Its window then reaches one token further back than the hit's
+        (tokens N - W to N - 1 of a hit of N tokens, for a window of W),
+        and vLLM holds the block of token N - W (it frees the blocks wholly
+        before token N - W + 1) unless N - W + 1 starts a block: never
+        where W - 1 is not a multiple of the block size, as N is. A state
+        group has no state at the token before the last: not there."""
+        if not self._settings.async_load or self._state_groups:
+            return False
+        return all(g.window is None or g.window % self._block_size != 1 for g in self._kv_groups)
 
     def _max_hit_chunks(self, request: Request) -> int:
         """The most chunks a hit may have: a prompt of whole chunks loads
@@ -326,16 +335,18 @@ class SchedulerSide:
                     )
                 )
             if t.tail is not None:
-                # The tail's, beside the chunks' (the last answer).
-                pending.append(
-                    client.submit_lookup(
-                        self._model_id,
-                        self._world_size,
-                        [t.tail],
-                        salt=t.salts[0],
-                        timeout=self._settings.submit_s,
+                # The tail's in every attention group, after the chunks'
+                # (the last answers).
+                for salt in (t.salts[g.index] for g in self._kv_groups):
+                    pending.append(
+                        client.submit_lookup(
+                            self._model_id,
+                            self._world_size,
+                            [t.tail],
+                            salt=salt,
+                            timeout=self._settings.submit_s,
+                        )
                     )
-                )
         except KvringError as e:
             for p in pending:
                 p.cancel()
@@ -356,9 +367,11 @@ class SchedulerSide:
                 leases = [t.answers[i] for i in range(len(t.pending))]
                 t.pending, t.answers = None, {}
                 if t.tail is not None:
-                    # Dropped unless it holds the tail (its end is queued).
-                    tail = leases.pop()
-                    t.tail_lease = tail if tail.hits else None
+                    # Dropped unless every group holds the tail (their ends
+                    # are queued).
+                    n = len(self._kv_groups)
+                    tails, leases = leases[-n:], leases[:-n]
+                    t.tail_leases = tails if all(lease.hits for lease in tails) else []
                 if not self._state_groups:
                     self._answered(t, leases)
                     return True
@@ -494,26 +507,33 @@ class SchedulerSide:
         end = start + num_external_tokens
         client = self._link.client()
         # A hit past the last whole chunk ends with the prompt's tail: a load
-        # of its own, from the tail's lease (kept, and ended with the others:
-        # an end posted now could reach the server before the retrieve).
-        tail_op = None
-        if t.tail_lease is not None and end % c and end == t.tail_end:
+        # of its own in each attention group, from the tail's leases (kept,
+        # and ended with the others: an end posted now could reach the
+        # server before the retrieve).
+        tail_ops: list[LoadOp] = []
+        if t.tail_leases and end % c and end == t.tail_end:
             t.tail_done = True
             whole, b = end // c * c, self._block_size
-            tail_op = LoadOp(
-                req_id=request.request_id,
-                lease_id=t.tail_lease.id if t.lease_client is client else None,
-                first_chunk=0,
-                skip_tokens=max(start, whole) - whole,
-                block_ids=t.block_ids[0][whole // b : end // b],
-                sync=not self._settings.async_load,
-                planned=planned,
-            )
+            for g, lease in zip(self._kv_groups, t.tail_leases, strict=True):
+                # From the first block the group holds (a sliding window's).
+                span = load_span(t.block_ids[g.index], max(start, whole), end, b, c)
+                skip, ids = (0, []) if span is None else (span[1], span[2][: end // b - whole // b])
+                tail_ops.append(
+                    LoadOp(
+                        req_id=request.request_id,
+                        lease_id=lease.id if t.lease_client is client and span is not None else None,
+                        first_chunk=0,
+                        skip_tokens=skip,
+                        block_ids=ids if span is not None else t.block_ids[g.index][whole // b : end // b],
+                        sync=not self._settings.async_load,
+                        planned=planned,
+                    )
+                )
             end = whole
         usable = end % c == 0 and len(t.leases) == len(self._groups) and t.lease_client is client
         ops: list[LoadOp] = []
         groups = list(zip(self._groups, t.leases if usable else [None] * len(self._groups), strict=True))
-        if tail_op is not None and start >= end:
+        if tail_ops and start >= end:
             # vLLM holds every whole chunk itself: the tail alone.
             for _, lease in groups:
                 if lease is not None:
@@ -544,6 +564,11 @@ class SchedulerSide:
             # From the first block the group holds: a sliding-window group
             # holds only its window's blocks before the first token to compute.
             span = load_span(t.block_ids[g.index], start, end, self._block_size, c)
+            if span is None and tail_ops and g.window is not None and t.tail_end - g.window + 1 >= end:
+                # The window lies in the tail: nothing of the chunks to load.
+                if lease is not None:
+                    self._release_unloaded(client, lease, 0, 0)
+                continue
             if span is None:
                 # Blocks laid out as this connector does not expect (the
                 # group holds the block of the last token to load): the
@@ -565,8 +590,7 @@ class SchedulerSide:
             )
             if lease is not None:
                 self._release_unloaded(client, lease, first, end // c)
-        if tail_op is not None:
-            ops.append(tail_op)
+        ops.extend(tail_ops)
         self.stats.count("lookup_hit_tokens", num_external_tokens)
         t.load_blocks = frozenset(b for op in ops for b in op.block_ids[op.skip_tokens // self._block_size :])
         # Until finished_recving (asynchronous), or (in the step's forward)
@@ -593,9 +617,8 @@ class SchedulerSide:
         waited for: a stopped server must not hold the step (its holds go
         when the server reads the ring, or with this client's connection)."""
         leases, t.leases = t.leases, []
-        if t.tail_lease is not None:
-            leases.append(t.tail_lease)
-            t.tail_lease = None
+        leases.extend(t.tail_leases)
+        t.tail_leases = []
         if t.lease_client is self._link.current:
             for lease in leases:
                 try:
@@ -627,7 +650,7 @@ class SchedulerSide:
                 t.block_ids = [list(ids) for ids in new.block_ids]
                 if store:
                     self._plan_store(meta, new.req_id, t, new.num_computed_tokens, scheduled[new.req_id])
-                    self._plan_tail_store(meta, new.req_id, t, new.num_computed_tokens + scheduled[new.req_id])
+                    self._plan_tail_store(meta, new.req_id, t, new.num_computed_tokens, scheduled[new.req_id])
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             t = self._tracked.get(req_id)
@@ -642,12 +665,12 @@ class SchedulerSide:
                     # never saw: their positions are unknown, so nothing of
                     # it is stored.
                     t.block_ids = [[] for _ in new_block_ids]
-                    t.stored_chunks = len(t.hashes)
+                    t.stored_chunks, t.stores_stopped = len(t.hashes), True
                 for ids, more in zip(t.block_ids, new_block_ids, strict=True):
                     ids.extend(more)
             if store:
                 self._plan_store(meta, req_id, t, cached.num_computed_tokens[i], scheduled[req_id])
-                self._plan_tail_store(meta, req_id, t, cached.num_computed_tokens[i] + scheduled[req_id])
+                self._plan_tail_store(meta, req_id, t, cached.num_computed_tokens[i], scheduled[req_id])
         self._fresh_blocks.clear()
         return meta
 
@@ -701,19 +724,46 @@ class SchedulerSide:
                     )
                 )
             t.stores_issued = True
-        t.stored_chunks = complete if n == complete - first else len(t.hashes)
+        if n == complete - first:
+            t.stored_chunks = complete
+        else:
+            t.stored_chunks, t.stores_stopped = len(t.hashes), True
 
-    def _plan_tail_store(self, meta: KvringMetadata, req_id: str, t: _Tracked, computed: int) -> None:
-        """Stores the prompt's tail once the forward computed it, after every
-        whole chunk was stored or found (a tail without them is never hit)."""
-        if t.tail is None or t.tail_done or computed < t.tail_end or t.stored_chunks < len(t.hashes):
+    def _plan_tail_store(self, meta: KvringMetadata, req_id: str, t: _Tracked, before: int, scheduled: int) -> None:
+        """Stores the prompt's tail in every attention group once the
+        forward computed it (a step of `scheduled` tokens after `before`),
+        after every whole chunk was stored or found (a tail without them is
+        never hit); not where a sliding-window group no longer holds the
+        tail's first block."""
+        if (
+            t.tail is None
+            or t.tail_done
+            or t.stores_stopped
+            or before + scheduled < t.tail_end
+            or t.stored_chunks < len(t.hashes)
+        ):
             return
         t.tail_done = True
-        b = self._block_size
-        ids = t.block_ids[0][len(t.hashes) * self._blocks_per_chunk : t.tail_end // b]
-        if len(ids) != (t.tail_end - len(t.hashes) * self.chunk_tokens) // b:
-            return  # blocks this connector never saw
-        meta.stores.append(StoreOp(req_id=req_id, hashes=[t.tail], block_ids=ids, salt=t.salts[0], tail=True))
+        b, whole = self._block_size, len(t.hashes) * self.chunk_tokens
+        # A window group has freed the blocks wholly before the window of
+        # the tokens computed before this step (as `storable_chunks`).
+        if any(g.window is not None and max(0, before - g.window + 1) // b > whole // b for g in self._kv_groups):
+            return
+        for g in self._kv_groups:
+            ids = t.block_ids[g.index][whole // b : t.tail_end // b]
+            if len(ids) != (t.tail_end - whole) // b:
+                return  # blocks this connector never saw
+        for g in self._kv_groups:
+            meta.stores.append(
+                StoreOp(
+                    req_id=req_id,
+                    hashes=[t.tail],
+                    block_ids=t.block_ids[g.index][whole // b : t.tail_end // b],
+                    salt=t.salts[g.index],
+                    tail=True,
+                    freed_early=g.window is not None,
+                )
+            )
         t.stores_issued = True
 
     def _describe_chunks(self, t: _Tracked, first: int, n: int) -> None:

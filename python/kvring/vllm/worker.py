@@ -387,7 +387,6 @@ class WorkerSide:
         independent: one request to the server instead of one per vLLM
         request, so the server wakes once per step) and one per prompt tail,
         ordered after the forward the engine queued (`engine_event`)."""
-        received = time.monotonic()
         client, reg = self._link.client(), self._registration
         event, after = self.engine_event() if client is not None and reg is not None else (None, None)
         # One STORE per salt, and one per prompt tail (a short chunk must be

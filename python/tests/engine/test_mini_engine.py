@@ -319,10 +319,11 @@ def test_a_sliding_window_group_loads_only_its_window(engines, kv_server, case):
     assert r1.asks == [(0, 256, True, 0)] and r1.allocs == [256, 0]
     assert r1.loaded_tokens == 256
     assert sorted(r1.verified) == [0], r1.verified
-    # r0's 4 chunks and r1's 5th, once per group; r1 loads chunks 0-3 of
-    # the full-attention group and chunk 3 of the window's (its last 2
-    # blocks: the window before token 256)
-    assert stats["objects"] == 2 * 5, stats
+    # r0's 4 chunks and its tail (tokens 256-287), r1's 5th chunk and its
+    # tail, once per group; r1 loads chunks 0-3 of the full-attention group
+    # and chunk 3 of the window's (its last 2 blocks: the window before
+    # token 256)
+    assert stats["objects"] == 2 * 7, stats
     assert stats["retrieved_chunks"] == 4 + 1, stats
     assert_clean_end(report, stats)
 
@@ -335,7 +336,7 @@ def test_a_sliding_window_group_on_two_ranks(engines, kv_server):
     r1 = report.requests["r1"]
     assert r1.asks == [(0, 256, True, 0)] and r1.loaded_tokens == 256
     assert sorted(r1.verified) == [0, 1], r1.verified
-    assert stats["objects"] == 2 * 2 * 5 and stats["retrieved_chunks"] == 2 * (4 + 1), stats
+    assert stats["objects"] == 2 * 2 * 7 and stats["retrieved_chunks"] == 2 * (4 + 1), stats
     assert_clean_end(report, stats)
 
 
@@ -360,6 +361,48 @@ def test_a_preempted_request_of_a_windowed_model_reloads_its_window(engines, kv_
     assert b.allocs == [0, 128, 0]
     assert b.loaded_tokens == 128 and sorted(b.verified) == [0]
     assert_clean_end(report, stats)
+
+
+def test_a_windowed_model_s_hit_ends_with_its_tail_or_its_whole_prompt(engines, kv_server):
+    """Tails and whole-prompt hits with a sliding-window group: r0 stores
+    a 300-token prompt's 4 chunks and its tail (tokens 256-287, its whole
+    blocks) in both groups. r1, the same prompt, hits 288 tokens; r2, the
+    prompt's first 288 tokens, hits all of them, and vLLM computes its
+    last token again, whose window reaches token 256. The window of a
+    288-token hit lies in the tail (the group holds blocks 16-17 only), so
+    the window group loads the tail alone, every byte checked."""
+    rng = random.Random(12)
+    p = _tokens(rng, 300)
+    reqs = [
+        RequestSpec("r0", p),
+        RequestSpec("r1", p, after=("r0",)),
+        RequestSpec("r2", p[:288], after=("r1",)),
+    ]
+    report, stats = run(engines, scenario("window-tail", reqs, kv_server, window=WINDOW))
+    for name in ("r1", "r2"):
+        r = report.requests[name]
+        assert r.asks == [(0, 288, True, 0)], (name, r.asks)
+        assert r.loaded_tokens == 288 and sorted(r.verified) == [0], (name, r)
+    # r0's chunks and tail in both groups; each hit: 4 chunks and the tail
+    # of the full-attention group, the tail of the window group
+    assert stats["objects"] == 2 * 5, stats
+    assert stats["retrieved_chunks"] == 2 * (4 + 1 + 1), stats
+    assert_clean_end(report, stats)
+
+
+def test_a_prefill_past_the_window_stores_nothing_not_even_its_tail(engines, kv_server):
+    """16-token prefill steps with a 32-token window: chunk 0 completes in
+    the step from token 48, when vLLM has freed the window group's block
+    of tokens 0-15, so it cannot be stored whole in that group; the request
+    stores nothing more (a hit needs every group), and no tail, which
+    would never be hit without its chunks. The same prompt again misses."""
+    p = _tokens(random.Random(13), 300)
+    reqs = [RequestSpec("r0", p), RequestSpec("r1", p, after=("r0",))]
+    sc = scenario("window-past", reqs, kv_server, window=WINDOW, long_prefill_token_threshold=16)
+    report, stats = run(engines, sc)
+    assert report.requests["r1"].asks == [(0, 0, False, 0)], report.requests["r1"].asks
+    assert stats["objects"] == 0 and stats["stored_chunks"] == 0, stats
+    assert report.leaked_blocks == 0 and stats["leases"] == 0
 
 
 def test_a_changed_byte_of_the_window_group_fails_the_check(engines, kv_server):
