@@ -15,7 +15,9 @@ reads several and prints the tables, as ratios. Measured in every run:
   token) and the wall time of `generate`; `num_cached_tokens`; the first
   token's log-probabilities (top 5) for the correctness check, and a
   control prompt (the same uncached suffix after another prefix); for
-  kvring, each warm request's wait split at its load (`place_loads`);
+  kvring, each warm request's wait split at its load (`place_loads`); the
+  time from arrival to vLLM's queue (`to_queued`: vLLM's input processing,
+  which with any connector hashes every block of the prompt);
 * `nohit`: 64 prompts of 1K tokens, 128 output tokens each, submitted
   together, nothing to hit: output tokens/s;
 * `shared`: 48 requests of an 8K-token prefix stored before plus 64 tokens
@@ -547,6 +549,14 @@ def med(xs):
     return statistics.median(xs) if xs else None
 
 
+def to_queued(r: dict) -> float | None:
+    """A request's time from arrival to vLLM's scheduler queue: its time to
+    first token less queued -> scheduled -> first token."""
+    t = r.get("times", {})
+    parts = (t.get("queue_to_scheduled_s"), t.get("scheduled_to_first_token_s"))
+    return None if None in parts or r.get("ttft_s") is None else r["ttft_s"] - sum(parts)
+
+
 def summarize(results: list[dict]) -> dict:
     """Per mode: TTFT medians per length and configuration, the floor, the
     ratios the targets name, throughput, and the correctness check."""
@@ -584,6 +594,10 @@ def summarize(results: list[dict]) -> dict:
                     "warm_cached": med([row["warm"]["cached"] for row in rows]),
                     "warm_queue_s": med([row["warm"]["times"].get("queue_to_scheduled_s") for row in rows]),
                     "warm_step_s": med([row["warm"]["times"].get("scheduled_to_first_token_s") for row in rows]),
+                    # Arrival to queued: vLLM's input processing (with a
+                    # connector, hashing every block of the prompt).
+                    "warm_to_queued_s": med([to_queued(row["warm"]) for row in rows]),
+                    "cold_to_queued_s": med([to_queued(row["cold"]) for row in rows if "cold" in row]),
                 }
                 # kvring's wait split at its load (`place_loads`).
                 for k in ("to_submit_s", "to_plan_s", "to_worker_s", "submit_s", "load_s", "to_schedule_s"):
