@@ -39,7 +39,8 @@ class KvringSettings:
     lookup_wait_s: float = 3.0
     store_tails: bool = True
     """Store and load a prompt's tail, its whole blocks past its last whole
-    chunk, where loads are asynchronous (one chunk object a prompt)."""
+    chunk, where a hit may cover the whole prompt (one chunk object a
+    prompt and KV cache group)."""
     runtime_dir: str | None = None
 
     @classmethod
