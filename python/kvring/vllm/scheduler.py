@@ -515,16 +515,21 @@ class SchedulerSide:
             t.tail_done = True
             whole, b = end // c * c, self._block_size
             for g, lease in zip(self._kv_groups, t.tail_leases, strict=True):
-                # From the first block the group holds (a sliding window's).
+                # From the first block the group holds (a sliding window's);
+                # none held: the load fails, as a chunk's does.
                 span = load_span(t.block_ids[g.index], max(start, whole), end, b, c)
-                skip, ids = (0, []) if span is None else (span[1], span[2][: end // b - whole // b])
+                lease_id = lease.id if t.lease_client is client else None
+                if span is None:
+                    lease_id, skip, ids = None, 0, t.block_ids[g.index][whole // b : end // b]
+                else:
+                    skip, ids = span[1], span[2][: end // b - whole // b]
                 tail_ops.append(
                     LoadOp(
                         req_id=request.request_id,
-                        lease_id=lease.id if t.lease_client is client and span is not None else None,
+                        lease_id=lease_id,
                         first_chunk=0,
                         skip_tokens=skip,
-                        block_ids=ids if span is not None else t.block_ids[g.index][whole // b : end // b],
+                        block_ids=ids,
                         sync=not self._settings.async_load,
                         planned=planned,
                     )
@@ -745,9 +750,12 @@ class SchedulerSide:
             return
         t.tail_done = True
         b, whole = self._block_size, len(t.hashes) * self.chunk_tokens
-        # A window group has freed the blocks wholly before the window of
-        # the tokens computed before this step (as `storable_chunks`).
-        if any(g.window is not None and max(0, before - g.window + 1) // b > whole // b for g in self._kv_groups):
+        # The tail as one more chunk: a window group may have freed its first
+        # blocks before this step.
+        tail_chunk = len(t.hashes)
+        if any(
+            not storable_chunks(g, tail_chunk, tail_chunk + 1, before, b, self.chunk_tokens) for g in self._kv_groups
+        ):
             return
         for g in self._kv_groups:
             ids = t.block_ids[g.index][whole // b : t.tail_end // b]

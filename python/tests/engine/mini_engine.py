@@ -1168,19 +1168,17 @@ class _Scheduler:
                         self.free.append(have[i])
                         have[i] = NULL_BLOCK
         total = -(-tokens // BLOCK_TOKENS)
-        fresh = [
-            [i for i in range(len(have), total) if not (g == 1 and i < skipped)]
-            for g, have in enumerate(self.blocks[req.request_id])
-        ]
-        if sum(map(len, fresh)) > len(self.free):
+
+        def null(g: int, i: int) -> bool:
+            return g == 1 and i < skipped
+
+        groups = list(enumerate(self.blocks[req.request_id]))
+        if sum(not null(g, i) for g, have in groups for i in range(len(have), total)) > len(self.free):
             return None
         got_all = []
-        for g, have in enumerate(self.blocks[req.request_id]):
-            got = []
-            for i in range(len(have), total):
-                b = NULL_BLOCK if g == 1 and i < skipped else self.free.popleft()
-                have.append(b)
-                got.append(b)
+        for g, have in groups:
+            got = [NULL_BLOCK if null(g, i) else self.free.popleft() for i in range(len(have), total)]
+            have.extend(got)
             got_all.append(got)
             self.alloc_log.append((self.step_no, req.request_id, [b for b in got if b != NULL_BLOCK]))
         return got_all
