@@ -213,6 +213,10 @@ class Client:
     def server_gone(self) -> bool: ...
     @property
     def server_pid(self) -> int: ...
+    @property
+    def server_heartbeat_age(self) -> float:
+        """Seconds since the server last beat: it beats every 50 ms while it
+        runs, so an age of several beats is a stopped or hung server."""
     def server_config(self) -> dict[str, int | str | bool]: ...
     def describe(
         self,

@@ -169,6 +169,12 @@ impl PyClient {
         })
     }
 
+    /// Seconds since the server last beat (every 50 ms while it runs).
+    #[getter]
+    fn server_heartbeat_age(&self, py: Python<'_>) -> PyResult<f64> {
+        py.detach(|| self.with(|c| Ok(c.server_heartbeat_age().as_secs_f64())))
+    }
+
     #[getter]
     fn server_pid(&self, py: Python<'_>) -> PyResult<u32> {
         py.detach(|| self.with(|c| Ok(c.server_pid())))

@@ -328,6 +328,18 @@ impl Client {
         self.link.conn.peer_closed()
     }
 
+    /// How long ago the server last beat: its acceptor writes the time
+    /// every tick (50 ms) while it runs, so an age of several ticks is a
+    /// server stopped (SIGSTOP), hung, or starved of CPU. A caller that must
+    /// not wait on such a server gives its waits up on this, long before
+    /// their deadlines.
+    pub fn server_heartbeat_age(&self) -> Duration {
+        // Relaxed: the word is a timestamp read on its own; it orders no
+        // other access (its store in the acceptor is Relaxed too).
+        let beat = self.link.seg.mapping.header().heartbeat_ns.load(Ordering::Relaxed);
+        Duration::from_nanos(crate::liveness::monotonic_ns().saturating_sub(beat))
+    }
+
     /// One PING round trip: the payload comes back unchanged.
     pub fn ping(&mut self, payload: &[u8], deadline: Instant) -> Result<Vec<u8>> {
         self.call(Opcode::Ping, payload, deadline)

@@ -91,7 +91,7 @@ vLLM's scheduler and workers are separate (spawned) processes that import
 this package by name; each has its own kvring client.
 
 The package: `settings` (the keys above), `identity` (model id, ranks,
-salts), `link` and `launcher` (the server connection, the autostart),
+salts), `link` (the server connection, `kvring.link`),
 `metadata` (what the scheduler sends its workers each step), `scheduler`
 and `worker` (the two roles), `events` (what vLLM's KV events are told),
 `stats`, `versions` (what the running vLLM offers), and here the facade

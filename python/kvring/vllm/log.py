@@ -5,18 +5,12 @@ of the engine."""
 from __future__ import annotations
 
 import logging
-import time
+
+from kvring import log
 
 logger = logging.getLogger("vllm.kvring")
 
-_WARN_EVERY_S = 60.0
-_last_warning: dict[str, float] = {}
-
 
 def warn_throttled(key: str, msg: str, *args: object) -> None:
-    """A warning at most every minute per `key`: per-request failures must
-    not flood the log."""
-    now = time.monotonic()
-    if now - _last_warning.get(key, -_WARN_EVERY_S) >= _WARN_EVERY_S:
-        _last_warning[key] = now
-        logger.warning(msg, *args)
+    """A warning at most every minute per `key` (`kvring.log`)."""
+    log.warn_throttled(logger, key, msg, *args)

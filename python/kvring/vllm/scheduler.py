@@ -15,7 +15,7 @@ import kvring
 from kvring import Client, KvringError, Lease, PendingLookup
 from kvring.vllm.events import EventLedger, RequestBlocks, StoreOutcomes, kv_events_enabled
 from kvring.vllm.identity import request_salt, world_size
-from kvring.vllm.link import ServerLink, check_block_size, checked_chunk_tokens
+from kvring.vllm.link import check_block_size, checked_chunk_tokens, server_link
 from kvring.vllm.log import logger, warn_throttled
 from kvring.vllm.metadata import KvringMetadata, LoadOp, StoreOp
 from kvring.vllm.settings import KvringSettings
@@ -182,7 +182,7 @@ class SchedulerSide:
         # The server publishes KV events: the chunks this engine stores are
         # described to it (their token ids) before their stores.
         self._describe = False
-        self._link = ServerLink(settings, cfg.engine_id, self._on_connect)
+        self._link = server_link(settings, cfg.engine_id, self._on_connect)
         check_block_size(self._block_size, self.chunk_tokens)
         self._blocks_per_chunk = self.chunk_tokens // self._block_size
         self._tracked: dict[str, _Tracked] = {}

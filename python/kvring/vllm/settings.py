@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvring import KvringError
+from kvring.extra_config import as_bool, positive, refuse_unknown
 
 
 EAGER_GPU_MIN_LOAD_TOKENS = 1280
@@ -63,9 +64,7 @@ class KvringSettings:
             "kvring.store_tails",
             "kvring.runtime_dir",
         }
-        unknown = sorted(k for k in extra if k.startswith("kvring.") and k not in known)
-        if unknown:
-            raise KvringError(f"unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}")
+        refuse_unknown(extra, known, "kv_connector_extra_config")
         chunk = extra.get("kvring.chunk_tokens")
         pool = extra.get("kvring.pool_bytes")
         runtime_dir = extra.get("kvring.runtime_dir")
@@ -73,17 +72,17 @@ class KvringSettings:
         min_load = extra.get("kvring.min_load_tokens")
         settings = cls(
             name=str(extra.get("kvring.name", cls.name)),
-            autostart=_as_bool("kvring.autostart", extra.get("kvring.autostart", cls.autostart)),
+            autostart=as_bool("kvring.autostart", extra.get("kvring.autostart", cls.autostart)),
             pool_bytes=None if pool is None else str(pool),
             chunk_tokens=None if chunk is None else int(chunk),
             timeout_s=float(extra.get("kvring.timeout_s", cls.timeout_s)),
             load_timeout_s=float(extra.get("kvring.load_timeout_s", cls.load_timeout_s)),
-            async_load=None if async_load is None else _as_bool("kvring.async_load", async_load),
+            async_load=None if async_load is None else as_bool("kvring.async_load", async_load),
             layer_groups=int(extra.get("kvring.layer_groups", cls.layer_groups)),
             min_load_tokens=None if min_load is None else int(min_load),
             submit_s=float(extra.get("kvring.submit_s", extra.get("kvring.lookup_submit_s", cls.submit_s))),
             lookup_wait_s=float(extra.get("kvring.lookup_wait_s", cls.lookup_wait_s)),
-            store_tails=_as_bool("kvring.store_tails", extra.get("kvring.store_tails", cls.store_tails)),
+            store_tails=as_bool("kvring.store_tails", extra.get("kvring.store_tails", cls.store_tails)),
             runtime_dir=None if runtime_dir is None else str(runtime_dir),
         )
         if settings.chunk_tokens is not None and settings.chunk_tokens <= 0:
@@ -93,8 +92,7 @@ class KvringSettings:
         if settings.min_load_tokens is not None and settings.min_load_tokens < 0:
             raise KvringError(f"kvring.min_load_tokens must not be negative, not {settings.min_load_tokens}")
         for key in ("timeout_s", "load_timeout_s", "submit_s", "lookup_wait_s"):
-            if not getattr(settings, key) > 0:
-                raise KvringError(f"kvring.{key} must be positive, not {getattr(settings, key)}")
+            positive(f"kvring.{key}", getattr(settings, key))
         return settings
 
     def load_mode(self, async_scheduling: bool, cache_groups: int = 1, eager_gpu: bool = False) -> KvringSettings:
@@ -137,14 +135,3 @@ class KvringSettings:
             )
         return s
 
-
-def _as_bool(key: str, value: Any) -> bool:
-    """A JSON bool, or the strings a command line gives (`true`, `0`, ...)."""
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise KvringError(f"{key} must be true or false, not {value!r}")

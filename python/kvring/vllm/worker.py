@@ -26,7 +26,7 @@ from kvring.tensors import (
 )
 from kvring.vllm.events import StoreOutcome, StoreOutcomes, kv_events_enabled
 from kvring.vllm.identity import world_size
-from kvring.vllm.link import ServerLink, check_block_size, checked_chunk_tokens
+from kvring.vllm.link import check_block_size, checked_chunk_tokens, server_link
 from kvring.vllm.log import logger
 from kvring.vllm.metadata import KvringMetadata, StoreOp
 from kvring.vllm.settings import KvringSettings
@@ -155,7 +155,7 @@ class WorkerSide:
         # The engine's streams that wait on loads, by CUDA stream handle.
         self._streams: dict[int, Any] = {}
         self._stores: dict[str, list[_Transfer]] = {}
-        self._link = ServerLink(
+        self._link = server_link(
             settings, vllm_config.kv_transfer_config.engine_id, self._on_connect, self._abandon_jobs
         )
         check_block_size(self._block_size, self.chunk_tokens)

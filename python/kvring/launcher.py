@@ -1,25 +1,38 @@
-"""The autostart: a detached `kvring serve` for a connector that found no
-server of its name (`kvring.autostart`, on by default)."""
+"""The autostart: a detached `kvring serve` for an engine integration that
+found no server of its name (`kvring.autostart`, on by default)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
 import tempfile
-from typing import TYPE_CHECKING
-
-from kvring.vllm.log import logger
-
-if TYPE_CHECKING:
-    from kvring.vllm.settings import KvringSettings
+from typing import Protocol
 
 
-def start_server(settings: KvringSettings) -> str:
+class ServerSettings(Protocol):
+    """What an integration's settings say about its server."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def autostart(self) -> bool: ...
+    @property
+    def pool_bytes(self) -> str | None: ...
+    @property
+    def chunk_tokens(self) -> int | None: ...
+    @property
+    def runtime_dir(self) -> str | None: ...
+    @property
+    def timeout_s(self) -> float: ...
+
+
+def start_server(settings: ServerSettings, logger: logging.Logger) -> str:
     """Starts a detached `kvring serve` for `settings.name`; returns its log.
 
-    The server outlives vLLM (a new session, so vLLM's shutdown signals do
-    not reach it). The scheduler and the workers may all start one at the
+    The server outlives the engine (a new session, so the engine's shutdown
+    signals do not reach it). An engine's processes may all start one at the
     same moment: the server refuses a second instance of a name, and the
     losers simply exit. The log goes to the temporary directory (the runtime
     directory is the server's to create, with its own permissions).
