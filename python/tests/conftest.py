@@ -18,11 +18,18 @@ import kvring
 class Server:
     """A `kvring serve` child process."""
 
-    def __init__(self, *args: str, backend: str = "host") -> None:
-        self.name = f"pytest-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.dir = tempfile.mkdtemp(prefix="kvring-pytest-")
-        os.chmod(self.dir, 0o700)
-        self.log = open(os.path.join(self.dir, "server.log"), "w+")
+    def __init__(self, *args: str, backend: str = "host", restart_of: "Server | None" = None) -> None:
+        """A new server; `restart_of`: under the name and in the runtime
+        directory of that one (stopped), as a restart is."""
+        if restart_of is None:
+            self.name = f"pytest-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            self.dir = tempfile.mkdtemp(prefix="kvring-pytest-")
+            os.chmod(self.dir, 0o700)
+        else:
+            self.name, self.dir = restart_of.name, restart_of.dir
+        self.log = open(os.path.join(self.dir, "server.log"), "a+")
+        # A server whose runtime directory a restart reuses leaves it.
+        self.keep_dir = False
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvring", "serve", "--name", self.name,
              "--runtime-dir", self.dir, "--backend", backend, *args],
@@ -61,7 +68,8 @@ class Server:
                 self.proc.kill()
                 self.proc.wait(10)
         self.log.close()
-        subprocess.run(["rm", "-rf", self.dir], check=False)
+        if not self.keep_dir:
+            subprocess.run(["rm", "-rf", self.dir], check=False)
 
 
 #: 64-token chunks, a 64 MiB pool, one copy thread: what the API tests use.
