@@ -273,13 +273,14 @@ def settle(seconds: float) -> None:
 class Server:
     """A kvring server of its own (python -m kvring serve), stopped at exit."""
 
-    def __init__(self, name: str, runtime_dir: str, pool: str, chunk_tokens: int = CHUNK) -> None:
+    def __init__(self, name: str, runtime_dir: str, pool: str, chunk_tokens: int = CHUNK, *args: str) -> None:
+        """`args`: more `kvring serve` flags."""
         self.name, self.runtime_dir = name, runtime_dir
         os.makedirs(runtime_dir, exist_ok=True)
         self.log = open(os.path.join(runtime_dir, f"{name}.log"), "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvring", "serve", "--name", name, "--runtime-dir", runtime_dir,
-             "--pool-bytes", pool, "--chunk-tokens", str(chunk_tokens)],
+             "--pool-bytes", pool, "--chunk-tokens", str(chunk_tokens), *args],
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
         )
         import kvring
