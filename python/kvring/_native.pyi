@@ -136,8 +136,10 @@ class Job:
         """Waits until it finished (releases the GIL). Past `timeout`
         seconds raises ServerTimeout; a STORE or RETRIEVE past its own job
         timeout is given up first. ServerGone when the server dies."""
-    def give_up(self) -> None:
-        """No copy of it starts afterwards; waits (bounded) for one under way."""
+    def give_up(self, timeout: Optional[float] = None) -> None:
+        """No copy of it starts afterwards; waits for one under way, at most
+        `timeout` seconds (default the library's bound, 5 s), then raises
+        CopiesInFlight if one still is."""
     @property
     def layer_groups(self) -> int:
         """The layer groups a RETRIEVE lands in (1 for any other job)."""

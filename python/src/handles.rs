@@ -188,10 +188,15 @@ impl PyJob {
     }
 
     /// Gives it up: no copy of it starts afterwards; one under way is
-    /// waited for (bounded).
-    fn give_up(&self, py: Python<'_>) -> PyResult<()> {
+    /// waited for (at most `timeout` seconds, default the library's bound).
+    #[pyo3(signature = (timeout=None))]
+    fn give_up(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
         let job = self.get()?;
-        py.detach(|| job.give_up()).map_err(to_py)
+        let bound = match timeout {
+            Some(t) => crate::client::seconds(py, "timeout", t)?,
+            None => kvring::client::QUIESCE_BOUND,
+        };
+        py.detach(|| job.give_up_within(bound)).map_err(to_py)
     }
 
     /// Whether streams ordered after it may go on.

@@ -4,7 +4,7 @@
 //! jobs a handle no longer owns.
 
 use super::connect::Link;
-use super::words::GaveUp;
+use super::words::{GaveUp, QUIESCE_BOUND};
 use super::{Client, Release, Releases};
 use crate::error::{Error, Result};
 use crate::jobs::{FailReason, JobId, JobInfo, JobResult, JobStatus};
@@ -167,13 +167,26 @@ impl Job {
     /// (`Error::CopiesInFlight`: a copy was still under way at the bound).
     /// A job the server already released is not changed.
     pub fn give_up(&self) -> Result<()> {
+        self.give_up_within(QUIESCE_BOUND)
+    }
+
+    /// `give_up`, waiting at most `bound` for a copy under way: for a
+    /// caller that must not wait longer and knows what a copy it leaves
+    /// under way can do (one into its own process memory stops before its
+    /// write once it sees the give-up; one a stopped server holds waits
+    /// for that server whatever the bound).
+    pub fn give_up_within(&self, bound: Duration) -> Result<()> {
         let Some((e, g)) = self.word else {
             return Ok(());
         };
         if self.link.words().released(e, g) && self.link.words().quiescent(e) {
             return Ok(());
         }
-        match self.link.words.give_up(&self.link, e, g, GaveUp::Asked) {
+        match self
+            .link
+            .words
+            .give_up_within(&self.link, e, g, GaveUp::Asked, bound)
+        {
             Some(u) if !u.quiet => Err(Error::CopiesInFlight(self.id)),
             _ => Ok(()),
         }

@@ -233,7 +233,19 @@ impl WordTable {
     /// Gives generation `g` of `entry` up (once; later calls answer the
     /// first's outcome): see [`WordTable::give_up_all`].
     pub fn give_up(&self, link: &Link, entry: u32, g: u32, why: GaveUp) -> Option<GiveUp> {
-        self.give_up_all(link, &[(entry, g, why)])
+        self.give_up_within(link, entry, g, why, QUIESCE_BOUND)
+    }
+
+    /// `give_up`, waiting at most `bound` for a copy under way.
+    pub fn give_up_within(
+        &self,
+        link: &Link,
+        entry: u32,
+        g: u32,
+        why: GaveUp,
+        bound: Duration,
+    ) -> Option<GiveUp> {
+        self.give_up_all_within(link, &[(entry, g, why)], bound)
             .into_iter()
             .next()
             .flatten()
@@ -246,6 +258,16 @@ impl WordTable {
     /// answers that give-up's outcome; one not in flight (it ended and its
     /// entry moved on), `None`.
     pub fn give_up_all(&self, link: &Link, jobs: &[(u32, u32, GaveUp)]) -> Vec<Option<GiveUp>> {
+        self.give_up_all_within(link, jobs, QUIESCE_BOUND)
+    }
+
+    /// `give_up_all`, waiting at most `bound` for copies under way.
+    pub fn give_up_all_within(
+        &self,
+        link: &Link,
+        jobs: &[(u32, u32, GaveUp)],
+        bound: Duration,
+    ) -> Vec<Option<GiveUp>> {
         let mut out: Vec<Option<GiveUp>> = vec![None; jobs.len()];
         let mut mine = Vec::new();
         {
@@ -274,7 +296,7 @@ impl WordTable {
             for (q, &(_, e, _, _)) in quiet.iter_mut().zip(&mine) {
                 *q = *q || exited || words.quiescent(e);
             }
-            if quiet.iter().all(|&q| q) || start.elapsed() >= QUIESCE_BOUND {
+            if quiet.iter().all(|&q| q) || start.elapsed() >= bound {
                 break;
             }
             std::thread::sleep(pause);
@@ -284,7 +306,7 @@ impl WordTable {
             if !q {
                 tracing::warn!(
                     entry = e,
-                    "a copy of a given-up job was still under way after {QUIESCE_BOUND:?}; \
+                    "a copy of a given-up job was still under way after {bound:?}; \
                      its streams are released anyway"
                 );
             }
@@ -303,7 +325,7 @@ impl WordTable {
         // Another caller is giving the rest up: wait for its outcome (its
         // bound, plus a margin), so no caller returns before the copies of
         // a job it gave up are over.
-        let until = Instant::now() + QUIESCE_BOUND + Duration::from_secs(1);
+        let until = Instant::now() + bound.max(QUIESCE_BOUND) + Duration::from_secs(1);
         loop {
             let mut waiting = false;
             for (i, &(e, g, _)) in jobs.iter().enumerate() {

@@ -114,7 +114,7 @@ class KvringStorage(HiCacheStorage):
         with self._lock:
             jobs, self._jobs = list(self._jobs), set()
         for job in jobs:
-            _give_up(job)
+            _give_up(job, self._settings.stall_s)
 
     def close(self) -> None:
         self._abandon_jobs()
@@ -268,12 +268,12 @@ class KvringStorage(HiCacheStorage):
                         break
                     if time.monotonic() >= deadline:
                         raise
-                    self._check_beating(c, lambda: _give_up(job))
+                    self._check_beating(c, lambda: _give_up(job, self._settings.stall_s))
             if not status.ok:
                 raise KvringError(f"the job failed: {status.reason}")
             return status
         except BaseException:
-            _give_up(job)
+            _give_up(job, self._settings.stall_s)
             raise
         finally:
             with self._lock:
@@ -287,18 +287,21 @@ class KvringStorage(HiCacheStorage):
             raise ServerStalled(f"the server has not beaten for {age * 1e3:.0f} ms")
 
 
-def _give_up(job: kvring.Job) -> None:
-    """No copy of `job` starts afterwards. A copy a stopped server entered
-    and has not finished (the only way one could still land) is waited out:
-    SGLang reuses the pages of a failed load."""
-    while True:
-        try:
-            job.give_up()
-            return
-        except kvring.CopiesInFlight:
-            warn_throttled(logger, "in-flight", "kvring: a stopped server still has a copy into SGLang's host pool under way; waiting for it")
-        except KvringError:
-            return
+def _give_up(job: kvring.Job, bound: float) -> None:
+    """No copy of `job` starts afterwards, and none is under way unless the
+    server stopped inside one (waited for `bound`: a running server ends a
+    page's copy in milliseconds). Then a store only read SGLang's memory,
+    and a load's write was made before the server stopped or is not made
+    when it resumes (the server checks for a give-up right before it),
+    but for a server stopped within the few instructions in between."""
+    try:
+        job.give_up(bound)
+    except kvring.CopiesInFlight:
+        warn_throttled(
+            logger, "in-flight", "kvring: gave up a job whose copy a stopped server had under way; going on"
+        )
+    except KvringError:
+        pass
 
 
 _V1_ONLY = 'kvring serves SGLang through the zero-copy interface only ("interface_v1": 1)'

@@ -280,3 +280,47 @@ def test_autostart_starts_a_server_whose_chunk_is_a_page(tmp_path):
         deadline = time.monotonic() + 10
         while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
             time.sleep(0.05)
+
+
+def test_a_load_given_up_on_a_stopped_server_writes_nothing_later():
+    """A server SIGSTOPped while it copies a load into SGLang's host pool:
+    the call returns within the stall bound, and once the server runs again
+    not one byte lands in the pages SGLang now owns again."""
+    from conftest import Server
+
+    s = Server("--chunk-tokens", "64", "--pool-bytes", "320MiB", "--copy-threads", "1")
+    try:
+        # 2 MiB pages: a load of 64 takes tens of milliseconds to copy.
+        pool = HostPool("page_first", layers=8, heads=8, head_dim=128, pages=130)
+        keys = sglang_keys(64)
+        src, dst = list(range(64)), list(range(64, 128))
+        stored_pages(pool, src, seed=10)
+        b = backend(config(s), pool)
+        assert b.batch_set_v1(keys, pool.slots(src)) == [True] * 64
+        given_up = 0
+        for delay in (0.004, 0.002, 0.001, 0.0005, 0.0):
+            pool.poison_pages(dst)
+            stopper = threading.Timer(delay, lambda: s.signal(signal.SIGSTOP))
+            stopper.start()
+            t0 = time.monotonic()
+            got = b.batch_get_v1(keys, pool.slots(dst))
+            elapsed = time.monotonic() - t0
+            stopper.join()
+            assert elapsed < 2.0, f"a load on a stopped server took {elapsed:.3f} s"
+            after = [pool.page_bytes(p) for p in dst]
+            s.signal(signal.SIGCONT)
+            time.sleep(0.3)
+            assert [pool.page_bytes(p) for p in dst] == after, "bytes landed after the load was given up"
+            if got == [True] * 64:
+                assert after == [pool.page_bytes(p) for p in src]
+            else:
+                assert got == [False] * 64
+                given_up += 1
+            deadline = time.monotonic() + 5
+            while b.batch_exists(keys) != 64:
+                assert time.monotonic() < deadline, "the backend did not find the server again"
+                time.sleep(0.05)
+        assert given_up, "the server was never stopped before a load ended"
+        b.close()
+    finally:
+        s.stop()
