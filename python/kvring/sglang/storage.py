@@ -129,7 +129,7 @@ class KvringStorage(HiCacheStorage):
         """How many of `keys`, from the first, are stored (for every rank)."""
         if not keys:
             return 0
-        return self._call("lookup", 0, lambda c: self._lookup_hits(c, keys))
+        return self._call("lookup", 0, lambda c, reg: self._lookup_hits(c, keys))
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
@@ -140,7 +140,7 @@ class KvringStorage(HiCacheStorage):
         n = len(keys)
         if n == 0:
             return []
-        loaded = self._call("load", 0, lambda c: self._load(c, keys, host_indices))
+        loaded = self._call("load", 0, lambda c, reg: self._load(c, reg, keys, host_indices))
         return [True] * loaded + [False] * (n - loaded)
 
     def batch_set_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
@@ -148,7 +148,7 @@ class KvringStorage(HiCacheStorage):
         n = len(keys)
         if n == 0:
             return []
-        stored = self._call("store", 0, lambda c: self._store(c, keys, host_indices))
+        stored = self._call("store", 0, lambda c, reg: self._store(c, reg, keys, host_indices))
         return [True] * stored + [False] * (n - stored)
 
     def clear(self) -> None:
@@ -176,9 +176,10 @@ class KvringStorage(HiCacheStorage):
 
     # -- inside ---------------------------------------------------------
 
-    def _call(self, what: str, missed: T, body: Callable[[Client], T]) -> T:
-        """`body` on the connected client; `missed` without one or when it
-        fails (a gone, stopped or stalled server drops the connection)."""
+    def _call(self, what: str, missed: T, body: Callable[[Client, kvring.Registration], T]) -> T:
+        """`body` on the connected client and its registration of the host
+        pool; `missed` without one or when it fails (a gone, stopped or
+        stalled server drops the connection)."""
         with self._lock:
             link = self._link
             client = link.client() if link is not None else None
@@ -186,7 +187,7 @@ class KvringStorage(HiCacheStorage):
         if client is None or reg is None:
             return missed
         try:
-            return body(client)
+            return body(client, reg)
         except KvringError as e:
             with self._lock:
                 if self._link is link and link is not None:
@@ -220,9 +221,9 @@ class KvringStorage(HiCacheStorage):
         lease.end(post=True)
         return hits
 
-    def _load(self, c: Client, keys: list[str], host_indices: Any) -> int:
+    def _load(self, c: Client, reg: kvring.Registration, keys: list[str], host_indices: Any) -> int:
         view = self._view
-        assert view is not None and self._reg is not None
+        assert view is not None
         pages = view.page_of(host_indices)
         lease = self._lookup(c, keys)
         if lease is None:
@@ -232,19 +233,19 @@ class KvringStorage(HiCacheStorage):
             if hits == 0:
                 return 0
             job = c.retrieve(
-                self._reg, lease.id, pages[:hits], timeout=self._settings.timeout_s, submit_timeout=self._settings.submit_s
+                reg, lease.id, pages[:hits], timeout=self._settings.timeout_s, submit_timeout=self._settings.submit_s
             )
             self._await(c, job)
             return hits
         finally:
             lease.end(post=True)
 
-    def _store(self, c: Client, keys: list[str], host_indices: Any) -> int:
+    def _store(self, c: Client, reg: kvring.Registration, keys: list[str], host_indices: Any) -> int:
         view = self._view
-        assert view is not None and self._reg is not None
+        assert view is not None
         pages = view.page_of(host_indices)
         job = c.store(
-            self._reg, self._hashes(keys), pages, timeout=self._settings.timeout_s, submit_timeout=self._settings.submit_s
+            reg, self._hashes(keys), pages, timeout=self._settings.timeout_s, submit_timeout=self._settings.submit_s
         )
         status = self._await(c, job)
         # A full pool stores what fits, from the first chunk.
