@@ -438,7 +438,7 @@ impl Drop for EngineStream {
                 .map(|&(_, e, g)| (e, g, super::GaveUp::Asked))
                 .collect();
             if !due.is_empty() {
-                link.words.give_up_all(link, &due);
+                link.words.give_up_all_within(link, &due, super::QUIESCE_BOUND);
             }
         }
         // Drained here, while the links (the words' mappings) are still

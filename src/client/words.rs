@@ -231,7 +231,7 @@ impl WordTable {
     }
 
     /// Gives generation `g` of `entry` up (once; later calls answer the
-    /// first's outcome): see [`WordTable::give_up_all`].
+    /// first's outcome): see [`WordTable::give_up_all_within`].
     pub fn give_up(&self, link: &Link, entry: u32, g: u32, why: GaveUp) -> Option<GiveUp> {
         self.give_up_within(link, entry, g, why, QUIESCE_BOUND)
     }
@@ -256,12 +256,8 @@ impl WordTable {
     /// gone; at most [`QUIESCE_BOUND`] for all of them together), then
     /// releases the streams that wait for them. A job given up before
     /// answers that give-up's outcome; one not in flight (it ended and its
-    /// entry moved on), `None`.
-    pub fn give_up_all(&self, link: &Link, jobs: &[(u32, u32, GaveUp)]) -> Vec<Option<GiveUp>> {
-        self.give_up_all_within(link, jobs, QUIESCE_BOUND)
-    }
-
-    /// `give_up_all`, waiting at most `bound` for copies under way.
+    /// entry moved on), `None`. `bound`: at most this long instead of
+    /// [`QUIESCE_BOUND`].
     pub fn give_up_all_within(
         &self,
         link: &Link,
@@ -464,7 +460,7 @@ fn watch(table: Weak<WordTable>, link: Weak<Link>) {
                 let spawned = std::thread::Builder::new()
                     .name("kvring-give-up".into())
                     .spawn(move || {
-                        t.give_up_all(&l, &due);
+                        t.give_up_all_within(&l, &due, QUIESCE_BOUND);
                     });
                 if let Err(e) = spawned {
                     tracing::warn!("spawn a give-up thread: {e}");
