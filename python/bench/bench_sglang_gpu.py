@@ -136,15 +136,17 @@ def server_objects(a) -> int:
         return int(c.stats()["objects"])
 
 
-def wait_stored(a, at_least: int, limit_s: float = 60.0) -> dict:
-    """Until the server holds `at_least` objects and no more arrive for 1 s."""
+def wait_stored(a, at_least: int, limit_s: float = 30.0) -> dict:
+    """Until the server holds `at_least` objects and none arrived for 0.5 s,
+    or none arrived for 3 s (SGLang backs up fewer pages than expected)."""
     t0 = time.monotonic()
     last, since = -1, t0
     while time.monotonic() - t0 < limit_s:
         n = server_objects(a)
         if n != last:
             last, since = n, time.monotonic()
-        elif n >= at_least and time.monotonic() - since >= 1.0:
+        quiet = time.monotonic() - since
+        if (n >= at_least and quiet >= 0.5) or quiet >= 3.0:
             break
         time.sleep(0.1)
     return {"objects": last, "wanted": at_least, "waited_s": round(time.monotonic() - t0, 2)}
