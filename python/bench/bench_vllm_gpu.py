@@ -277,6 +277,7 @@ class Server:
         """`args`: more `kvring serve` flags."""
         self.name, self.runtime_dir = name, runtime_dir
         os.makedirs(runtime_dir, exist_ok=True)
+        os.chmod(runtime_dir, 0o700)  # the server refuses a directory others may enter
         self.log = open(os.path.join(runtime_dir, f"{name}.log"), "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvring", "serve", "--name", name, "--runtime-dir", runtime_dir,

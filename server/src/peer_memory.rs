@@ -204,9 +204,13 @@ fn check_backing(maps: &str, start: u64, end: u64) -> Result<(), String> {
         if lo > at {
             break;
         }
+        // `/dev/zero (deleted)`: an anonymous shared mapping (mmap of
+        // MAP_SHARED | MAP_ANONYMOUS, as SGLang's host pool is), which
+        // shared memory backs, not the device file it is named after.
         let shared_memory = path.starts_with("/memfd:")
             || path.starts_with("/dev/shm/")
-            || path.starts_with("/SYSV");
+            || path.starts_with("/SYSV")
+            || path == "/dev/zero (deleted)";
         if inode != "0" && !shared_memory {
             return Err(format!(
                 "bytes {at:#x}.. are a mapping of the file {path}: only anonymous or shared memory can be registered by address"
@@ -237,5 +241,34 @@ fn explain(e: &PeerCopyError) -> String {
             format!("{source}: this kernel has no cross-memory attach (CONFIG_CROSS_MEMORY_ATTACH)")
         }
         other => other.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_backing;
+
+    /// Mappings as `/proc/PID/maps` lists them.
+    const MAPS: &str = "\
+7f0000000000-7f0000100000 rw-p 00000000 00:00 0 \n\
+7f0000100000-7f0000200000 rw-s 00000000 00:01 4711                       /dev/zero (deleted)\n\
+7f0000200000-7f0000300000 rw-s 00000000 00:01 4712                       /memfd:kv (deleted)\n\
+7f0000300000-7f0000400000 rw-s 00000000 00:19 99                         /dev/shm/kv\n\
+7f0000400000-7f0000500000 rw-p 00000000 08:01 123                        /data/weights.bin\n";
+
+    #[test]
+    fn anonymous_and_shared_memory_are_accepted() {
+        // Private anonymous memory, an anonymous shared mapping (SGLang's
+        // host pool: mmap MAP_SHARED | MAP_ANONYMOUS), a memfd, /dev/shm.
+        check_backing(MAPS, 0x7f00_0000_0000, 0x7f00_0040_0000).unwrap();
+        check_backing(MAPS, 0x7f00_0010_0000, 0x7f00_0020_0000).unwrap();
+    }
+
+    #[test]
+    fn a_file_or_a_hole_is_refused() {
+        let e = check_backing(MAPS, 0x7f00_0038_0000, 0x7f00_0041_0000).unwrap_err();
+        assert!(e.contains("/data/weights.bin"), "{e}");
+        let e = check_backing(MAPS, 0x7f00_0060_0000, 0x7f00_0070_0000).unwrap_err();
+        assert!(e.contains("not mapped"), "{e}");
     }
 }

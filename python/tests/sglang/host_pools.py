@@ -1,12 +1,14 @@
 """SGLang's host KV pools as SGLang 0.5.16 lays them out
 (`mem_cache/pool_host/mha.py`, `mla.py`): one CPU tensor `kv_buffer` of the
-dimensions each `hicache_mem_layout` gives (pinned where CUDA is there, as
-SGLang pins it), and `get_page_buffer_meta`, SGLang's own account of where
+dimensions each `hicache_mem_layout` gives, in an anonymous shared mapping
+as SGLang allocates it (unpinned: there is no CUDA here), and
+`get_page_buffer_meta`, SGLang's own account of where
 a page's bytes lie, which the tests read pages through."""
 
 from __future__ import annotations
 
 import ctypes
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +44,13 @@ class HostPool:
         else:
             dims = {"layer_first": (2, L, S, H, D), "page_first": (2, S, L, H, D),
                     "page_first_direct": (2, N, L, P, H, D), "page_head": (2, N, H, P, L, D)}[layout]
-        self.kv_buffer = torch.empty(dims, dtype=dtype, pin_memory=torch.cuda.is_available())
+        # As SGLang allocates it (`mem_cache/mmap_allocator.py`): an
+        # anonymous shared mapping (which it then pins with cudaHostRegister).
+        nbytes = dtype.itemsize
+        for d in dims:
+            nbytes *= d
+        self._mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
+        self.kv_buffer = torch.frombuffer(self._mapping, dtype=torch.uint8).view(dtype).view(dims)
 
     def slots(self, pages: list[int]) -> torch.Tensor:
         """The host indices of `pages`, as SGLang passes them."""
