@@ -242,22 +242,10 @@ fn copy_peer_runs(
         }
         at += n;
     }
-    // Rows and the bounce buffer in the same (engine address) order.
-    let mut each_row = |f: &mut dyn FnMut(*mut u8, &mut [u8])| {
-        let mut at = 0usize;
-        for r in rows.iter() {
-            let n = r.len as usize;
-            // SAFETY: the object run lies inside the pool range allocated
-            // for this chunk (the plan tiles the object). Only an address.
-            let object = unsafe { c.object.add(r.object as usize) };
-            f(object, &mut bounce[at..at + n]);
-            at += n;
-        }
-    };
     match c.dir {
         Dir::ToPool => {
             peer.transfer(Way::Read, spans_local, spans_remote)?;
-            each_row(&mut |object, b| {
+            each_row(rows, bounce, c.object, |object, b| {
                 // SAFETY: `object` is `b.len()` bytes of this chunk's pool
                 // object, which this copy alone writes; the bounce buffer is
                 // this executor's own.
@@ -265,7 +253,7 @@ fn copy_peer_runs(
             });
         }
         Dir::FromPool => {
-            each_row(&mut |object, b| {
+            each_row(rows, bounce, c.object, |object, b| {
                 // SAFETY: `object` is `b.len()` bytes of a committed pool
                 // object, held for this retrieve (nobody writes it).
                 unsafe {
@@ -284,6 +272,25 @@ fn copy_peer_runs(
         }
     }
     Ok(moved)
+}
+
+/// `f(row in the object, its bytes in the bounce buffer)` for each row:
+/// rows and the bounce buffer are in the same (engine address) order.
+fn each_row(
+    rows: &[PeerRow],
+    bounce: &mut [u8],
+    object: *mut u8,
+    mut f: impl FnMut(*mut u8, &mut [u8]),
+) {
+    let mut at = 0usize;
+    for r in rows {
+        let n = r.len as usize;
+        // SAFETY: the object run lies inside the pool range allocated for
+        // this chunk at `object` (the plan tiles the object). Only an address.
+        let o = unsafe { object.add(r.object as usize) };
+        f(o, &mut bounce[at..at + n]);
+        at += n;
+    }
 }
 
 /// One row of a chunk in engine memory (`remote`) and in its object.
