@@ -60,6 +60,14 @@ def control(n: int, page: int) -> list[int]:
     return tokens(9_000_011 * n, n - keep, VOCAB) + prompt(n)[-keep:]
 
 
+def gib(size: str) -> float:
+    """GiB of a size as `kvring serve --pool-bytes` takes it (`24GiB`, `512MiB`, bytes)."""
+    for unit, scale in (("TiB", 1024.0), ("GiB", 1.0), ("MiB", 1 / 1024), ("KiB", 1 / 2**20)):
+        if size.endswith(unit):
+            return float(size[: -len(unit)]) * scale
+    return int(size) / 2**30
+
+
 def mem_available_gib() -> float:
     with open("/proc/meminfo") as f:
         for line in f:
@@ -226,7 +234,7 @@ def child(a) -> int:
 def run(a) -> int:
     work = tempfile.mkdtemp(prefix="kvring-sglang-bench-")
     model_dir = make_model_dir(os.path.join(work, "model"), "llama3-8b")
-    pool_gib = float(a.pool_bytes.rstrip("GiB"))
+    pool_gib = gib(a.pool_bytes)
     result = {"config": {k: v for k, v in vars(a).items() if k != "func"},
               "memory": ensure_mem_available(a.hicache_gb + pool_gib + 12),
               "h2d_ceiling": pinned_h2d_ceiling("cuda"), "records": [], "errors": []}

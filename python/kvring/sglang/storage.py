@@ -204,14 +204,16 @@ class KvringStorage(HiCacheStorage):
         assert view is not None
         pending = c.submit_lookup(view.model_id, view.world_size, self._hashes(keys), timeout=s.submit_s)
         deadline = time.monotonic() + s.lookup_wait_s
-        while True:
-            lease = pending.poll(_SLICE_S)
-            if lease is not None:
-                return lease
-            if time.monotonic() >= deadline:
-                pending.cancel()
-                return None
-            self._check_beating(c, pending.cancel)
+        try:
+            while (lease := pending.poll(_SLICE_S)) is None:
+                if time.monotonic() >= deadline:
+                    pending.cancel()
+                    return None
+                self._check_beating(c)
+        except BaseException:
+            pending.cancel()
+            raise
+        return lease
 
     def _lookup_hits(self, c: Client, keys: list[str]) -> int:
         lease = self._lookup(c, keys)
@@ -269,7 +271,7 @@ class KvringStorage(HiCacheStorage):
                         break
                     if time.monotonic() >= deadline:
                         raise
-                    self._check_beating(c, lambda: _give_up(job, self._settings.stall_s))
+                    self._check_beating(c)
             if not status.ok:
                 raise KvringError(f"the job failed: {status.reason}")
             return status
@@ -281,10 +283,11 @@ class KvringStorage(HiCacheStorage):
                 self._jobs.discard(job)
             job.release()
 
-    def _check_beating(self, c: Client, abandon: Callable[[], None]) -> None:
+    def _check_beating(self, c: Client) -> None:
+        """Raises ServerStalled once the server has missed its beats for
+        `kvring.stall_s` (the caller gives its request up)."""
         age = c.server_heartbeat_age
         if age > self._settings.stall_s:
-            abandon()
             raise ServerStalled(f"the server has not beaten for {age * 1e3:.0f} ms")
 
 
